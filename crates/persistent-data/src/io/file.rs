@@ -1,0 +1,99 @@
+//! A metadata device backed by a regular file or a block device.
+
+use super::{out_of_range, BlockDevice};
+use crate::block::{Block, MetadataBlock, BLOCK_SIZE};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+/// A file (or block device) of metadata blocks, accessed with positional I/O so that any
+/// number of threads may use it at once. `flush` is `fdatasync`.
+#[derive(Debug)]
+pub struct FileDevice {
+    file: File,
+    path: PathBuf,
+    block_count: u64,
+}
+
+impl FileDevice {
+    /// Open an existing file or block device. Its size, rounded down to whole blocks, is the
+    /// device size. With `writable` false every write fails.
+    pub fn open(path: &Path, writable: bool) -> io::Result<FileDevice> {
+        let file = OpenOptions::new().read(true).write(writable).open(path)?;
+        let size_bytes = device_size_bytes(&file)?;
+        Ok(FileDevice {
+            file,
+            path: path.to_path_buf(),
+            block_count: size_bytes / BLOCK_SIZE as u64,
+        })
+    }
+
+    /// Create (or truncate) a regular file of `block_count` blocks, sparse.
+    pub fn create(path: &Path, block_count: u64) -> io::Result<FileDevice> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(path)?;
+        file.set_len(block_count * BLOCK_SIZE as u64)?;
+        Ok(FileDevice {
+            file,
+            path: path.to_path_buf(),
+            block_count,
+        })
+    }
+
+    /// The path this device was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The open file, e.g. to take a lock on it.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Re-read the size of the underlying file or device (after it was grown).
+    pub fn refresh_size(&mut self) -> io::Result<u64> {
+        self.block_count = device_size_bytes(&self.file)? / BLOCK_SIZE as u64;
+        Ok(self.block_count)
+    }
+}
+
+/// Size in bytes of a regular file or a block device (whose metadata length is 0).
+fn device_size_bytes(file: &File) -> io::Result<u64> {
+    use std::io::{Seek, SeekFrom};
+    let meta = file.metadata()?;
+    if meta.is_file() {
+        return Ok(meta.len());
+    }
+    // Block devices report their size through seeking to the end.
+    let mut handle = file.try_clone()?;
+    handle.seek(SeekFrom::End(0))
+}
+
+impl BlockDevice for FileDevice {
+    fn block_count(&self) -> u64 {
+        self.block_count
+    }
+
+    fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
+        if block.0 >= self.block_count {
+            return Err(out_of_range(block, self.block_count));
+        }
+        self.file.read_exact_at(buf, block.byte_offset())
+    }
+
+    fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
+        if block.0 >= self.block_count {
+            return Err(out_of_range(block, self.block_count));
+        }
+        self.file.write_all_at(buf, block.byte_offset())
+    }
+
+    fn flush(&self) -> io::Result<()> {
+        self.file.sync_data()
+    }
+}

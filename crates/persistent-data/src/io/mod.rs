@@ -1,0 +1,59 @@
+//! Metadata block devices: the storage-backend trait every layer above is written against,
+//! and the two real implementations (a file or block device, and memory).
+//!
+//! Tests plug in crashing and failing devices from the `testkit` crate through the same trait.
+
+mod file;
+mod memory;
+
+pub use file::FileDevice;
+pub use memory::MemoryDevice;
+
+use crate::block::{Block, MetadataBlock};
+use std::io;
+
+/// A device of 4 KiB metadata blocks.
+///
+/// Contract:
+/// - `read` and `write` transfer exactly one whole block; a block outside
+///   `0..block_count()` is an `io::ErrorKind::InvalidInput` error, never a panic.
+/// - A completed `write` is visible to later `read`s but is durable only after a later
+///   `flush` returns `Ok` (what a crash may lose is exactly the writes since the last flush).
+/// - `flush` makes every write completed before it durable.
+/// - Implementations are safe to share between threads.
+pub trait BlockDevice: Send + Sync {
+    /// Number of blocks the device holds.
+    fn block_count(&self) -> u64;
+    /// Read one block into `buf`.
+    fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()>;
+    /// Write one block from `buf`.
+    fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()>;
+    /// Make every completed write durable.
+    fn flush(&self) -> io::Result<()>;
+}
+
+impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
+    fn block_count(&self) -> u64 {
+        (**self).block_count()
+    }
+    fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
+        (**self).read(block, buf)
+    }
+    fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
+        (**self).write(block, buf)
+    }
+    fn flush(&self) -> io::Result<()> {
+        (**self).flush()
+    }
+}
+
+/// The error for an access outside the device.
+pub(crate) fn out_of_range(block: MetadataBlock, block_count: u64) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("metadata block {block} is outside the device ({block_count} blocks)"),
+    )
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,57 @@
+//! One conformance suite run against every `BlockDevice` implementation.
+
+use super::*;
+use crate::block::BLOCK_SIZE;
+
+fn conformance(device: &dyn BlockDevice) {
+    let count = device.block_count();
+    assert!(count >= 4);
+    let mut buf = [0u8; BLOCK_SIZE];
+    device.read(MetadataBlock(1), &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "a fresh device reads zeros");
+
+    let mut pattern = [0u8; BLOCK_SIZE];
+    for (i, byte) in pattern.iter_mut().enumerate() {
+        *byte = (i * 7 + 3) as u8;
+    }
+    device.write(MetadataBlock(2), &pattern).unwrap();
+    device.flush().unwrap();
+    device.read(MetadataBlock(2), &mut buf).unwrap();
+    assert_eq!(buf, pattern);
+    device.read(MetadataBlock(3), &mut buf).unwrap();
+    assert!(buf.iter().all(|&b| b == 0), "neighbouring block untouched");
+
+    let err = device.read(MetadataBlock(count), &mut buf).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+    let err = device.write(MetadataBlock(u64::MAX), &pattern).unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
+}
+
+#[test]
+fn memory_device_conforms() {
+    conformance(&MemoryDevice::new(8));
+}
+
+#[test]
+fn file_device_conforms() {
+    let dir = std::env::temp_dir().join(format!("pd-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("metadata");
+    let device = FileDevice::create(&path, 8).unwrap();
+    conformance(&device);
+    drop(device);
+    let reopened = FileDevice::open(&path, false).unwrap();
+    assert_eq!(reopened.block_count(), 8);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn memory_device_round_trips_bytes() {
+    let device = MemoryDevice::new(3);
+    let block = [0xabu8; BLOCK_SIZE];
+    device.write(MetadataBlock(1), &block).unwrap();
+    let copy = MemoryDevice::from_bytes(&device.to_bytes());
+    let mut buf = [0u8; BLOCK_SIZE];
+    copy.read(MetadataBlock(1), &mut buf).unwrap();
+    assert_eq!(buf, block);
+}
