@@ -1,0 +1,1 @@
+//! Dump formats (thin_dump XML and human-readable): in progress.

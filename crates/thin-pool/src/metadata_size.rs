@@ -1,0 +1,1 @@
+//! Metadata size estimates (thin_metadata_size): in progress.
