@@ -1,0 +1,159 @@
+//! Seeded randomness for tests: every random test takes its seed from `THINPOOL_SEED` (or a
+//! fresh random one) and prints it if it fails, so the failure replays exactly.
+//!
+//! ```
+//! use rand::Rng;
+//! let (_report, mut rng) = testkit::seeded_rng();
+//! let cases = testkit::case_count(100);
+//! for _ in 0..cases {
+//!     let _block: u64 = rng.gen_range(0..1000);
+//! }
+//! ```
+//!
+//! Environment:
+//! - `THINPOOL_SEED=N` (decimal or `0x` hex): use this seed instead of a random one.
+//! - `THINPOOL_CASES=N`: run N cases instead of the test's default;
+//!   `THINPOOL_CASES=xK` (or `Kx`): run K times the default.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Name of the environment variable holding the seed.
+pub const SEED_VARIABLE: &str = "THINPOOL_SEED";
+/// Name of the environment variable scaling case counts.
+pub const CASES_VARIABLE: &str = "THINPOOL_CASES";
+
+/// The seed for this test: `THINPOOL_SEED` if set, otherwise a random one.
+///
+/// Panics if `THINPOOL_SEED` is set but is not a number.
+pub fn test_seed() -> u64 {
+    match std::env::var(SEED_VARIABLE) {
+        Ok(text) => parse_u64(&text)
+            .unwrap_or_else(|| panic!("{SEED_VARIABLE}={text:?} is not a decimal or 0x-hex u64")),
+        Err(_) => rand::thread_rng().gen(),
+    }
+}
+
+/// A seed report and a deterministic generator seeded with [`test_seed`].
+///
+/// Keep the report alive for the whole test (`let (_report, mut rng) = seeded_rng();`, not
+/// `let (_, ...)`, which drops it at once).
+pub fn seeded_rng() -> (SeedReport, StdRng) {
+    let report = SeedReport::new(test_seed());
+    let rng = report.rng();
+    (report, rng)
+}
+
+/// Prints the seed when dropped during a panic, i.e. when the test that owns it fails.
+#[derive(Debug)]
+pub struct SeedReport {
+    seed: u64,
+}
+
+impl SeedReport {
+    /// A report for `seed`.
+    pub fn new(seed: u64) -> SeedReport {
+        SeedReport { seed }
+    }
+
+    /// The seed being reported.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// A fresh deterministic generator for the seed (the same sequence every call).
+    pub fn rng(&self) -> StdRng {
+        StdRng::seed_from_u64(self.seed)
+    }
+}
+
+impl Drop for SeedReport {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            let thread = std::thread::current();
+            let test = thread.name().unwrap_or("<unnamed thread>");
+            eprintln!(
+                "{test}: seed = {seed} (rerun with {SEED_VARIABLE}={seed})",
+                seed = self.seed
+            );
+        }
+    }
+}
+
+/// How many random cases to run: `default`, unless `THINPOOL_CASES` gives a count (`N`) or a
+/// multiplier (`xK` / `Kx`). Never less than 1.
+///
+/// Panics if `THINPOOL_CASES` is set but malformed.
+pub fn case_count(default: u64) -> u64 {
+    match std::env::var(CASES_VARIABLE) {
+        Ok(text) => cases_from(&text, default)
+            .unwrap_or_else(|| panic!("{CASES_VARIABLE}={text:?} is neither N nor xK")),
+        Err(_) => default.max(1),
+    }
+}
+
+fn cases_from(text: &str, default: u64) -> Option<u64> {
+    let text = text.trim();
+    let count = if let Some(factor) = text.strip_prefix('x').or_else(|| text.strip_suffix('x')) {
+        default.saturating_mul(parse_u64(factor)?)
+    } else {
+        parse_u64(text)?
+    };
+    Some(count.max(1))
+}
+
+fn parse_u64(text: &str) -> Option<u64> {
+    let text = text.trim();
+    match text.strip_prefix("0x").or_else(|| text.strip_prefix("0X")) {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => text.parse().ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_seed_gives_same_sequence() {
+        let a: Vec<u64> = SeedReport::new(7)
+            .rng()
+            .sample_iter(rand::distributions::Standard)
+            .take(4)
+            .collect();
+        let b: Vec<u64> = SeedReport::new(7)
+            .rng()
+            .sample_iter(rand::distributions::Standard)
+            .take(4)
+            .collect();
+        assert_eq!(a, b);
+    }
+
+    #[test]
+    fn case_count_parses_counts_and_multipliers() {
+        assert_eq!(cases_from("250", 10), Some(250));
+        assert_eq!(cases_from("x4", 10), Some(40));
+        assert_eq!(cases_from("3x", 10), Some(30));
+        assert_eq!(cases_from("0", 10), Some(1));
+        assert_eq!(cases_from("lots", 10), None);
+    }
+
+    #[test]
+    fn seeds_parse_in_decimal_and_hex() {
+        assert_eq!(parse_u64("42"), Some(42));
+        assert_eq!(parse_u64("0x2a"), Some(42));
+        assert_eq!(parse_u64(" 18446744073709551615 "), Some(u64::MAX));
+        assert_eq!(parse_u64("-1"), None);
+    }
+
+    #[test]
+    fn report_prints_seed_only_when_panicking() {
+        // Not panicking: dropping prints nothing and must not panic itself.
+        drop(SeedReport::new(1));
+        let result = std::panic::catch_unwind(|| {
+            let _report = SeedReport::new(99);
+            panic!("deliberate failure to exercise the report");
+        });
+        assert!(result.is_err());
+    }
+}
