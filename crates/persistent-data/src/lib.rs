@@ -24,3 +24,12 @@ pub mod io;
 
 pub use block::{Block, MetadataBlock, BLOCK_SIZE};
 pub use io::{BlockDevice, FileDevice, MemoryDevice};
+pub mod block_manager;
+pub mod btree;
+pub mod checksum;
+pub mod error;
+pub mod space_map;
+pub mod transaction;
+
+pub use error::{Error, Result};
+pub use transaction::{BlockSource, TransactionManager};
