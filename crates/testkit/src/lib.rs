@@ -6,6 +6,7 @@
 //! - [`seed`]: seeded randomness from `THINPOOL_SEED`, printed on failure so any run replays.
 //! - [`tools`]: the real thin-provisioning-tools (0.9.0 from Debian 12, 1.1.0 fetched by
 //!   `scripts/test`), run with captured output and a timeout.
+//! - [`fixtures`]: the thin_dump XML fixtures (committed and generated).
 //! - [`scratch`]: per-test temporary directories.
 //!
 //! Nothing here is used outside `[dev-dependencies]`.
@@ -13,6 +14,7 @@
 
 pub mod crash;
 pub mod fault;
+pub mod fixtures;
 pub mod scratch;
 pub mod seed;
 pub mod tools;
