@@ -210,7 +210,9 @@ impl TransactionManager {
         block: MetadataBlock,
         kind: BlockKind,
     ) -> Result<(MetadataBlock, Arc<Block>, bool)> {
-        if self.shadowed.contains(&block) {
+        // A block of this transaction may be changed in place, unless something took a
+        // second reference to it since (a snapshot sharing a root created this transaction).
+        if self.shadowed.contains(&block) && self.sm.count(block.0) == 1 {
             let data = match self.dirty.remove(&block) {
                 Some((data, _)) => data,
                 None => self.bm.read(block, kind)?,

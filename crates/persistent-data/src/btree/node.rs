@@ -77,7 +77,7 @@ impl<'a> Node<'a> {
         if max == 0 || HEADER_SIZE + max * (8 + value_size) > BLOCK_SIZE {
             return Err(Error::corrupt(block, format!("btree node max_entries {max} does not fit a block with {value_size}-byte values")));
         }
-        if max % 3 != 0 {
+        if !max.is_multiple_of(3) {
             return Err(Error::corrupt(block, format!("btree node max_entries {max} is not a multiple of 3")));
         }
         if nr_entries > max {

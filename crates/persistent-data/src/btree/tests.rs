@@ -305,3 +305,25 @@ fn sequential_inserts_fill_nodes_and_check() {
     h.verify_counts();
     assert!(h.contents(0).keys().all(|&k| !(100..15_000).contains(&k)));
 }
+
+#[test]
+fn sharing_a_root_of_the_current_transaction_still_copies_on_write() {
+    let mut h = Harness::new(1024);
+    for key in 0..10 {
+        let value = h.data.alloc().unwrap();
+        h.insert(0, key, value);
+    }
+    // Not committed: the root is a block of this transaction. Share it anyway.
+    let old_root = h.roots[1];
+    delete_tree::<u64, _>(&mut h.tm, &mut DataRefs(&mut h.data), old_root).unwrap();
+    h.tm.inc(h.roots[0]).unwrap();
+    h.roots[1] = h.roots[0];
+    let before = h.contents(1);
+    let value = h.data.alloc().unwrap();
+    h.insert(0, 100, value);
+    h.remove(0, 3);
+    assert_eq!(h.contents(1), before, "the other owner of a shared root is unchanged");
+    assert_ne!(h.roots[0], h.roots[1]);
+    h.commit();
+    h.verify_counts();
+}
