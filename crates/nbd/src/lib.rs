@@ -1,1 +1,34 @@
-//! placeholder
+//! Server side of the NBD (network block device) protocol, serving any [`Export`].
+//!
+//! Layers, from the wire up: [`protocol`] parses and encodes every structure without I/O;
+//! `handshake` runs fixed-newstyle negotiation; `session` runs the transmission phase with a
+//! reader thread and a small worker pool per connection; [`server`] owns listeners and
+//! connection threads. The crate never depends on the pool: the binary implements [`Export`]
+//! and [`ExportRegistry`] for its volumes. [`MemoryExport`] and [`ExportMap`] are complete
+//! in-memory implementations used by the tests.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! let exports = Arc::new(nbd::ExportMap::new());
+//! exports.insert(Arc::new(nbd::MemoryExport::new("disk", 64 << 20)));
+//! let mut server = nbd::Server::new(exports, nbd::Config::default());
+//! server.listen_unix("/tmp/nbd.sock").unwrap();
+//! // ... later
+//! server.shutdown();
+//! ```
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod error;
+pub mod export;
+mod handshake;
+pub mod protocol;
+pub mod server;
+mod session;
+mod stream;
+
+pub use error::{nbd_error_code, Error, ErrorKind, Result};
+pub use export::{
+    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, ZeroOptions,
+};
+pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};

@@ -1,0 +1,392 @@
+//! Fixed-newstyle negotiation: greeting, client flags and the option loop, ending in
+//! transmission, an abort or a hang-up.
+//!
+//! Owns the per-connection negotiation state (structured replies, extended headers, the
+//! selected metadata context and the export it was selected for). Invariants: option data is
+//! never read beyond [`OPTION_DATA_LENGTH_MAX`] bytes (larger options get `ERR_TOO_BIG` and the
+//! connection closes); malformed option data gets `ERR_INVALID` and the loop goes on; unknown
+//! options get `ERR_UNSUP`; at most [`OPTIONS_MAX`] options are answered per connection. The
+//! transmission flags sent for INFO and GO are computed by one function from the export and
+//! the negotiated state, so INFO and GO agree.
+
+use std::io::{Read, Write};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::export::{Export, ExportRegistry};
+use crate::protocol::{
+    self, encode_option_reply, info, option, reply, transmission_flags, ExportRequest,
+    MetaContextRequest, OptionHeader, BASE_ALLOCATION, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
+    OPTION_DATA_LENGTH_MAX, OPTION_HEADER_SIZE, PAYLOAD_LENGTH_MAX,
+};
+use crate::stream::read_exact_or_eof;
+
+/// Most options answered on one connection before the server hangs up.
+pub const OPTIONS_MAX: u32 = 4096;
+
+/// Reply format agreed for the transmission phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReplyStyle {
+    /// Only simple replies.
+    Simple,
+    /// NBD_OPT_STRUCTURED_REPLY: structured chunks with compact headers.
+    Structured,
+    /// NBD_OPT_EXTENDED_HEADERS: 32-byte requests and extended chunks.
+    Extended,
+}
+
+/// What the transmission phase needs from negotiation.
+pub(crate) struct Negotiated {
+    pub(crate) export: Arc<dyn Export>,
+    pub(crate) style: ReplyStyle,
+    /// Context id for `base:allocation`, if selected for this export.
+    pub(crate) base_allocation_id: Option<u32>,
+    /// Name the client used to select the export (for logs and events).
+    pub(crate) requested_name: String,
+}
+
+/// How negotiation ended.
+pub(crate) enum Outcome {
+    Transmission(Negotiated),
+    /// NBD_OPT_ABORT or a clean hang-up.
+    Closed,
+}
+
+/// Negotiation state of one connection.
+struct Handshake<'a, S> {
+    stream: &'a mut S,
+    registry: &'a dyn ExportRegistry,
+    shutting_down: &'a AtomicBool,
+    fixed_newstyle: bool,
+    no_zeroes: bool,
+    structured: bool,
+    extended: bool,
+    /// Export name of the last SET_META_CONTEXT and the id of `base:allocation` if selected.
+    meta_selection: Option<(String, Option<u32>)>,
+    next_context_id: u32,
+}
+
+/// Runs the handshake on `stream` until transmission starts or the client leaves.
+pub(crate) fn negotiate<S: Read + Write>(
+    stream: &mut S,
+    registry: &dyn ExportRegistry,
+    shutting_down: &AtomicBool,
+) -> Result<Outcome> {
+    stream
+        .write_all(&protocol::encode_greeting())
+        .map_err(|error| Error::io("send greeting", error))?;
+    let mut flags = [0u8; 4];
+    if !read_exact_or_eof(stream, &mut flags).map_err(|e| Error::io("read client flags", e))? {
+        return Ok(Outcome::Closed);
+    }
+    let client = protocol::parse_client_flags(flags)?;
+    let mut handshake = Handshake {
+        stream,
+        registry,
+        shutting_down,
+        fixed_newstyle: client.fixed_newstyle,
+        no_zeroes: client.no_zeroes,
+        structured: false,
+        extended: false,
+        meta_selection: None,
+        next_context_id: 1,
+    };
+    handshake.option_loop()
+}
+
+impl<S: Read + Write> Handshake<'_, S> {
+    fn option_loop(&mut self) -> Result<Outcome> {
+        for _ in 0..OPTIONS_MAX {
+            let mut header = [0u8; OPTION_HEADER_SIZE];
+            let open = read_exact_or_eof(self.stream, &mut header)
+                .map_err(|e| Error::io("read option header", e))?;
+            if !open {
+                return Ok(Outcome::Closed);
+            }
+            let header = OptionHeader::parse(&header)?;
+            if !self.fixed_newstyle && header.code != option::EXPORT_NAME {
+                return Err(Error::protocol(format!(
+                    "option {} from a client without fixed newstyle",
+                    header.code
+                )));
+            }
+            if header.length > OPTION_DATA_LENGTH_MAX {
+                if self.fixed_newstyle {
+                    // Best effort: the connection closes whatever happens.
+                    let _ = self.reply(header.code, reply::ERR_TOO_BIG, b"option data too long");
+                }
+                return Err(Error::TooLong {
+                    what: "option data",
+                    length: u64::from(header.length),
+                    maximum: u64::from(OPTION_DATA_LENGTH_MAX),
+                });
+            }
+            let mut data = vec![0u8; header.length as usize];
+            self.stream
+                .read_exact(&mut data)
+                .map_err(|e| Error::io("read option data", e))?;
+            if let Some(outcome) = self.answer(header.code, &data)? {
+                return Ok(outcome);
+            }
+        }
+        Err(Error::protocol(format!(
+            "more than {OPTIONS_MAX} options in one handshake"
+        )))
+    }
+
+    /// Answers one option; `Some` ends negotiation.
+    fn answer(&mut self, code: u32, data: &[u8]) -> Result<Option<Outcome>> {
+        if self.shutting_down.load(Ordering::SeqCst) && code != option::ABORT {
+            if code == option::EXPORT_NAME {
+                return Err(Error::protocol("server is shutting down"));
+            }
+            self.reply(code, reply::ERR_SHUTDOWN, b"server is shutting down")?;
+            return Ok(None);
+        }
+        match code {
+            option::EXPORT_NAME => self.export_name(data).map(Some),
+            option::ABORT => {
+                // The client may hang up without reading the ACK.
+                let _ = self.reply(code, reply::ACK, &[]);
+                Ok(Some(Outcome::Closed))
+            }
+            option::LIST => {
+                self.list(data)?;
+                Ok(None)
+            }
+            option::INFO | option::GO => self.info_or_go(code, data),
+            option::STRUCTURED_REPLY => {
+                if !data.is_empty() {
+                    self.reply(code, reply::ERR_INVALID, b"option takes no data")?;
+                } else if self.extended {
+                    self.reply(
+                        code,
+                        reply::ERR_EXT_HEADER_REQD,
+                        b"extended headers already negotiated",
+                    )?;
+                } else {
+                    self.structured = true;
+                    self.reply(code, reply::ACK, &[])?;
+                }
+                Ok(None)
+            }
+            option::EXTENDED_HEADERS => {
+                if data.is_empty() {
+                    self.extended = true;
+                    self.reply(code, reply::ACK, &[])?;
+                } else {
+                    self.reply(code, reply::ERR_INVALID, b"option takes no data")?;
+                }
+                Ok(None)
+            }
+            option::LIST_META_CONTEXT | option::SET_META_CONTEXT => {
+                self.meta_context(code, data)?;
+                Ok(None)
+            }
+            option::STARTTLS => {
+                self.reply(code, reply::ERR_UNSUP, b"TLS is not supported")?;
+                Ok(None)
+            }
+            _ => {
+                self.reply(code, reply::ERR_UNSUP, b"unknown option")?;
+                Ok(None)
+            }
+        }
+    }
+
+    fn reply(&mut self, option: u32, reply_type: u32, data: &[u8]) -> Result<()> {
+        self.stream
+            .write_all(&encode_option_reply(option, reply_type, data))
+            .map_err(|e| Error::io("send option reply", e))
+    }
+
+    fn open(&self, name: &str) -> Result<std::result::Result<Arc<dyn Export>, String>> {
+        Ok(match self.registry.open(name) {
+            Ok(Some(export)) => Ok(export),
+            Ok(None) => Err(format!("no export named {name:?}")),
+            Err(error) => Err(format!("cannot open export {name:?}: {error}")),
+        })
+    }
+
+    fn export_name(&mut self, data: &[u8]) -> Result<Outcome> {
+        if self.extended {
+            return Err(Error::protocol(
+                "NBD_OPT_EXPORT_NAME after extended headers",
+            ));
+        }
+        let name = protocol::parse_string(data)?;
+        let export = match self.open(&name)? {
+            Ok(export) => export,
+            Err(message) => return Err(Error::protocol(message)),
+        };
+        let flags = self.transmission_flags(export.as_ref());
+        self.stream
+            .write_all(&protocol::encode_export_name_reply(
+                export.size_bytes(),
+                flags,
+                self.no_zeroes,
+            ))
+            .map_err(|e| Error::io("send export name reply", e))?;
+        Ok(Outcome::Transmission(self.negotiated(export, name)))
+    }
+
+    fn negotiated(&self, export: Arc<dyn Export>, name: String) -> Negotiated {
+        let style = if self.extended {
+            ReplyStyle::Extended
+        } else if self.structured {
+            ReplyStyle::Structured
+        } else {
+            ReplyStyle::Simple
+        };
+        let base_allocation_id = match &self.meta_selection {
+            Some((selected_for, id)) if *selected_for == name && style != ReplyStyle::Simple => *id,
+            _ => None,
+        };
+        Negotiated {
+            export,
+            style,
+            base_allocation_id,
+            requested_name: name,
+        }
+    }
+
+    fn list(&mut self, data: &[u8]) -> Result<()> {
+        if !data.is_empty() {
+            return self.reply(option::LIST, reply::ERR_INVALID, b"option takes no data");
+        }
+        for listing in self.registry.list() {
+            let payload = protocol::encode_server_reply(&listing.name, &listing.description);
+            self.reply(option::LIST, reply::SERVER, &payload)?;
+        }
+        self.reply(option::LIST, reply::ACK, &[])
+    }
+
+    fn info_or_go(&mut self, code: u32, data: &[u8]) -> Result<Option<Outcome>> {
+        let request = match ExportRequest::parse(data) {
+            Ok(request) => request,
+            Err(error) => {
+                self.reply(code, reply::ERR_INVALID, error.to_string().as_bytes())?;
+                return Ok(None);
+            }
+        };
+        let export = match self.open(&request.name)? {
+            Ok(export) => export,
+            Err(message) => {
+                self.reply(code, reply::ERR_UNKNOWN, message.as_bytes())?;
+                return Ok(None);
+            }
+        };
+        let flags = self.transmission_flags(export.as_ref());
+        self.reply(
+            code,
+            reply::INFO,
+            &protocol::encode_info_export(export.size_bytes(), flags),
+        )?;
+        let mut sent = Vec::new();
+        for &requested in &request.info_requests {
+            if sent.contains(&requested) {
+                continue;
+            }
+            sent.push(requested);
+            let item = match requested {
+                info::NAME => protocol::encode_info_string(info::NAME, export.name()),
+                info::DESCRIPTION if !export.description().is_empty() => {
+                    protocol::encode_info_string(info::DESCRIPTION, export.description())
+                }
+                info::BLOCK_SIZE => protocol::encode_info_block_size(
+                    BLOCK_SIZE_MIN,
+                    BLOCK_SIZE_PREFERRED,
+                    PAYLOAD_LENGTH_MAX,
+                ),
+                _ => continue,
+            };
+            self.reply(code, reply::INFO, &item)?;
+        }
+        self.reply(code, reply::ACK, &[])?;
+        if code == option::GO {
+            Ok(Some(Outcome::Transmission(
+                self.negotiated(export, request.name),
+            )))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn meta_context(&mut self, code: u32, data: &[u8]) -> Result<()> {
+        let setting = code == option::SET_META_CONTEXT;
+        if setting {
+            // SET replaces any earlier selection, even when it fails.
+            self.meta_selection = None;
+            if !self.structured && !self.extended {
+                return self.reply(
+                    code,
+                    reply::ERR_INVALID,
+                    b"structured replies not negotiated",
+                );
+            }
+        }
+        let request = match MetaContextRequest::parse(data) {
+            Ok(request) => request,
+            Err(error) => {
+                return self.reply(code, reply::ERR_INVALID, error.to_string().as_bytes());
+            }
+        };
+        if let Err(message) = self.open(&request.export_name)? {
+            return self.reply(code, reply::ERR_UNKNOWN, message.as_bytes());
+        }
+        let matches = if setting {
+            request.queries.iter().any(|query| query == BASE_ALLOCATION)
+        } else {
+            request.queries.is_empty()
+                || request
+                    .queries
+                    .iter()
+                    .any(|query| query == BASE_ALLOCATION || query == "base:")
+        };
+        let mut selected_id = None;
+        if matches {
+            let id = if setting {
+                let id = self.next_context_id;
+                self.next_context_id = self.next_context_id.wrapping_add(1).max(1);
+                selected_id = Some(id);
+                id
+            } else {
+                0
+            };
+            let payload = protocol::encode_meta_context_reply(id, BASE_ALLOCATION);
+            self.reply(code, reply::META_CONTEXT, &payload)?;
+        }
+        if setting {
+            self.meta_selection = Some((request.export_name, selected_id));
+        }
+        self.reply(code, reply::ACK, &[])
+    }
+
+    /// Transmission flags for `export` under the state negotiated so far.
+    fn transmission_flags(&self, export: &dyn Export) -> u16 {
+        let mut flags = transmission_flags::HAS_FLAGS
+            | transmission_flags::SEND_FLUSH
+            | transmission_flags::SEND_FUA
+            | transmission_flags::SEND_CACHE;
+        if export.read_only() {
+            flags |= transmission_flags::READ_ONLY;
+        } else {
+            flags |= transmission_flags::SEND_WRITE_ZEROES;
+            if export.can_trim() {
+                flags |= transmission_flags::SEND_TRIM;
+            }
+            if export.can_fast_zero() {
+                flags |= transmission_flags::SEND_FAST_ZERO;
+            }
+        }
+        if export.can_multi_conn() {
+            flags |= transmission_flags::CAN_MULTI_CONN;
+        }
+        if self.structured || self.extended {
+            // Every READ reply is a single data chunk, so DF always holds.
+            flags |= transmission_flags::SEND_DF;
+        }
+        flags
+    }
+}
