@@ -206,8 +206,12 @@ mod tests {
     fn write_then_read_validates() {
         let bm = BlockManager::new(Arc::new(MemoryDevice::new(16)), 4);
         for b in 0..10 {
-            bm.write(MetadataBlock(b), stamped(b, BlockKind::Node, b as u8), BlockKind::Node)
-                .unwrap();
+            bm.write(
+                MetadataBlock(b),
+                stamped(b, BlockKind::Node, b as u8),
+                BlockKind::Node,
+            )
+            .unwrap();
         }
         for b in 0..10 {
             let data = bm.read(MetadataBlock(b), BlockKind::Node).unwrap();
@@ -221,7 +225,9 @@ mod tests {
     #[test]
     fn wrong_location_is_corruption() {
         let device = Arc::new(MemoryDevice::new(4));
-        device.write(MetadataBlock(2), &stamped(1, BlockKind::Node, 0)).unwrap();
+        device
+            .write(MetadataBlock(2), &stamped(1, BlockKind::Node, 0))
+            .unwrap();
         let bm = BlockManager::new(device, 4);
         let err = bm.read(MetadataBlock(2), BlockKind::Node).unwrap_err();
         assert!(err.is_corruption());

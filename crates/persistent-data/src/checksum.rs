@@ -84,7 +84,9 @@ pub fn matches(block: &Block, kind: BlockKind) -> bool {
 pub fn identify(block: &Block) -> Option<BlockKind> {
     let register = crc32c_register(&block[4..BLOCK_SIZE]);
     let sum = stored(block);
-    BlockKind::ALL.into_iter().find(|kind| register ^ kind.salt() == sum)
+    BlockKind::ALL
+        .into_iter()
+        .find(|kind| register ^ kind.salt() == sum)
 }
 
 #[cfg(test)]

@@ -25,7 +25,9 @@ pub enum Error {
         source: io::Error,
     },
     /// A block's checksum does not match its expected kind.
-    #[error("block {block}: bad {kind} checksum (stored {stored:#010x}, computed {computed:#010x})")]
+    #[error(
+        "block {block}: bad {kind} checksum (stored {stored:#010x}, computed {computed:#010x})"
+    )]
     Checksum {
         /// The block read.
         block: MetadataBlock,

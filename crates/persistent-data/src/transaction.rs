@@ -105,7 +105,9 @@ impl TransactionManager {
     /// Open the metadata space map described by `root` (from a superblock).
     pub fn open(bm: Arc<BlockManager>, root: &SpaceMapRoot) -> Result<TransactionManager> {
         let device_blocks = bm.block_count();
-        if root.block_count > device_blocks || root.block_count > crate::space_map::METADATA_BLOCKS_MAX {
+        if root.block_count > device_blocks
+            || root.block_count > crate::space_map::METADATA_BLOCKS_MAX
+        {
             return Err(Error::corrupt(
                 MetadataBlock::SUPERBLOCK,
                 format!(
@@ -137,7 +139,10 @@ impl TransactionManager {
             Ok(())
         })?;
         if let Some((_, rule)) = sm.overflow_mismatch() {
-            return Err(Error::corrupt(overflow_root, format!("metadata space map: {rule}")));
+            return Err(Error::corrupt(
+                overflow_root,
+                format!("metadata space map: {rule}"),
+            ));
         }
         sm.end_transaction();
         Ok(TransactionManager {
@@ -222,7 +227,10 @@ impl TransactionManager {
         let original = self.read(block, kind)?;
         let count = self.sm.count(block.0);
         if count == 0 {
-            return Err(Error::corrupt(block, "shadowing a block whose reference count is 0"));
+            return Err(Error::corrupt(
+                block,
+                "shadowing a block whose reference count is 0",
+            ));
         }
         let copy = self.new_block()?;
         self.sm.set(block.0, count - 1);
@@ -262,10 +270,9 @@ impl TransactionManager {
     /// Drop a reference to a metadata block; at zero it is free (after this transaction).
     pub fn dec(&mut self, block: MetadataBlock) -> Result<u32> {
         self.check_in_map(block)?;
-        let left = self
-            .sm
-            .dec(block.0)
-            .map_err(|b| Error::corrupt(MetadataBlock(b), "dropping a reference to a free block"))?;
+        let left = self.sm.dec(block.0).map_err(|b| {
+            Error::corrupt(MetadataBlock(b), "dropping a reference to a free block")
+        })?;
         if left == 0 {
             self.dirty.remove(&block);
             self.shadowed.remove(&block);
@@ -375,7 +382,10 @@ impl TransactionManager {
         let index_block = self.index_block.expect("index block placed");
         let data = disk::encode_index_block(index_block, &entries);
         self.write(index_block, Arc::from(data), BlockKind::Index);
-        assert!(!self.sm.has_overflow_changes(), "space map changed while being written");
+        assert!(
+            !self.sm.has_overflow_changes(),
+            "space map changed while being written"
+        );
         Ok(SpaceMapRoot {
             block_count: self.sm.block_count(),
             allocated_count: self.sm.allocated_count(),
@@ -394,7 +404,11 @@ impl TransactionManager {
         let mut blocks: Vec<_> = self.dirty.drain().collect();
         blocks.sort_by_key(|(b, _)| *b);
         for (block, (data, kind)) in blocks {
-            assert_ne!(block, MetadataBlock::SUPERBLOCK, "superblock written before the commit point");
+            assert_ne!(
+                block,
+                MetadataBlock::SUPERBLOCK,
+                "superblock written before the commit point"
+            );
             let mut data = data;
             checksum::stamp(Arc::make_mut(&mut data), kind);
             self.bm.write(block, data, kind)?;
@@ -402,8 +416,11 @@ impl TransactionManager {
         self.bm.flush()?;
         superblock[BLOCKNR_OFFSET..BLOCKNR_OFFSET + 8].copy_from_slice(&0u64.to_le_bytes());
         checksum::stamp(&mut superblock, BlockKind::Superblock);
-        self.bm
-            .write(MetadataBlock::SUPERBLOCK, Arc::from(superblock), BlockKind::Superblock)?;
+        self.bm.write(
+            MetadataBlock::SUPERBLOCK,
+            Arc::from(superblock),
+            BlockKind::Superblock,
+        )?;
         self.bm.flush()?;
         self.shadowed.clear();
         self.sm.end_transaction();

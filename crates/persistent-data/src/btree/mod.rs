@@ -90,7 +90,10 @@ impl<V> RefCounter<V> for NoRefs {
 }
 
 fn too_deep(block: MetadataBlock) -> Error {
-    Error::corrupt(block, format!("btree deeper than {MAX_DEPTH} levels (a cycle?)"))
+    Error::corrupt(
+        block,
+        format!("btree deeper than {MAX_DEPTH} levels (a cycle?)"),
+    )
 }
 
 fn encode_value<V: Value>(value: &V) -> Vec<u8> {
@@ -119,7 +122,9 @@ pub fn lookup<V: Value, S: BlockSource + ?Sized>(
         let node = Node::parse(block, &data, V::SIZE)?;
         if node.is_leaf() {
             let i = node.lower_bound(key);
-            return Ok((i < node.len() && node.key(i) == key).then(|| V::unpack(node.value_bytes(i))));
+            return Ok(
+                (i < node.len() && node.key(i) == key).then(|| V::unpack(node.value_bytes(i)))
+            );
         }
         match node.last_at_or_below(key) {
             None => return Ok(None),
@@ -160,6 +165,27 @@ fn lookup_ge_below<V: Value, S: BlockSource + ?Sized>(
         }
     }
     Ok(None)
+}
+
+/// The entry with the greatest key.
+pub fn last<V: Value, S: BlockSource + ?Sized>(
+    source: &S,
+    root: MetadataBlock,
+) -> Result<Option<(u64, V)>> {
+    let mut block = root;
+    for _ in 0..MAX_DEPTH {
+        let data = source.read_block(block, BlockKind::Node)?;
+        let node = Node::parse(block, &data, V::SIZE)?;
+        if node.is_empty() {
+            return Ok(None);
+        }
+        let i = node.len() - 1;
+        if node.is_leaf() {
+            return Ok(Some((node.key(i), V::unpack(node.value_bytes(i)))));
+        }
+        block = node.child(i);
+    }
+    Err(too_deep(root))
 }
 
 /// Shadow a node and decode it; if it was shared, take references to what it points at.
@@ -340,7 +366,10 @@ fn rebalance<V: Value, C: RefCounter<V>>(
         (i, sibling_block, sibling, child_block, child)
     };
     if left.leaf != right.leaf || left.value_size != right.value_size {
-        return Err(Error::corrupt(right_block, "sibling btree nodes of different kinds"));
+        return Err(Error::corrupt(
+            right_block,
+            "sibling btree nodes of different kinds",
+        ));
     }
     if left.len() + right.len() <= left.max_entries() {
         left.append(&mut right);
@@ -423,7 +452,13 @@ fn walk_below<V: Value, S: BlockSource + ?Sized>(
         if node.is_leaf() {
             let key = node.key(i);
             if last_key.is_some_and(|last| key <= last) {
-                return Err(Error::corrupt(block, format!("btree keys out of order: {key} after {}", last_key.unwrap_or(0))));
+                return Err(Error::corrupt(
+                    block,
+                    format!(
+                        "btree keys out of order: {key} after {}",
+                        last_key.unwrap_or(0)
+                    ),
+                ));
             }
             *last_key = Some(key);
             visit(key, V::unpack(node.value_bytes(i)))?;
@@ -493,7 +528,9 @@ pub struct CheckOptions {
 
 impl Default for CheckOptions {
     fn default() -> CheckOptions {
-        CheckOptions { leaf_occupancy: true }
+        CheckOptions {
+            leaf_occupancy: true,
+        }
     }
 }
 
@@ -514,7 +551,17 @@ pub fn check<V: Value, S: BlockSource + ?Sized>(
         leaf_depth: None,
         last_key: None,
     };
-    check_below(source, root, None, None, 0, &mut state, &mut stats, visit_node, visit_value)?;
+    check_below(
+        source,
+        root,
+        None,
+        None,
+        0,
+        &mut state,
+        &mut stats,
+        visit_node,
+        visit_value,
+    )?;
     stats.depth = state.leaf_depth.map_or(0, |d| d + 1);
     Ok(stats)
 }
@@ -549,7 +596,10 @@ fn check_below<V: Value, S: BlockSource + ?Sized>(
     if !is_root && (!node.is_leaf() || state.options.leaf_occupancy) && n < node.max_entries() / 3 {
         return Err(Error::corrupt(
             block,
-            format!("non-root btree node has {n} entries, fewer than a third of {}", node.max_entries()),
+            format!(
+                "non-root btree node has {n} entries, fewer than a third of {}",
+                node.max_entries()
+            ),
         ));
     }
     if !node.is_leaf() && n == 0 {
@@ -558,27 +608,54 @@ fn check_below<V: Value, S: BlockSource + ?Sized>(
     for i in 0..n {
         let key = node.key(i);
         if i > 0 && key <= node.key(i - 1) {
-            return Err(Error::corrupt(block, format!("btree keys not strictly increasing: {key} at entry {i} after {}", node.key(i - 1))));
+            return Err(Error::corrupt(
+                block,
+                format!(
+                    "btree keys not strictly increasing: {key} at entry {i} after {}",
+                    node.key(i - 1)
+                ),
+            ));
         }
         if lower_bound.is_some_and(|lo| key < lo) {
-            return Err(Error::corrupt(block, format!("key {key} is below its parent's key {}", lower_bound.unwrap_or(0))));
+            return Err(Error::corrupt(
+                block,
+                format!(
+                    "key {key} is below its parent's key {}",
+                    lower_bound.unwrap_or(0)
+                ),
+            ));
         }
         if upper_bound.is_some_and(|hi| key >= hi) {
-            return Err(Error::corrupt(block, format!("key {key} is not below the next parent key {}", upper_bound.unwrap_or(0))));
+            return Err(Error::corrupt(
+                block,
+                format!(
+                    "key {key} is not below the next parent key {}",
+                    upper_bound.unwrap_or(0)
+                ),
+            ));
         }
     }
     if node.is_leaf() {
         match state.leaf_depth {
             None => state.leaf_depth = Some(depth),
             Some(d) if d != depth => {
-                return Err(Error::corrupt(block, format!("leaf at depth {depth}, other leaves at depth {d}")));
+                return Err(Error::corrupt(
+                    block,
+                    format!("leaf at depth {depth}, other leaves at depth {d}"),
+                ));
             }
             Some(_) => {}
         }
         for i in 0..n {
             let key = node.key(i);
             if state.last_key.is_some_and(|last| key <= last) {
-                return Err(Error::corrupt(block, format!("btree keys out of order across leaves: {key} after {}", state.last_key.unwrap_or(0))));
+                return Err(Error::corrupt(
+                    block,
+                    format!(
+                        "btree keys out of order across leaves: {key} after {}",
+                        state.last_key.unwrap_or(0)
+                    ),
+                ));
             }
             state.last_key = Some(key);
             stats.entry_count += 1;
@@ -587,8 +664,22 @@ fn check_below<V: Value, S: BlockSource + ?Sized>(
         return Ok(());
     }
     for i in 0..n {
-        let hi = if i + 1 < n { Some(node.key(i + 1)) } else { upper_bound };
-        check_below(source, node.child(i), Some(node.key(i)), hi, depth + 1, state, stats, visit_node, visit_value)?;
+        let hi = if i + 1 < n {
+            Some(node.key(i + 1))
+        } else {
+            upper_bound
+        };
+        check_below(
+            source,
+            node.child(i),
+            Some(node.key(i)),
+            hi,
+            depth + 1,
+            state,
+            stats,
+            visit_node,
+            visit_value,
+        )?;
     }
     Ok(())
 }

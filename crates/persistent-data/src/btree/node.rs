@@ -57,12 +57,21 @@ impl<'a> Node<'a> {
     /// Check the header of a node at `block` whose leaves hold `leaf_value_size`-byte values,
     /// and return a view of it. Errors name the block and the broken rule (spec §11 rules
     /// 5, 6, 7 (capacity part) and 9); checksum and location were checked on read.
-    pub fn parse(block: MetadataBlock, data: &'a Block, leaf_value_size: usize) -> Result<Node<'a>> {
+    pub fn parse(
+        block: MetadataBlock,
+        data: &'a Block,
+        leaf_value_size: usize,
+    ) -> Result<Node<'a>> {
         let flags = read_u32(data, 4);
         let leaf = match flags {
             INTERNAL_FLAG => false,
             LEAF_FLAG => true,
-            other => return Err(Error::corrupt(block, format!("btree node flags {other:#x} are neither internal (1) nor leaf (2)"))),
+            other => {
+                return Err(Error::corrupt(
+                    block,
+                    format!("btree node flags {other:#x} are neither internal (1) nor leaf (2)"),
+                ))
+            }
         };
         let nr_entries = read_u32(data, 16) as usize;
         let max = read_u32(data, 20) as usize;
@@ -71,17 +80,26 @@ impl<'a> Node<'a> {
         if value_size != expected_value_size {
             return Err(Error::corrupt(
                 block,
-                format!("btree {} value size is {value_size}, expected {expected_value_size}", if leaf { "leaf" } else { "internal node" }),
+                format!(
+                    "btree {} value size is {value_size}, expected {expected_value_size}",
+                    if leaf { "leaf" } else { "internal node" }
+                ),
             ));
         }
         if max == 0 || HEADER_SIZE + max * (8 + value_size) > BLOCK_SIZE {
             return Err(Error::corrupt(block, format!("btree node max_entries {max} does not fit a block with {value_size}-byte values")));
         }
         if !max.is_multiple_of(3) {
-            return Err(Error::corrupt(block, format!("btree node max_entries {max} is not a multiple of 3")));
+            return Err(Error::corrupt(
+                block,
+                format!("btree node max_entries {max} is not a multiple of 3"),
+            ));
         }
         if nr_entries > max {
-            return Err(Error::corrupt(block, format!("btree node has {nr_entries} entries, more than its max_entries {max}")));
+            return Err(Error::corrupt(
+                block,
+                format!("btree node has {nr_entries} entries, more than its max_entries {max}"),
+            ));
         }
         Ok(Node {
             data,
@@ -128,7 +146,9 @@ impl<'a> Node<'a> {
     /// Child `i` of an internal node.
     pub fn child(&self, i: usize) -> MetadataBlock {
         debug_assert!(!self.leaf);
-        MetadataBlock(u64::from_le_bytes(self.value_bytes(i).try_into().expect("8 bytes")))
+        MetadataBlock(u64::from_le_bytes(
+            self.value_bytes(i).try_into().expect("8 bytes"),
+        ))
     }
 
     /// Index of the first key >= `key` (== len() if none).
@@ -233,7 +253,9 @@ impl NodeBuf {
     /// Child `i` of an internal node.
     pub fn child(&self, i: usize) -> MetadataBlock {
         assert!(!self.leaf);
-        MetadataBlock(u64::from_le_bytes(self.value(i).try_into().expect("8 bytes")))
+        MetadataBlock(u64::from_le_bytes(
+            self.value(i).try_into().expect("8 bytes"),
+        ))
     }
 
     /// Point entry `i` of an internal node at `child`.
@@ -285,9 +307,13 @@ impl NodeBuf {
         let n = self.len();
         assert!(n <= max, "node of {n} entries exceeds {max}");
         assert_eq!(self.values.len(), n * self.value_size);
-        assert!(self.keys.windows(2).all(|w| w[0] < w[1]), "keys strictly increase");
+        assert!(
+            self.keys.windows(2).all(|w| w[0] < w[1]),
+            "keys strictly increase"
+        );
         let mut data = zeroed_block();
-        data[4..8].copy_from_slice(&(if self.leaf { LEAF_FLAG } else { INTERNAL_FLAG }).to_le_bytes());
+        data[4..8]
+            .copy_from_slice(&(if self.leaf { LEAF_FLAG } else { INTERNAL_FLAG }).to_le_bytes());
         data[8..16].copy_from_slice(&block.0.to_le_bytes());
         data[16..20].copy_from_slice(&(n as u32).to_le_bytes());
         data[20..24].copy_from_slice(&(max as u32).to_le_bytes());

@@ -40,7 +40,12 @@ impl Harness {
         let data = DataSpaceMap::format(&mut tm, DATA_BLOCKS).unwrap();
         let a = create_empty::<u64>(&mut tm).unwrap();
         let b = create_empty::<u64>(&mut tm).unwrap();
-        let mut h = Harness { device, tm, data, roots: [a, b] };
+        let mut h = Harness {
+            device,
+            tm,
+            data,
+            roots: [a, b],
+        };
         h.commit();
         h
     }
@@ -71,13 +76,26 @@ impl Harness {
     }
 
     fn insert(&mut self, tree: usize, key: u64, value: u64) -> Option<u64> {
-        let (root, old) = insert(&mut self.tm, &mut DataRefs(&mut self.data), self.roots[tree], key, &value).unwrap();
+        let (root, old) = insert(
+            &mut self.tm,
+            &mut DataRefs(&mut self.data),
+            self.roots[tree],
+            key,
+            &value,
+        )
+        .unwrap();
         self.roots[tree] = root;
         old
     }
 
     fn remove(&mut self, tree: usize, key: u64) -> Option<u64> {
-        let (root, old) = remove::<u64, _>(&mut self.tm, &mut DataRefs(&mut self.data), self.roots[tree], key).unwrap();
+        let (root, old) = remove::<u64, _>(
+            &mut self.tm,
+            &mut DataRefs(&mut self.data),
+            self.roots[tree],
+            key,
+        )
+        .unwrap();
         self.roots[tree] = root;
         old
     }
@@ -104,27 +122,60 @@ impl Harness {
         }
         // Space-map structures. The data map's trees and bitmaps were written at the last
         // commit; compare only right after a commit.
-        let sb = self.tm.read(MetadataBlock(0), BlockKind::Superblock).unwrap();
+        let sb = self
+            .tm
+            .read(MetadataBlock(0), BlockKind::Superblock)
+            .unwrap();
         let data_root = SpaceMapRoot::decode(&sb[64..96]);
         let meta_root = SpaceMapRoot::decode(&sb[192..224]);
         let mut nodes = vec![];
-        check::<crate::space_map::IndexEntry, _>(&self.tm, MetadataBlock(data_root.bitmap_root), CheckOptions::default(), &mut |b| nodes.push(b), &mut |_, e| {
-            meta[e.blocknr as usize] += 1;
-            Ok(())
-        })
+        check::<crate::space_map::IndexEntry, _>(
+            &self.tm,
+            MetadataBlock(data_root.bitmap_root),
+            CheckOptions::default(),
+            &mut |b| nodes.push(b),
+            &mut |_, e| {
+                meta[e.blocknr as usize] += 1;
+                Ok(())
+            },
+        )
         .unwrap();
-        check::<u32, _>(&self.tm, MetadataBlock(data_root.ref_count_root), CheckOptions::default(), &mut |b| nodes.push(b), &mut |_, _| Ok(())).unwrap();
-        check::<u32, _>(&self.tm, MetadataBlock(meta_root.ref_count_root), CheckOptions::default(), &mut |b| nodes.push(b), &mut |_, _| Ok(())).unwrap();
+        check::<u32, _>(
+            &self.tm,
+            MetadataBlock(data_root.ref_count_root),
+            CheckOptions::default(),
+            &mut |b| nodes.push(b),
+            &mut |_, _| Ok(()),
+        )
+        .unwrap();
+        check::<u32, _>(
+            &self.tm,
+            MetadataBlock(meta_root.ref_count_root),
+            CheckOptions::default(),
+            &mut |b| nodes.push(b),
+            &mut |_, _| Ok(()),
+        )
+        .unwrap();
         for b in nodes {
             meta[b.0 as usize] += 1;
         }
         meta[meta_root.bitmap_root as usize] += 1;
-        let index = self.tm.read(MetadataBlock(meta_root.bitmap_root), BlockKind::Index).unwrap();
-        for entry in crate::space_map::disk::decode_index_block(&index).iter().take(self.tm.space_map().bitmap_count()) {
+        let index = self
+            .tm
+            .read(MetadataBlock(meta_root.bitmap_root), BlockKind::Index)
+            .unwrap();
+        for entry in crate::space_map::disk::decode_index_block(&index)
+            .iter()
+            .take(self.tm.space_map().bitmap_count())
+        {
             meta[entry.blocknr as usize] += 1;
         }
         for (b, &expected) in meta.iter().enumerate() {
-            assert_eq!(self.tm.count(MetadataBlock(b as u64)), expected, "metadata block {b}");
+            assert_eq!(
+                self.tm.count(MetadataBlock(b as u64)),
+                expected,
+                "metadata block {b}"
+            );
         }
         for (b, &expected) in data.iter().enumerate() {
             assert_eq!(self.data.count(b as u64), expected, "data block {b}");
@@ -157,7 +208,10 @@ fn count_tree(
 }
 
 fn seed() -> u64 {
-    std::env::var("THINPOOL_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or_else(rand::random)
+    std::env::var("THINPOOL_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random)
 }
 
 struct SeedReport(u64);
@@ -170,7 +224,10 @@ impl Drop for SeedReport {
 }
 
 fn cases(default: usize) -> usize {
-    std::env::var("THINPOOL_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(default)
+    std::env::var("THINPOOL_CASES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 #[test]
@@ -193,10 +250,17 @@ fn btree_matches_model_across_commits_and_reopens() {
                 // reference is the mapping's.
             }
             6..=8 => {
-                assert_eq!(h.remove(0, key), model.remove(&key), "remove {key} at step {step}");
+                assert_eq!(
+                    h.remove(0, key),
+                    model.remove(&key),
+                    "remove {key} at step {step}"
+                );
             }
             _ => {
-                assert_eq!(lookup::<u64, _>(&h.tm, h.roots[0], key).unwrap(), model.get(&key).copied());
+                assert_eq!(
+                    lookup::<u64, _>(&h.tm, h.roots[0], key).unwrap(),
+                    model.get(&key).copied()
+                );
                 let ge = lookup_ge::<u64, _>(&h.tm, h.roots[0], key).unwrap();
                 assert_eq!(ge, model.range(key..).next().map(|(k, v)| (*k, *v)));
             }
@@ -205,7 +269,14 @@ fn btree_matches_model_across_commits_and_reopens() {
             h.commit();
             assert_eq!(h.contents(0), model);
             h.verify_counts();
-            check::<u64, _>(&h.tm, h.roots[0], CheckOptions::default(), &mut |_| {}, &mut |_, _| Ok(())).unwrap();
+            check::<u64, _>(
+                &h.tm,
+                h.roots[0],
+                CheckOptions::default(),
+                &mut |_| {},
+                &mut |_, _| Ok(()),
+            )
+            .unwrap();
             if rng.gen_bool(0.3) {
                 h.reopen();
                 assert_eq!(h.contents(0), model);
@@ -219,7 +290,11 @@ fn btree_matches_model_across_commits_and_reopens() {
     }
     h.commit();
     h.verify_counts();
-    assert_eq!(h.data.core().allocated_count(), 0, "every data reference released");
+    assert_eq!(
+        h.data.core().allocated_count(),
+        0,
+        "every data reference released"
+    );
 }
 
 #[test]
@@ -278,7 +353,10 @@ fn shared_tree_changes_one_side_only_and_leaks_nothing() {
     assert_eq!(h.data.core().allocated_count(), 0, "no data block leaked");
     // Metadata: back to the space maps' own blocks plus two empty roots.
     let now = h.tm.space_map().allocated_count();
-    assert!(now <= baseline_meta + 4, "metadata in use grew from {baseline_meta} to {now}");
+    assert!(
+        now <= baseline_meta + 4,
+        "metadata in use grew from {baseline_meta} to {now}"
+    );
 }
 
 #[test]
@@ -289,16 +367,37 @@ fn sequential_inserts_fill_nodes_and_check() {
         h.insert(0, key, value);
     }
     h.commit();
-    let stats = check::<u64, _>(&h.tm, h.roots[0], CheckOptions::default(), &mut |_| {}, &mut |_, _| Ok(())).unwrap();
+    let stats = check::<u64, _>(
+        &h.tm,
+        h.roots[0],
+        CheckOptions::default(),
+        &mut |_| {},
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     assert_eq!(stats.entry_count, 20_000);
     assert!(stats.depth >= 2);
     for key in (0..20_000).rev().step_by(3) {
         h.remove(0, key);
     }
     h.commit();
-    check::<u64, _>(&h.tm, h.roots[0], CheckOptions::default(), &mut |_| {}, &mut |_, _| Ok(())).unwrap();
+    check::<u64, _>(
+        &h.tm,
+        h.roots[0],
+        CheckOptions::default(),
+        &mut |_| {},
+        &mut |_, _| Ok(()),
+    )
+    .unwrap();
     h.verify_counts();
-    let (root, removed) = remove_range::<u64, _>(&mut h.tm, &mut DataRefs(&mut h.data), h.roots[0], 100, 15_000).unwrap();
+    let (root, removed) = remove_range::<u64, _>(
+        &mut h.tm,
+        &mut DataRefs(&mut h.data),
+        h.roots[0],
+        100,
+        15_000,
+    )
+    .unwrap();
     h.roots[0] = root;
     assert!(removed > 9000);
     h.commit();
@@ -322,7 +421,11 @@ fn sharing_a_root_of_the_current_transaction_still_copies_on_write() {
     let value = h.data.alloc().unwrap();
     h.insert(0, 100, value);
     h.remove(0, 3);
-    assert_eq!(h.contents(1), before, "the other owner of a shared root is unchanged");
+    assert_eq!(
+        h.contents(1),
+        before,
+        "the other owner of a shared root is unchanged"
+    );
     assert_ne!(h.roots[0], h.roots[1]);
     h.commit();
     h.verify_counts();

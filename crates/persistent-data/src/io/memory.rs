@@ -76,7 +76,10 @@ impl BlockDevice for MemoryDevice {
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
         let mut blocks = self.blocks.write().unwrap_or_else(|e| e.into_inner());
         let count = blocks.len() as u64;
-        match usize::try_from(block.0).ok().and_then(|i| blocks.get_mut(i)) {
+        match usize::try_from(block.0)
+            .ok()
+            .and_then(|i| blocks.get_mut(i))
+        {
             Some(slot) => {
                 *slot = Some(Box::new(*buf));
                 Ok(())

@@ -153,7 +153,10 @@ impl CoreSpaceMap {
     /// Add one reference to `block`.
     pub fn inc(&mut self, block: u64) {
         let count = self.count(block);
-        self.set(block, count.checked_add(1).expect("reference count overflow"));
+        self.set(
+            block,
+            count.checked_add(1).expect("reference count overflow"),
+        );
     }
 
     /// Drop one reference to `block`; `Err` with the block if its count is already zero.
@@ -328,13 +331,22 @@ impl CoreSpaceMap {
     pub fn overflow_mismatch(&self) -> Option<(u64, String)> {
         for (&block, &count) in &self.overflow {
             if block >= self.block_count {
-                return Some((block, format!("overflow count for block {block} beyond the map")));
+                return Some((
+                    block,
+                    format!("overflow count for block {block} beyond the map"),
+                ));
             }
             if decode_field(self.field(block)) != 3 {
-                return Some((block, format!("overflow count {count} for block {block} whose bitmap entry is not 3")));
+                return Some((
+                    block,
+                    format!("overflow count {count} for block {block} whose bitmap entry is not 3"),
+                ));
             }
             if count < 3 {
-                return Some((block, format!("overflow count {count} for block {block} is below 3")));
+                return Some((
+                    block,
+                    format!("overflow count {count} for block {block} is below 3"),
+                ));
             }
         }
         for (w, &word) in self.words.iter().enumerate() {
@@ -343,7 +355,10 @@ impl CoreSpaceMap {
             while bits != 0 {
                 let block = w as u64 * ENTRIES_PER_WORD + u64::from(bits.trailing_zeros() / 2);
                 if !self.overflow.contains_key(&block) {
-                    return Some((block, format!("block {block} has bitmap entry 3 but no overflow count")));
+                    return Some((
+                        block,
+                        format!("block {block} has bitmap entry 3 but no overflow count"),
+                    ));
                 }
                 bits &= bits - 1;
             }
@@ -364,7 +379,11 @@ impl CoreSpaceMap {
         }
         assert_eq!(allocated, self.allocated_count, "allocated count");
         assert_eq!(used, self.used, "per-bitmap used counts");
-        assert!(self.overflow_mismatch().is_none(), "{:?}", self.overflow_mismatch());
+        assert!(
+            self.overflow_mismatch().is_none(),
+            "{:?}",
+            self.overflow_mismatch()
+        );
     }
 }
 

@@ -47,14 +47,20 @@ pub fn read_bitmap(
     if entry.blocknr == 0 || entry.blocknr >= source.block_count() {
         return Err(Error::corrupt(
             location,
-            format!("index entry {index} points at block {} (device has {} blocks)", entry.blocknr, source.block_count()),
+            format!(
+                "index entry {index} points at block {} (device has {} blocks)",
+                entry.blocknr,
+                source.block_count()
+            ),
         ));
     }
     let data = source.read_block(location, BlockKind::Bitmap)?;
     let mut words = Vec::with_capacity(WORDS_PER_BITMAP);
     for i in 0..WORDS_PER_BITMAP {
         let at = HEADER_SIZE + i * 8;
-        words.push(u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes")));
+        words.push(u64::from_le_bytes(
+            data[at..at + 8].try_into().expect("8 bytes"),
+        ));
     }
     // Entries past the end of the map must be zero.
     let first = index as u64 * ENTRIES_PER_BITMAP;
@@ -65,7 +71,10 @@ pub fn read_bitmap(
             if (word >> ((entry_index % 32) * 2)) & 3 != 0 {
                 return Err(Error::corrupt(
                     location,
-                    format!("bitmap entry for block {} beyond the map's {block_count} blocks is in use", first + entry_index),
+                    format!(
+                        "bitmap entry for block {} beyond the map's {block_count} blocks is in use",
+                        first + entry_index
+                    ),
                 ));
             }
         }
@@ -125,9 +134,15 @@ impl DataSpaceMap {
         let index_root = MetadataBlock(root.bitmap_root);
         let mut loaded = vec![false; bitmaps];
         btree::walk::<IndexEntry, _>(source, index_root, &mut |key, entry| {
-            let index = usize::try_from(key).ok().filter(|&i| i < bitmaps).ok_or_else(|| {
-                Error::corrupt(index_root, format!("data space map index has entry {key}, map needs {bitmaps}"))
-            })?;
+            let index = usize::try_from(key)
+                .ok()
+                .filter(|&i| i < bitmaps)
+                .ok_or_else(|| {
+                    Error::corrupt(
+                        index_root,
+                        format!("data space map index has entry {key}, map needs {bitmaps}"),
+                    )
+                })?;
             let words = read_bitmap(source, &entry, index, root.block_count)?;
             core.load_bitmap(index, &words);
             bitmap_locations[index] = Some(MetadataBlock(entry.blocknr));
@@ -135,18 +150,27 @@ impl DataSpaceMap {
             Ok(())
         })?;
         if let Some(missing) = loaded.iter().position(|l| !l) {
-            return Err(Error::corrupt(index_root, format!("data space map index lacks bitmap {missing}")));
+            return Err(Error::corrupt(
+                index_root,
+                format!("data space map index lacks bitmap {missing}"),
+            ));
         }
         let overflow_root = MetadataBlock(root.ref_count_root);
         btree::walk::<u32, _>(source, overflow_root, &mut |key, count| {
             if key >= root.block_count {
-                return Err(Error::corrupt(overflow_root, format!("data overflow count for block {key} beyond the map")));
+                return Err(Error::corrupt(
+                    overflow_root,
+                    format!("data overflow count for block {key} beyond the map"),
+                ));
             }
             core.load_overflow(key, count);
             Ok(())
         })?;
         if let Some((_, rule)) = core.overflow_mismatch() {
-            return Err(Error::corrupt(overflow_root, format!("data space map: {rule}")));
+            return Err(Error::corrupt(
+                overflow_root,
+                format!("data space map: {rule}"),
+            ));
         }
         core.end_transaction();
         Ok(DataSpaceMap {
@@ -239,7 +263,11 @@ impl DataSpaceMap {
                 }
             };
             self.bitmap_locations[index] = Some(location);
-            tm.write(location, Arc::from(encode_bitmap(location, self.core.bitmap_words(index))), BlockKind::Bitmap);
+            tm.write(
+                location,
+                Arc::from(encode_bitmap(location, self.core.bitmap_words(index))),
+                BlockKind::Bitmap,
+            );
             let entry = IndexEntry {
                 blocknr: location.0,
                 free_count: self.core.bitmap_free_count(index),

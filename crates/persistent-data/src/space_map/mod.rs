@@ -47,7 +47,8 @@ pub const SPACE_MAP_ROOT_SIZE: usize = 32;
 impl SpaceMapRoot {
     /// Decode from the first 32 bytes of a superblock slot.
     pub fn decode(bytes: &[u8]) -> SpaceMapRoot {
-        let word = |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+        let word =
+            |i: usize| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
         SpaceMapRoot {
             block_count: word(0),
             allocated_count: word(1),
