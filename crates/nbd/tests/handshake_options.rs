@@ -93,7 +93,10 @@ fn info_answers_all_four_items_and_stays_in_negotiation() {
     let replies = client.option(OPT_INFO, &export_request("ro", &[]));
     let flags = be16(&replies[0].data[10..]);
     assert_ne!(flags & TF_READ_ONLY, 0);
-    assert_eq!(flags & (TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO), 0);
+    assert_eq!(
+        flags & (TF_SEND_TRIM | TF_SEND_WRITE_ZEROES | TF_SEND_FAST_ZERO),
+        0
+    );
     let (size, _) = client.go("");
     assert_eq!(size, 8 * MIB);
     client.write(0, &[1u8; 512]);
@@ -166,7 +169,10 @@ fn meta_contexts_follow_list_and_set_rules() {
         &meta_request("disk", &["base:allocation"]),
     );
     assert_eq!(replies[0].reply_type, REP_ERR_INVALID);
-    assert_eq!(client.option(OPT_STRUCTURED_REPLY, &[])[0].reply_type, REP_ACK);
+    assert_eq!(
+        client.option(OPT_STRUCTURED_REPLY, &[])[0].reply_type,
+        REP_ACK
+    );
     for queries in [&[][..], &["base:"][..], &["base:allocation", "qemu:x"][..]] {
         let replies = client.option(OPT_LIST_META_CONTEXT, &meta_request("disk", queries));
         assert_eq!(replies.len(), 2, "{queries:?}: {replies:?}");
@@ -175,7 +181,12 @@ fn meta_contexts_follow_list_and_set_rules() {
         assert_eq!(&replies[0].data[4..], b"base:allocation");
     }
     // Unknown leaf and namespace select nothing; "base:" selects nothing in SET.
-    for queries in [&["base:foo"][..], &["x-other:thing"][..], &["base:"][..], &[][..]] {
+    for queries in [
+        &["base:foo"][..],
+        &["x-other:thing"][..],
+        &["base:"][..],
+        &[][..],
+    ] {
         let replies = client.option(OPT_SET_META_CONTEXT, &meta_request("disk", queries));
         assert_eq!(replies.len(), 1, "{queries:?}");
         assert_eq!(replies[0].reply_type, REP_ACK);
@@ -204,7 +215,10 @@ fn meta_contexts_follow_list_and_set_rules() {
 fn extended_headers_forbid_structured_and_export_name() {
     let server = server();
     let mut client = RawClient::start(&server.socket);
-    assert_eq!(client.option(OPT_EXTENDED_HEADERS, &[])[0].reply_type, REP_ACK);
+    assert_eq!(
+        client.option(OPT_EXTENDED_HEADERS, &[])[0].reply_type,
+        REP_ACK
+    );
     let replies = client.option(OPT_STRUCTURED_REPLY, &[]);
     assert_eq!(replies[0].reply_type, REP_ERR_EXT_HEADER_REQD);
     client.send_option(OPT_EXPORT_NAME, b"disk");

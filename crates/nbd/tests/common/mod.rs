@@ -547,7 +547,11 @@ impl RawClient {
                 }
                 0x668e_33ef | 0x6e8a_278c => {
                     let extended = magic == 0x6e8a_278c;
-                    assert_eq!(extended, self.mode == Mode::Extended, "chunk magic for mode");
+                    assert_eq!(
+                        extended,
+                        self.mode == Mode::Extended,
+                        "chunk magic for mode"
+                    );
                     let rest = self.read_bytes(if extended { 28 } else { 16 });
                     let flags = be16(&rest);
                     let chunk_type = be16(&rest[2..]);
