@@ -2,7 +2,7 @@
 //! a pool of a given size, data block size and number of thin devices needs.
 //!
 //! This module owns the estimate ([`estimate`]), the size syntax of the tool's arguments
-//! ([`parse_size_bytes`], [`Unit`]) and the text of its answer ([`format`]). The `cli`
+//! ([`parse_size_bytes`], [`Unit`]) and the text of its answer ([`format()`]). The `cli`
 //! crate parses the command line and prints. Numbers, messages and output match
 //! thin-provisioning-tools 1.1.0 (0.9.0 differs, see [`estimate`]).
 //!

@@ -396,3 +396,84 @@ fn visitor_errors_stop_the_parse() {
     let error = xml::parse(V0_9.as_bytes(), &mut Refuse).unwrap_err();
     assert!(matches!(error, Error::Visitor(_)));
 }
+
+/// Generates a dump with `mapping_count` singles on the fly, so the input never exists in
+/// memory as a whole.
+struct GeneratedDump {
+    mapping_count: u64,
+    next_mapping: u64,
+    pending: Vec<u8>,
+    stage: u8,
+}
+
+impl std::io::Read for GeneratedDump {
+    fn read(&mut self, buffer: &mut [u8]) -> std::io::Result<usize> {
+        while self.pending.is_empty() {
+            match self.stage {
+                0 => {
+                    self.pending = format!("{HEAD}{DEVICE}").into_bytes();
+                    self.stage = 1;
+                }
+                1 if self.next_mapping < self.mapping_count => {
+                    let block = self.next_mapping * 2;
+                    self.pending = format!(
+                        "    <single_mapping origin_block=\"{block}\" data_block=\"{block}\" time=\"0\"/>\n"
+                    )
+                    .into_bytes();
+                    self.next_mapping += 1;
+                }
+                1 => {
+                    self.pending = b"  </device>\n</superblock>\n".to_vec();
+                    self.stage = 2;
+                }
+                _ => return Ok(0),
+            }
+        }
+        let length = buffer.len().min(self.pending.len());
+        buffer[..length].copy_from_slice(&self.pending[..length]);
+        self.pending.drain(..length);
+        Ok(length)
+    }
+}
+
+#[test]
+fn parser_streams_large_dumps() {
+    let mapping_count = 200_000;
+    let input = std::io::BufReader::new(GeneratedDump {
+        mapping_count,
+        next_mapping: 0,
+        pending: Vec::new(),
+        stage: 0,
+    });
+    struct Count(u64);
+    impl DumpVisitor for Count {
+        fn superblock_begin(&mut self, _: &SuperblockInfo) -> Result<(), Error> {
+            Ok(())
+        }
+        fn superblock_end(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        fn def_begin(&mut self, _: &str) -> Result<(), Error> {
+            Ok(())
+        }
+        fn def_end(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        fn device_begin(&mut self, _: &DeviceInfo) -> Result<(), Error> {
+            Ok(())
+        }
+        fn device_end(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        fn mapping(&mut self, mapping: &Mapping) -> Result<(), Error> {
+            self.0 += mapping.length;
+            Ok(())
+        }
+        fn reference(&mut self, _: &str) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    xml::parse(input, &mut count).unwrap();
+    assert_eq!(count.0, mapping_count);
+}
