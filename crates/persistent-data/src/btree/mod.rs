@@ -18,6 +18,7 @@
 //! Depth is bounded by [`MAX_DEPTH`]: a corrupt child pointer gives an error, never endless
 //! recursion.
 
+pub mod builder;
 pub mod node;
 
 #[cfg(test)]

@@ -1,0 +1,1 @@
+//! Bottom-up btree building (for restore): being written.

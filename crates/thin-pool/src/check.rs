@@ -1,0 +1,1 @@
+//! Metadata checker (thin_check equivalent): being written.

@@ -1,0 +1,1 @@
+//! Building metadata from a dump (thin_restore equivalent): being written.
