@@ -4,6 +4,7 @@
 //!
 //! NBD is big-endian on the wire, hence the explicit conversions here.
 #![allow(dead_code)]
+#![allow(clippy::big_endian_bytes)]
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
