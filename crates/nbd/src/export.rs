@@ -54,6 +54,12 @@ pub trait Export: Send + Sync {
     /// Size in bytes; a multiple of 512.
     fn size_bytes(&self) -> u64;
 
+    /// Block size that avoids read-modify-write inside the export (NBD_INFO_BLOCK_SIZE
+    /// preferred); a power of two from 512 bytes to 32 MiB, otherwise 4096 is advertised.
+    fn preferred_block_size_bytes(&self) -> u32 {
+        crate::protocol::BLOCK_SIZE_PREFERRED
+    }
+
     /// Writes, trims and zeroing are refused with `NBD_EPERM`.
     fn read_only(&self) -> bool {
         false

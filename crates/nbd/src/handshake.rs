@@ -283,12 +283,13 @@ impl<S: Read + Write> Handshake<'_, S> {
             reply::INFO,
             &protocol::encode_info_export(export.size_bytes(), flags),
         )?;
-        let mut sent = Vec::new();
+        // Answer each known item once, in the order asked; the request may hold thousands.
+        let mut sent = [false; 4];
         for &requested in &request.info_requests {
-            if sent.contains(&requested) {
-                continue;
+            match sent.get_mut(usize::from(requested)) {
+                Some(done) if !*done => *done = true,
+                _ => continue,
             }
-            sent.push(requested);
             let item = match requested {
                 info::NAME => protocol::encode_info_string(info::NAME, export.name()),
                 info::DESCRIPTION if !export.description().is_empty() => {
@@ -296,7 +297,7 @@ impl<S: Read + Write> Handshake<'_, S> {
                 }
                 info::BLOCK_SIZE => protocol::encode_info_block_size(
                     BLOCK_SIZE_MIN,
-                    BLOCK_SIZE_PREFERRED,
+                    preferred_block_size(export.as_ref()),
                     PAYLOAD_LENGTH_MAX,
                 ),
                 _ => continue,
@@ -388,5 +389,16 @@ impl<S: Read + Write> Handshake<'_, S> {
             flags |= transmission_flags::SEND_DF;
         }
         flags
+    }
+}
+
+/// The export's preferred block size if it is a power of two from 512 bytes to the maximum
+/// payload, else [`BLOCK_SIZE_PREFERRED`].
+fn preferred_block_size(export: &dyn Export) -> u32 {
+    let preferred = export.preferred_block_size_bytes();
+    if preferred.is_power_of_two() && (BLOCK_SIZE_MIN..=PAYLOAD_LENGTH_MAX).contains(&preferred) {
+        preferred
+    } else {
+        BLOCK_SIZE_PREFERRED
     }
 }

@@ -108,6 +108,11 @@ impl fmt::Debug for Config {
     }
 }
 
+/// Pause after a failed accept (EMFILE and the like) so the loop does not spin.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// Longest wait for the accept loops to notice shutdown.
+const ACCEPT_STOP_WAIT: Duration = Duration::from_secs(2);
+
 /// How to wake a listener blocked in accept.
 #[derive(Clone, Debug)]
 enum Listening {
@@ -193,8 +198,9 @@ impl Server {
                     if shared.shutting_down.load(Ordering::SeqCst) {
                         break;
                     }
-                    if let Ok(stream) = stream {
-                        shared.start_connection(Stream::Unix(stream), peer.clone());
+                    match stream {
+                        Ok(stream) => shared.start_connection(Stream::Unix(stream), peer.clone()),
+                        Err(_) => std::thread::sleep(ACCEPT_ERROR_PAUSE),
                     }
                 }
             })
@@ -222,7 +228,10 @@ impl Server {
                     if shared.shutting_down.load(Ordering::SeqCst) {
                         break;
                     }
-                    let Ok(stream) = stream else { continue };
+                    let Ok(stream) = stream else {
+                        std::thread::sleep(ACCEPT_ERROR_PAUSE);
+                        continue;
+                    };
                     // Replies are whole messages; Nagle would only delay them.
                     let _ = stream.set_nodelay(true);
                     let peer = stream
@@ -265,8 +274,16 @@ impl Server {
         }
         self.stopped = true;
         self.shared.request_shutdown();
+        // An accept loop that the wake-up connection could not reach (its socket file was
+        // removed, say) is left to end on its next accept rather than hang shutdown.
+        let deadline = Instant::now() + ACCEPT_STOP_WAIT;
         for thread in self.accept_threads.drain(..) {
-            let _ = thread.join();
+            while !thread.is_finished() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            if thread.is_finished() {
+                let _ = thread.join();
+            }
         }
         let shared = &self.shared;
         if !shared.wait_for_connections(shared.config.shutdown_grace) {

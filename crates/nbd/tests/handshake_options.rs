@@ -260,3 +260,19 @@ fn abort_is_acknowledged_even_with_data() {
     let mut client = RawClient::start(&server.socket);
     client.go("disk");
 }
+
+#[test]
+fn info_with_thousands_of_duplicate_requests_answers_each_item_once() {
+    let server = server();
+    let mut client = RawClient::start(&server.socket);
+    let requests: Vec<u16> = (0..30_000).map(|index| [3, 1, 7][index % 3]).collect();
+    let started = std::time::Instant::now();
+    let replies = client.option(OPT_INFO, &export_request("disk", &requests));
+    assert!(started.elapsed() < std::time::Duration::from_secs(1));
+    let types: Vec<u16> = replies
+        .iter()
+        .filter(|reply| reply.reply_type == REP_INFO)
+        .map(|reply| be16(&reply.data))
+        .collect();
+    assert_eq!(types, vec![0, 3, 1]);
+}
