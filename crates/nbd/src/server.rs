@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Error, Result};
 use crate::export::ExportRegistry;
 use crate::handshake::{self, Outcome};
-use crate::session::{self, Limits};
+use crate::session::{self, Budget, Limits};
 use crate::stream::Stream;
 
 /// Something that happened to a connection, for the embedding binary's logs.
@@ -65,6 +65,9 @@ pub struct Config {
     pub requests_in_flight_max: usize,
     /// READ/WRITE payload bytes in flight per connection (a single larger request still runs).
     pub bytes_in_flight_max: u64,
+    /// READ/WRITE payload bytes in flight over all connections together; with the per
+    /// connection limit this bounds the server's buffer memory.
+    pub server_bytes_in_flight_max: u64,
     /// Connections served at once; more are closed at accept.
     pub connections_max: usize,
     /// Longest wait for each read during the handshake.
@@ -83,6 +86,7 @@ impl Default for Config {
             workers_per_connection: 4,
             requests_in_flight_max: 64,
             bytes_in_flight_max: 64 * 1024 * 1024,
+            server_bytes_in_flight_max: 512 * 1024 * 1024,
             connections_max: 256,
             handshake_timeout: Duration::from_secs(30),
             write_timeout: Duration::from_secs(60),
@@ -99,6 +103,10 @@ impl fmt::Debug for Config {
             .field("workers_per_connection", &self.workers_per_connection)
             .field("requests_in_flight_max", &self.requests_in_flight_max)
             .field("bytes_in_flight_max", &self.bytes_in_flight_max)
+            .field(
+                "server_bytes_in_flight_max",
+                &self.server_bytes_in_flight_max,
+            )
             .field("connections_max", &self.connections_max)
             .field("handshake_timeout", &self.handshake_timeout)
             .field("write_timeout", &self.write_timeout)
@@ -128,6 +136,7 @@ struct Shared {
     connections: Mutex<HashMap<u64, Stream>>,
     connection_ended: Condvar,
     next_connection: AtomicU64,
+    server_bytes: Arc<Budget>,
 }
 
 /// An NBD server: serves the exports of a registry on any number of listeners.
@@ -165,12 +174,13 @@ impl Server {
         Server {
             shared: Arc::new(Shared {
                 registry,
-                config,
                 shutting_down: AtomicBool::new(false),
                 listening: Mutex::new(Vec::new()),
                 connections: Mutex::new(HashMap::new()),
                 connection_ended: Condvar::new(),
                 next_connection: AtomicU64::new(1),
+                server_bytes: Arc::new(Budget::new(usize::MAX, config.server_bytes_in_flight_max)),
+                config,
             }),
             accept_threads: Vec::new(),
             stopped: false,
@@ -440,6 +450,7 @@ impl Shared {
             workers: self.config.workers_per_connection,
             requests_in_flight_max: self.config.requests_in_flight_max,
             bytes_in_flight_max: self.config.bytes_in_flight_max,
+            server_bytes: Arc::clone(&self.server_bytes),
         };
         session::serve(negotiated, stream, writer, limits)
     }

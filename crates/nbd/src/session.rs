@@ -7,7 +7,8 @@
 //! the reply under the writer lock with one vectored write (READ data goes from the buffer
 //! [`Export::read_at`] filled to the socket). Invariants: at most `requests_in_flight_max`
 //! requests and about `bytes_in_flight_max` payload bytes are between "header read" and
-//! "reply written" at once ([`Budget`]); a request reaches the export only with a range inside
+//! "reply written" at once, and the server-wide byte budget bounds the sum over all
+//! connections ([`Budget`]); a request reaches the export only with a range inside
 //! the export, aligned to [`BLOCK_SIZE_MIN`], and a payload of at most [`PAYLOAD_LENGTH_MAX`];
 //! every reply is written whole while holding the writer lock, so replies never interleave
 //! byte-wise. Out-of-range, misaligned, unknown or badly flagged requests get an error reply
@@ -31,15 +32,17 @@ use crate::protocol::{
 use crate::stream::{read_exact_or_eof, write_all_vectored, Stream};
 
 /// Limits of one connection's transmission phase.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone)]
 pub(crate) struct Limits {
     pub(crate) workers: usize,
     pub(crate) requests_in_flight_max: usize,
     pub(crate) bytes_in_flight_max: u64,
+    /// Payload bytes in flight over all connections of the server.
+    pub(crate) server_bytes: Arc<Budget>,
 }
 
 /// Counts requests and payload bytes in flight; the reader waits here when either is full.
-struct Budget {
+pub(crate) struct Budget {
     used: Mutex<(usize, u64)>,
     released: Condvar,
     requests_max: usize,
@@ -47,6 +50,15 @@ struct Budget {
 }
 
 impl Budget {
+    pub(crate) fn new(requests_max: usize, bytes_max: u64) -> Self {
+        Budget {
+            used: Mutex::new((0, 0)),
+            released: Condvar::new(),
+            requests_max,
+            bytes_max,
+        }
+    }
+
     fn acquire(&self, bytes: u64) {
         let mut used = self.used.lock().expect("budget lock");
         // A single request larger than the byte budget still runs, alone.
@@ -82,6 +94,7 @@ struct Connection {
     writer: Mutex<Stream>,
     broken: AtomicBool,
     budget: Budget,
+    server_bytes: Arc<Budget>,
 }
 
 /// What the reader decided about one request.
@@ -111,12 +124,8 @@ pub(crate) fn serve(
         base_allocation_id: negotiated.base_allocation_id,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
-        budget: Budget {
-            used: Mutex::new((0, 0)),
-            released: Condvar::new(),
-            requests_max: limits.requests_in_flight_max,
-            bytes_max: limits.bytes_in_flight_max,
-        },
+        budget: Budget::new(limits.requests_in_flight_max, limits.bytes_in_flight_max),
+        server_bytes: limits.server_bytes,
     };
     let (sender, receiver) = mpsc::sync_channel::<Job>(limits.requests_in_flight_max);
     let receiver = Mutex::new(receiver);
@@ -137,6 +146,22 @@ impl Connection {
             ReplyStyle::Extended => HeaderStyle::Extended,
             ReplyStyle::Simple | ReplyStyle::Structured => HeaderStyle::Compact,
         }
+    }
+
+    /// Takes a request slot and `bytes` from this connection's budget, then `bytes` from the
+    /// server's; always in this order, and released together, so waits cannot form a cycle.
+    fn acquire(&self, bytes: u64) {
+        self.budget.acquire(bytes);
+        if bytes > 0 {
+            self.server_bytes.acquire(bytes);
+        }
+    }
+
+    fn release(&self, bytes: u64) {
+        if bytes > 0 {
+            self.server_bytes.release(bytes);
+        }
+        self.budget.release(bytes);
     }
 
     fn read_requests(&self, reader: &mut Stream, sender: &mpsc::SyncSender<Job>) -> Result<()> {
@@ -177,12 +202,12 @@ impl Connection {
                         command::READ | command::WRITE => request.length,
                         _ => 0,
                     };
-                    self.budget.acquire(reserved_bytes);
+                    self.acquire(reserved_bytes);
                     let mut payload = Vec::new();
                     if payload_length > 0 {
                         payload = vec![0u8; payload_length as usize];
                         if let Err(error) = reader.read_exact(&mut payload) {
-                            self.budget.release(reserved_bytes);
+                            self.release(reserved_bytes);
                             return Err(Error::io("read write payload", error));
                         }
                     }
@@ -322,7 +347,7 @@ impl Connection {
             if !self.broken.load(Ordering::SeqCst) {
                 self.run(&job);
             }
-            self.budget.release(job.reserved_bytes);
+            self.release(job.reserved_bytes);
         }
     }
 

@@ -154,6 +154,21 @@ fn hostile_transmissions(socket: &std::path::Path, rng: &mut rand::rngs::SmallRn
     assert_eq!(be32(&reply[4..]), EOVERFLOW);
     assert_eq!(be64(&reply[8..]), 7);
     assert!(client.is_closed());
+    // Extended headers: a 64-bit payload length far beyond the maximum closes the connection.
+    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Extended, false);
+    let mut header = 0x21e4_1c71u32.to_be_bytes().to_vec();
+    header.extend_from_slice(&(FLAG_PAYLOAD_LEN).to_be_bytes());
+    header.extend_from_slice(&CMD_WRITE.to_be_bytes());
+    header.extend_from_slice(&9u64.to_be_bytes());
+    header.extend_from_slice(&0u64.to_be_bytes());
+    header.extend_from_slice(&(1u64 << 40).to_be_bytes());
+    client.send(&header);
+    let reply = client.read_bytes(32);
+    assert_eq!(be32(&reply), 0x6e8a_278c);
+    assert_eq!(be16(&reply[6..]), CHUNK_ERROR);
+    let payload = client.read_bytes(be64(&reply[24..]) as usize);
+    assert_eq!(be32(&payload), EOVERFLOW);
+    assert!(client.is_closed());
     // Oversize READ and huge trims are refused; the connection goes on.
     let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Structured, false);
     for (command, offset, length) in [
