@@ -1,1 +1,0 @@
-//! Metadata checker (thin_check equivalent): being written.
