@@ -490,6 +490,14 @@ fn delete_below<V: Value, C: RefCounter<V>>(
     if depth >= MAX_DEPTH {
         return Err(too_deep(block));
     }
+    // A pointer read from disk may be corrupt: check it before asking its count.
+    let block_count = tm.space_map().block_count();
+    if block.0 >= block_count {
+        return Err(Error::corrupt(
+            block,
+            format!("reference beyond the metadata space map ({block_count} blocks)"),
+        ));
+    }
     if tm.count(block) > 1 {
         tm.dec(block)?;
         return Ok(());
