@@ -18,9 +18,10 @@
 //! mappings. Each node is read once (a visited mark per metadata block), so the check reads
 //! about as many blocks as the metadata holds.
 //!
-//! Severity follows thin_check: a metadata block counted higher than its references is a
-//! leak (non-fatal: the exit code is still non-zero unless non-fatal errors are ignored);
-//! every other broken rule is fatal. Reference counts are compared only when the trees
+//! Severity follows thin_check 1.x: an unreferenced metadata block with a stored count is
+//! a leak (non-fatal: the exit code is still non-zero unless non-fatal errors are ignored);
+//! every other broken rule is fatal, a count too high on a referenced block included
+//! (0.9.0 calls that non-fatal too). Reference counts are compared only when the trees
 //! were walked without a fatal problem (a broken tree makes every count below it suspect).
 //!
 //! Callers: the `thinpool check` command, and tests that run it after every commit.
@@ -691,12 +692,13 @@ fn compare_counts(
                 continue;
             }
             bad_blocks += 1;
-            if stored_count > expected_count {
+            if expected_count == 0 {
                 leaked_blocks += 1;
             }
             let (severity, rule) = match structure {
                 Structure::DataSpaceMap => (Severity::Fatal, Rule::DataCount),
-                _ if stored_count > expected_count => (Severity::NonFatal, Rule::MetadataLeak),
+                _ if expected_count == 0 => (Severity::NonFatal, Rule::MetadataLeak),
+                _ if stored_count > expected_count => (Severity::Fatal, Rule::MetadataOverCount),
                 _ => (Severity::Fatal, Rule::MetadataUnderCount),
             };
             let (block_field, data_block) = match structure {

@@ -84,8 +84,11 @@ pub enum Rule {
     /// §11.13: an overflow entry without a bitmap entry of 3, a bitmap entry of 3 without an
     /// overflow entry, or an overflow count below 3.
     OverflowMismatch,
-    /// §11.13: a metadata block's stored count is higher than its references (leak).
+    /// §11.13: an unreferenced metadata block has a stored count (a leak: non-fatal).
     MetadataLeak,
+    /// §11.13: a referenced metadata block's stored count is higher than its references
+    /// (fatal in thin_check 1.x; 0.9.0 calls it non-fatal).
+    MetadataOverCount,
     /// §11.13: a metadata block's stored count is lower than its references.
     MetadataUnderCount,
     /// §11.14: a data block's stored count differs from the leaves referencing it.
@@ -117,6 +120,7 @@ impl fmt::Display for Rule {
             Rule::BitmapTail => f.write_str("bitmap tail"),
             Rule::OverflowMismatch => f.write_str("overflow tree vs bitmap"),
             Rule::MetadataLeak => f.write_str("metadata leak"),
+            Rule::MetadataOverCount => f.write_str("metadata reference count too high"),
             Rule::MetadataUnderCount => f.write_str("metadata reference count too low"),
             Rule::DataCount => f.write_str("data reference count"),
         }
