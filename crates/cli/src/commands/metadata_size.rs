@@ -1,12 +1,78 @@
-//! `thinpool metadata_size`: being written (see the metadata issue).
+//! `thinpool metadata-size`: how large a metadata device a pool needs, with the arguments,
+//! output and exit codes of `thin_metadata_size` 1.1.0 (the estimate itself lives in
+//! `thin_pool::metadata_size`).
+//!
+//! Exit codes: 0 with the size on stdout; 2 for a malformed command line (clap); 64 when the
+//! arguments are well formed but refused (e.g. a block size that is not a multiple of
+//! 64 KiB), with the tool's message on stderr.
 
 use std::process::ExitCode;
+use thin_pool::metadata_size::{self, OutputStyle, Request, Unit};
 
-/// Arguments.
+/// Exit code of `thin_metadata_size` for refused arguments.
+const EXIT_REFUSED: u8 = 64;
+
+/// Arguments (those of `thin_metadata_size`).
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// Data block size, e.g. 64k (unit letters bskmg; sectors if none).
+    #[arg(short = 'b', long = "block-size", value_name = "SIZE[bskmg]", value_parser = parse_size)]
+    block_size_bytes: u64,
+    /// Size of the pool (data) device, e.g. 1t.
+    #[arg(short = 's', long = "pool-size", value_name = "SIZE[bskmgtp]", value_parser = parse_size)]
+    pool_size_bytes: u64,
+    /// Maximum number of thin devices and snapshots.
+    #[arg(short = 'm', long = "max-thins", value_name = "NUM")]
+    thin_count_max: u64,
+    /// Output unit, one of bskKmMgGtTpPeE.
+    #[arg(short = 'u', long = "unit", value_name = "UNIT", default_value = "s", value_parser = parse_unit)]
+    unit: Unit,
+    /// Print the number only; `=short` adds the unit letter, `=long` the unit name.
+    #[arg(
+        short = 'n',
+        long = "numeric-only",
+        value_name = "OPT",
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "",
+        value_parser = parse_style
+    )]
+    numeric_only: Option<OutputStyle>,
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    metadata_size::parse_size_bytes(text).map_err(|e| e.to_string())
+}
+
+fn parse_unit(text: &str) -> Result<Unit, String> {
+    text.parse::<Unit>().map_err(|e| e.to_string())
+}
+
+fn parse_style(text: &str) -> Result<OutputStyle, String> {
+    match text {
+        "" => Ok(OutputStyle::NumericOnly),
+        "short" => Ok(OutputStyle::NumericShort),
+        "long" => Ok(OutputStyle::NumericLong),
+        other => Err(format!("unknown option {other:?}: expected short or long")),
+    }
+}
 
 /// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let request = Request {
+        data_block_size_bytes: args.block_size_bytes,
+        pool_size_bytes: args.pool_size_bytes,
+        thin_count_max: args.thin_count_max,
+    };
+    match metadata_size::estimate(&request) {
+        Ok(size_bytes) => {
+            let style = args.numeric_only.unwrap_or(OutputStyle::Full);
+            println!("{}", metadata_size::format(size_bytes, args.unit, style));
+            Ok(ExitCode::SUCCESS)
+        }
+        Err(error) => {
+            eprintln!("{error}");
+            Ok(ExitCode::from(EXIT_REFUSED))
+        }
+    }
 }

@@ -1,12 +1,87 @@
-//! `thinpool restore`: being written (see the metadata issue).
+//! `thinpool restore`: build pool metadata from an XML dump, with the arguments of
+//! `thin_restore` 1.1.0 (see `thin_pool::restore` for what is written).
+//!
+//! Like `thin_restore`, the output (file or device) must already exist: its size becomes
+//! the metadata size. Errors exit with status 64, like the 1.x tools.
 
+use anyhow::{bail, Context};
+use persistent_data::FileDevice;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use thin_pool::restore::{self, RestoreOptions};
 
-/// Arguments.
+/// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// The XML dump to read.
+    #[arg(short = 'i', long = "input", value_name = "FILE")]
+    input: PathBuf,
+    /// The metadata file or device to write (must exist; its size is the metadata size).
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    output: PathBuf,
+    /// Suppress output messages, return only the exit code.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// Override the transaction id of the dump.
+    #[arg(long = "transaction-id", value_name = "NUM")]
+    transaction_id: Option<u64>,
+    /// Override the data block size of the dump.
+    #[arg(long = "data-block-size", value_name = "SECTORS")]
+    data_block_size: Option<u32>,
+    /// Override the number of data blocks of the dump.
+    #[arg(long = "nr-data-blocks", value_name = "NUM")]
+    nr_data_blocks: Option<u64>,
+}
 
-/// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+/// Exit status of thin-provisioning-tools 1.x on any failure.
+const EXIT_FAILURE: u8 = 64;
+
+/// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
+/// with status 64, as the 1.x tools do.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    match restore_file(&args) {
+        Ok(()) => Ok(ExitCode::SUCCESS),
+        Err(error) => {
+            if !args.quiet {
+                eprintln!("thinpool: {error:#}");
+            }
+            Ok(ExitCode::from(EXIT_FAILURE))
+        }
+    }
+}
+
+fn restore_file(args: &Args) -> anyhow::Result<()> {
+    let input = File::open(&args.input)
+        .with_context(|| format!("cannot open input {}", args.input.display()))?;
+    if !args.output.exists() {
+        bail!(
+            "output {} does not exist: create it with the metadata size first",
+            args.output.display()
+        );
+    }
+    let device = FileDevice::open(&args.output, true)
+        .with_context(|| format!("cannot open output {}", args.output.display()))?;
+    if device_block_count(&device) < 8 {
+        bail!("output {} is too small for metadata", args.output.display());
+    }
+    let options = RestoreOptions {
+        transaction_id: args.transaction_id,
+        data_block_size_sectors: args.data_block_size,
+        data_block_count: args.nr_data_blocks,
+    };
+    restore::restore(BufReader::new(input), Arc::new(device), &options).with_context(|| {
+        format!(
+            "restoring {} to {}",
+            args.input.display(),
+            args.output.display()
+        )
+    })?;
+    Ok(())
+}
+
+fn device_block_count(device: &FileDevice) -> u64 {
+    persistent_data::BlockDevice::block_count(device)
 }

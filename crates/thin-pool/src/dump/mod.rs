@@ -24,7 +24,9 @@
 //! `docs/dm-thin-format.md` §9.
 
 mod error;
+pub mod expand;
 mod human;
+pub mod metadata;
 mod run;
 pub mod xml;
 
