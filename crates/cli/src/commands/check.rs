@@ -1,12 +1,228 @@
-//! `thinpool check`: being written (see the metadata issue).
+//! `thinpool check`: validate pool metadata, with `thin_check`'s arguments, output and exit
+//! codes (0: clean; 1: a fatal problem, or a non-fatal one without
+//! `--ignore-non-fatal-errors`).
+//!
+//! Output, as thin_check 1.1.0: the phases ("device details tree", ...) and every problem
+//! on stderr, then `TRANSACTION_ID=` and `METADATA_FREE_BLOCKS=` on stdout; `-q` silences
+//! both. When stderr is a terminal and the metadata is large, a progress bar replaces the
+//! phase lines.
 
+use anyhow::{bail, Context};
+use persistent_data::{BlockDevice, FileDevice};
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use thin_pool::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
+use thin_pool::PoolMetadata;
 
-/// Arguments.
+/// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).
+const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
+
+/// Which thin_check's leaf occupancy rule to apply.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum ToolsVersion {
+    /// thin-provisioning-tools 1.x: bottom-level mapping leaves may be less than a third full.
+    #[value(name = "1")]
+    V1,
+    /// thin-provisioning-tools 0.9.0 (the kernel's invariant): every non-root node at least
+    /// a third full.
+    #[value(name = "0.9.0")]
+    V0_9,
+}
+
+/// Arguments (those of `thin_check`).
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    /// The metadata file or device to check.
+    #[arg(value_name = "INPUT")]
+    input: PathBuf,
+    /// Suppress output messages, return only the exit code.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+    /// Only check the superblock.
+    #[arg(long = "super-block-only")]
+    super_block_only: bool,
+    /// Don't check the mapping tree (nor the reference counts).
+    #[arg(long = "skip-mappings")]
+    skip_mappings: bool,
+    /// Only return a non-zero exit code if a fatal error is found.
+    #[arg(long = "ignore-non-fatal-errors")]
+    ignore_non_fatal_errors: bool,
+    /// Clear the needs_check flag in the superblock after a clean check.
+    #[arg(long = "clear-needs-check-flag")]
+    clear_needs_check_flag: bool,
+    /// Check the metadata snapshot's trees (on a live pool).
+    #[arg(short = 'm', long = "metadata-snap")]
+    metadata_snap: bool,
+    /// Auto repair trivial issues (not supported).
+    #[arg(long = "auto-repair")]
+    auto_repair: bool,
+    /// Whose leaf occupancy rule to apply.
+    #[arg(
+        long = "tools-version",
+        value_name = "VERSION",
+        default_value = "0.9.0"
+    )]
+    tools_version: ToolsVersion,
+}
 
 /// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if args.auto_repair {
+        bail!("--auto-repair is not supported");
+    }
+    let device = FileDevice::open(&args.input, false)
+        .with_context(|| format!("cannot open {}", args.input.display()))?;
+    let device: Arc<dyn BlockDevice> = Arc::new(device);
+    let options = CheckOptions {
+        super_block_only: args.super_block_only,
+        skip_mappings: args.skip_mappings,
+        ignore_non_fatal: args.ignore_non_fatal_errors,
+        leaf_occupancy: match args.tools_version {
+            ToolsVersion::V1 => LeafOccupancy::SkipBottomLeaves,
+            ToolsVersion::V0_9 => LeafOccupancy::Strict,
+        },
+        metadata_snap: args.metadata_snap,
+    };
+    let mut display = Display::new(args.quiet);
+    let report = check::check(device, &options, &mut |progress| display.update(progress));
+    display.finish();
+    if !args.quiet {
+        print_report(&report);
+    }
+    let passed = report.passes(args.ignore_non_fatal_errors);
+    if passed && args.clear_needs_check_flag && report.summary.flags & 1 != 0 {
+        clear_needs_check(&args.input)?;
+    }
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn print_report(report: &Report) {
+    let mut stderr = std::io::stderr().lock();
+    for problem in &report.problems {
+        let _ = writeln!(stderr, "{problem}");
+    }
+    if report.problems_omitted > 0 {
+        let _ = writeln!(stderr, "... {} more problems", report.problems_omitted);
+    }
+    if report.summary.metadata_leaked_blocks > 0 {
+        let _ = writeln!(
+            stderr,
+            "{} metadata blocks have leaked.",
+            report.summary.metadata_leaked_blocks
+        );
+    }
+    if report.summary.data_bad_count_blocks > 0 {
+        let _ = writeln!(
+            stderr,
+            "{} data blocks have bad reference counts.",
+            report.summary.data_bad_count_blocks
+        );
+    }
+    if report.fatal_count + report.non_fatal_count > 0 {
+        let _ = writeln!(
+            stderr,
+            "{} errors, {} non-fatal errors",
+            report.fatal_count, report.non_fatal_count
+        );
+    }
+    // thin_check prints the figures whenever it could read the superblock.
+    let superblock_unreadable = report
+        .problems
+        .iter()
+        .any(|p| matches!(p.rule, Rule::SuperblockChecksum | Rule::Io) && p.block == Some(0));
+    if !superblock_unreadable {
+        println!("TRANSACTION_ID={}", report.summary.transaction_id);
+        println!(
+            "METADATA_FREE_BLOCKS={}",
+            report.summary.metadata_free_blocks
+        );
+    }
+}
+
+fn clear_needs_check(path: &std::path::Path) -> anyhow::Result<()> {
+    let device = FileDevice::open(path, true)
+        .with_context(|| format!("cannot open {} for writing", path.display()))?;
+    let mut metadata = PoolMetadata::open(Arc::new(device))
+        .with_context(|| format!("opening {}", path.display()))?;
+    metadata
+        .clear_needs_check()
+        .with_context(|| format!("clearing the needs_check flag of {}", path.display()))
+}
+
+/// Phase lines (like thin_check) or, on a terminal for large metadata, a progress bar.
+struct Display {
+    quiet: bool,
+    terminal: bool,
+    bar: bool,
+    started: bool,
+    phase: Option<Phase>,
+    last_draw: Option<Instant>,
+}
+
+impl Display {
+    fn new(quiet: bool) -> Display {
+        Display {
+            quiet,
+            terminal: std::io::stderr().is_terminal(),
+            bar: false,
+            started: false,
+            phase: None,
+            last_draw: None,
+        }
+    }
+
+    fn update(&mut self, progress: Progress) {
+        if self.quiet || progress.phase == Phase::Superblock {
+            return;
+        }
+        let mut stderr = std::io::stderr().lock();
+        if !self.started {
+            self.started = true;
+            self.bar = self.terminal && progress.total_blocks >= PROGRESS_BAR_MIN_BLOCKS;
+            if !self.bar {
+                let _ = writeln!(stderr, "Checking thin metadata");
+            }
+        }
+        let new_phase = self.phase != Some(progress.phase);
+        self.phase = Some(progress.phase);
+        if !self.bar {
+            if new_phase {
+                let _ = writeln!(stderr, "{}", progress.phase);
+            }
+            return;
+        }
+        let due = self
+            .last_draw
+            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100));
+        if !(new_phase || due) {
+            return;
+        }
+        self.last_draw = Some(Instant::now());
+        const WIDTH: u64 = 40;
+        let total = progress.total_blocks.max(1);
+        let done = progress.done_blocks.min(total);
+        let filled = done * WIDTH / total;
+        let _ = write!(
+            stderr,
+            "\r\x1b[2K{:<20} [{}{}] {:>3}%",
+            progress.phase.to_string(),
+            "#".repeat(filled as usize),
+            " ".repeat((WIDTH - filled) as usize),
+            done * 100 / total
+        );
+        let _ = stderr.flush();
+    }
+
+    fn finish(&mut self) {
+        if self.bar {
+            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        }
+    }
 }

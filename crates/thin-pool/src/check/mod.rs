@@ -231,18 +231,20 @@ pub fn check(
     if options.skip_mappings {
         return walker.report;
     }
+    // Counts below a broken tree are unknown: comparing them would only add noise, so
+    // counts are compared only while no structural problem was found.
     let data_sm = read_data_space_map(&mut walker, &sb.data_space_map);
-    let metadata_sm = read_metadata_space_map(&mut walker, &sb.metadata_space_map);
-    if walker.report.fatal_count > 0 {
-        // Counts below a broken tree are unknown: comparing them would only add noise.
-        return walker.report;
-    }
-    if let Some(stored) = data_sm {
-        walker.start_phase(Phase::DataSpaceMap);
+    let structural_fatal = walker.report.fatal_count;
+    if let (Some(stored), 0) = (data_sm, structural_fatal) {
         compare_counts(&mut walker, Structure::DataSpaceMap, &stored, &data_counts);
     }
-    if let Some(stored) = metadata_sm {
-        walker.start_phase(Phase::MetadataSpaceMap);
+    let after_data = walker.report.fatal_count;
+    let metadata_sm = read_metadata_space_map(&mut walker, &sb.metadata_space_map);
+    if let (Some(stored), 0, true) = (
+        metadata_sm,
+        structural_fatal,
+        walker.report.fatal_count == after_data,
+    ) {
         let expected = std::mem::replace(&mut walker.counts, Counts::new(0));
         compare_counts(&mut walker, Structure::MetadataSpaceMap, &stored, &expected);
         walker.counts = expected;
