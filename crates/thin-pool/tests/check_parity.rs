@@ -136,13 +136,16 @@ fn build(path: &Path) -> Layout {
     }
 }
 
+/// Makes one broken variant from a copy of the base image.
+type Patcher = dyn Fn(&Path, &Layout);
+
 /// One broken variant: what it breaks, how, and what our report must name.
 struct Case {
     name: &'static str,
     rule: Rule,
     block: Option<u64>,
     occupancy: LeafOccupancy,
-    make: Box<dyn Fn(&Path, &Layout)>,
+    make: Box<Patcher>,
 }
 
 fn case(

@@ -106,6 +106,10 @@ impl TreeKind {
 /// A problem a leaf value visitor found: rule, detail, data block.
 pub(super) type ValueProblem = (Rule, String, Option<u64>);
 
+/// Sees each leaf entry (leaf block, key, value bytes) once; may report a problem.
+pub(super) type ValueVisitor<'v> =
+    dyn FnMut(MetadataBlock, u64, &[u8]) -> Option<ValueProblem> + 'v;
+
 /// `height` marks: not visited yet, being walked (a pointer back to it is a cycle), or
 /// broken (already reported). Other values are height + 1.
 const UNVISITED: u8 = 0;
@@ -253,7 +257,7 @@ impl<'a> Walker<'a> {
         &mut self,
         root: u64,
         kind: TreeKind,
-        visit: &mut dyn FnMut(MetadataBlock, u64, &[u8]) -> Option<ValueProblem>,
+        visit: &mut ValueVisitor<'_>,
     ) -> Option<u64> {
         self.node(root, kind, None, None, 0, visit)
             .map(|(_, entries)| entries)
@@ -375,7 +379,7 @@ impl<'a> Walker<'a> {
         lower: Option<u64>,
         upper: Option<u64>,
         depth: usize,
-        visit: &mut dyn FnMut(MetadataBlock, u64, &[u8]) -> Option<ValueProblem>,
+        visit: &mut ValueVisitor<'_>,
     ) -> Option<(u8, u64)> {
         let (structure, volume) = (kind.structure(), kind.volume());
         let index = block as usize;
@@ -428,7 +432,7 @@ impl<'a> Walker<'a> {
         lower: Option<u64>,
         upper: Option<u64>,
         depth: usize,
-        visit: &mut dyn FnMut(MetadataBlock, u64, &[u8]) -> Option<ValueProblem>,
+        visit: &mut ValueVisitor<'_>,
     ) -> Option<(u8, u64)> {
         let (structure, volume) = (kind.structure(), kind.volume());
         let data = self.read(block, BlockKind::Node, structure, volume)?;
