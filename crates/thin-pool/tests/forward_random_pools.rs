@@ -240,7 +240,10 @@ fn run_case(index: u64, seed: u64, dir: &ScratchDir, v0: &ThinTools, v1: &ThinTo
 
     let theirs = v1.dump(&path, &[]);
     let ours = our_dump(&path, &DumpOptions::default(), false);
-    assert_eq!(ours, theirs, "{context}: xml dump differs from thin_dump 1.1.0");
+    assert_eq!(
+        ours, theirs,
+        "{context}: xml dump differs from thin_dump 1.1.0"
+    );
 
     let expanded = expand(&theirs);
     assert_eq!(
