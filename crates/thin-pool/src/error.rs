@@ -71,6 +71,9 @@ pub enum Error {
         /// The metadata path.
         path: String,
     },
+    /// The object is in use (an open volume cannot be deleted).
+    #[error("{0}")]
+    Busy(String),
     /// A request that can never succeed (bad size, shrinking, ...).
     #[error("{0}")]
     Invalid(String),
@@ -101,7 +104,9 @@ impl Error {
             | Error::TransactionMismatch { .. }
             | Error::NoMetadataSnap
             | Error::Invalid(_) => libc_errno::EINVAL,
-            Error::MetadataSnapExists(_) | Error::Locked { .. } => libc_errno::EBUSY,
+            Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
+                libc_errno::EBUSY
+            }
             Error::ReadOnly { .. } => libc_errno::EROFS,
             Error::OutOfDataSpace { .. } | Error::OutOfMetadataSpace { .. } => libc_errno::ENOSPC,
         }

@@ -559,7 +559,31 @@ impl PoolMetadata {
         block: VirtualBlock,
         data_block: DataBlock,
     ) -> Result<Option<Mapping>> {
+        let time = self.superblock.time;
+        self.insert_at(id, block, data_block, time)
+    }
+
+    /// Whether a volume exists.
+    pub fn has_volume(&self, id: VolumeId) -> bool {
+        self.volumes.contains_key(&id)
+    }
+
+    /// Like [`PoolMetadata::insert`], with the mapping's time given (at most the pool time):
+    /// the engine records the time a write was provisioned at.
+    pub fn insert_at(
+        &mut self,
+        id: VolumeId,
+        block: VirtualBlock,
+        data_block: DataBlock,
+        time: u32,
+    ) -> Result<Option<Mapping>> {
         self.check_writable()?;
+        if time > self.superblock.time {
+            return Err(Error::Invalid(format!(
+                "mapping time {time} is after the pool time {}",
+                self.superblock.time
+            )));
+        }
         if data_block.0 >= self.data_sm.block_count() {
             return Err(Error::Invalid(format!(
                 "data block {data_block} beyond the data device ({} blocks)",
@@ -567,7 +591,6 @@ impl PoolMetadata {
             )));
         }
         self.touch(id)?;
-        let time = self.superblock.time;
         let state = self.volumes.get(&id).expect("touched volume exists");
         let snapshotted_time = state.details.snapshotted_time;
         let value = pack_block_time(data_block.0, time);

@@ -1,0 +1,272 @@
+//! The volume catalog: names, virtual sizes and flags of volumes, which dm-thin metadata
+//! does not hold (LVM keeps them in its own metadata for the same reason).
+//!
+//! Consistency with the pool metadata comes from the metadata's transaction id, as LVM uses
+//! `set_transaction_id`: every catalog change is written, durably, as the catalog of
+//! transaction `T + 1` *before* the metadata change and `set_transaction_id(T, T + 1)` are
+//! committed. On open, the catalog whose transaction id equals the metadata's is the right
+//! one; a newer one is a change whose metadata commit never happened and is discarded. So no
+//! crash can leave the two disagreeing.
+//!
+//! [`DirCatalog`] keeps one file per transaction (`catalog-<id>.json`), written to a temporary
+//! name, synced, renamed and the directory synced; older files are removed after the next
+//! commit.
+
+use crate::error::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Longest volume name, in bytes.
+pub const NAME_LENGTH_MAX: usize = 128;
+
+/// One volume in the catalog.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CatalogVolume {
+    /// The volume's name (its NBD export name).
+    pub name: String,
+    /// Its id in the pool metadata.
+    pub id: u32,
+    /// Virtual size in bytes (a multiple of 512).
+    pub size_bytes: u64,
+    /// Whether writes are refused.
+    pub read_only: bool,
+    /// Name of the volume it was snapshotted from, if it was (informational).
+    pub origin: Option<String>,
+}
+
+/// The whole catalog as of one transaction.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Catalog {
+    /// The metadata transaction id this catalog belongs to.
+    pub transaction_id: u64,
+    /// Volumes, in creation order.
+    pub volumes: Vec<CatalogVolume>,
+}
+
+impl Catalog {
+    /// The volume called `name`.
+    pub fn find(&self, name: &str) -> Option<&CatalogVolume> {
+        self.volumes.iter().find(|v| v.name == name)
+    }
+
+    /// The lowest volume id not in use.
+    pub fn free_id(&self) -> Result<u32> {
+        let used: std::collections::BTreeSet<u32> = self.volumes.iter().map(|v| v.id).collect();
+        (0..=crate::ids::VolumeId::MAX.0)
+            .find(|id| !used.contains(id))
+            .ok_or_else(|| Error::Invalid("every volume id is in use".to_string()))
+    }
+}
+
+/// Check a volume name: 1 to 128 bytes, no '/', no control characters, not "." or "..".
+pub fn validate_name(name: &str) -> Result<()> {
+    if name.is_empty() || name.len() > NAME_LENGTH_MAX {
+        return Err(Error::Invalid(format!(
+            "volume name must be 1 to {NAME_LENGTH_MAX} bytes, not {}",
+            name.len()
+        )));
+    }
+    if name == "." || name == ".." {
+        return Err(Error::Invalid(format!("volume name {name:?} is reserved")));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| *c == '/' || *c == '\\' || c.is_control())
+    {
+        return Err(Error::Invalid(format!(
+            "volume name {name:?} contains {c:?}: no path separators or control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// Where catalogs are kept.
+pub trait CatalogStore: Send + Sync {
+    /// The catalog of committed transaction `transaction_id`.
+    fn load(&self, transaction_id: u64) -> Result<Catalog>;
+    /// Store a catalog durably (before the metadata transaction it belongs to commits).
+    fn store(&self, catalog: &Catalog) -> Result<()>;
+    /// Transaction `transaction_id` committed: forget every other catalog.
+    fn committed(&self, transaction_id: u64) -> Result<()>;
+}
+
+/// Catalogs as files in a directory.
+#[derive(Debug)]
+pub struct DirCatalog {
+    dir: PathBuf,
+}
+
+impl DirCatalog {
+    /// Catalogs in `dir` (which must exist).
+    pub fn new(dir: &Path) -> DirCatalog {
+        DirCatalog {
+            dir: dir.to_path_buf(),
+        }
+    }
+
+    fn path(&self, transaction_id: u64) -> PathBuf {
+        self.dir.join(format!("catalog-{transaction_id}.json"))
+    }
+
+    fn io(&self, what: &str, path: &Path, source: std::io::Error) -> Error {
+        Error::Io {
+            what: format!("{what} {}", path.display()),
+            source,
+        }
+    }
+
+    fn listed(&self) -> Result<Vec<(u64, PathBuf)>> {
+        let mut out = vec![];
+        let entries = fs::read_dir(&self.dir).map_err(|e| self.io("listing", &self.dir, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| self.io("listing", &self.dir, e))?;
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            if let Some(id) = name
+                .strip_prefix("catalog-")
+                .and_then(|rest| rest.strip_suffix(".json"))
+                .and_then(|id| id.parse::<u64>().ok())
+            {
+                out.push((id, entry.path()));
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl CatalogStore for DirCatalog {
+    fn load(&self, transaction_id: u64) -> Result<Catalog> {
+        let path = self.path(transaction_id);
+        let text = fs::read_to_string(&path)
+            .map_err(|e| self.io("reading the volume catalog", &path, e))?;
+        let catalog: Catalog = serde_json::from_str(&text).map_err(|e| {
+            Error::Invalid(format!("volume catalog {} is damaged: {e}", path.display()))
+        })?;
+        if catalog.transaction_id != transaction_id {
+            return Err(Error::Invalid(format!(
+                "volume catalog {} belongs to transaction {}, expected {transaction_id}",
+                path.display(),
+                catalog.transaction_id
+            )));
+        }
+        for v in &catalog.volumes {
+            validate_name(&v.name)?;
+        }
+        Ok(catalog)
+    }
+
+    fn store(&self, catalog: &Catalog) -> Result<()> {
+        let path = self.path(catalog.transaction_id);
+        let temporary = self
+            .dir
+            .join(format!("catalog-{}.json.tmp", catalog.transaction_id));
+        let text = serde_json::to_string_pretty(catalog).expect("a catalog serializes");
+        let write = || -> std::io::Result<()> {
+            let mut file = fs::File::create(&temporary)?;
+            file.write_all(text.as_bytes())?;
+            file.write_all(b"\n")?;
+            file.sync_all()?;
+            fs::rename(&temporary, &path)?;
+            fs::File::open(&self.dir)?.sync_all()
+        };
+        write().map_err(|e| self.io("writing the volume catalog", &path, e))
+    }
+
+    fn committed(&self, transaction_id: u64) -> Result<()> {
+        for (id, path) in self.listed()? {
+            if id != transaction_id {
+                fs::remove_file(&path).map_err(|e| self.io("removing", &path, e))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Catalogs in memory (tests).
+#[derive(Debug, Default)]
+pub struct MemoryCatalog {
+    catalogs: Mutex<BTreeMap<u64, Catalog>>,
+}
+
+impl CatalogStore for MemoryCatalog {
+    fn load(&self, transaction_id: u64) -> Result<Catalog> {
+        self.catalogs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&transaction_id)
+            .cloned()
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "no volume catalog for transaction {transaction_id}"
+                ))
+            })
+    }
+    fn store(&self, catalog: &Catalog) -> Result<()> {
+        self.catalogs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(catalog.transaction_id, catalog.clone());
+        Ok(())
+    }
+    fn committed(&self, transaction_id: u64) -> Result<()> {
+        self.catalogs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|id, _| *id == transaction_id);
+        Ok(())
+    }
+}
+
+impl<T: CatalogStore + ?Sized> CatalogStore for std::sync::Arc<T> {
+    fn load(&self, transaction_id: u64) -> Result<Catalog> {
+        (**self).load(transaction_id)
+    }
+    fn store(&self, catalog: &Catalog) -> Result<()> {
+        (**self).store(catalog)
+    }
+    fn committed(&self, transaction_id: u64) -> Result<()> {
+        (**self).committed(transaction_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated() {
+        assert!(validate_name("vm-disk.0").is_ok());
+        for bad in ["", ".", "..", "a/b", "a\nb", "a\u{7f}", &"x".repeat(129)] {
+            assert!(validate_name(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn dir_catalog_keeps_only_committed() {
+        let dir = std::env::temp_dir().join(format!("tp-catalog-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let store = DirCatalog::new(&dir);
+        let mut c = Catalog {
+            transaction_id: 1,
+            volumes: vec![],
+        };
+        store.store(&c).unwrap();
+        c.transaction_id = 2;
+        c.volumes.push(CatalogVolume {
+            name: "a".into(),
+            id: 0,
+            size_bytes: 512,
+            read_only: false,
+            origin: None,
+        });
+        store.store(&c).unwrap();
+        assert_eq!(store.load(2).unwrap(), c);
+        store.committed(2).unwrap();
+        assert!(store.load(1).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,403 @@
+//! Volume I/O: byte-addressed read, write (with FUA), write-zeroes, discard, flush and
+//! allocation status, on the caller's thread.
+//!
+//! Every request is split at data-block boundaries. For each piece:
+//!
+//! ```text
+//!   read        index lookup ─ unmapped → zeros
+//!                            └ mapped   → pread(data block)
+//!   write       index lookup ─ mapped, not shared → pwrite in place           (no lock)
+//!                            └ otherwise, under the block's lock, look again:
+//!                                unmapped → allocate, zero the rest, pwrite, queue Insert
+//!                                shared   → allocate, copy the rest, pwrite, queue Insert
+//!   discard     whole blocks: unmap (queue Remove); partial: zero if mapped and unshared
+//! ```
+//!
+//! A mapping is *shared* when the volume was snapshotted after it was made (spec §8.5);
+//! the test is conservative, as in dm-thin.
+
+use crate::error::{Error, Result};
+use crate::index::IndexEntry;
+use crate::pool::{Op, PoolMode, Shared, VolumeShared};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Sector size: offsets and lengths are multiples of it.
+pub const SECTOR_SIZE: u64 = 512;
+
+/// An allocation-status extent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    /// Length in bytes.
+    pub length_bytes: u64,
+    /// Whether the range is mapped (allocated); unmapped ranges read as zeros.
+    pub mapped: bool,
+}
+
+/// What a write piece carries.
+#[derive(Clone, Copy)]
+enum Payload<'a> {
+    Data(&'a [u8]),
+    Zeroes(u64),
+}
+
+impl Payload<'_> {
+    fn len(&self) -> u64 {
+        match self {
+            Payload::Data(d) => d.len() as u64,
+            Payload::Zeroes(n) => *n,
+        }
+    }
+}
+
+/// An open volume. Cheap to clone; every clone counts as open (delete is refused while any
+/// handle exists).
+pub struct Volume {
+    pool: Arc<Shared>,
+    volume: Arc<VolumeShared>,
+}
+
+impl Clone for Volume {
+    fn clone(&self) -> Volume {
+        Volume::new(self.pool.clone(), self.volume.clone())
+    }
+}
+
+impl Drop for Volume {
+    fn drop(&mut self) {
+        self.volume.open_count.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+impl std::fmt::Debug for Volume {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Volume")
+            .field("name", &self.volume.name)
+            .finish()
+    }
+}
+
+fn data_io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
+    move |source| Error::Io {
+        what: what.to_string(),
+        source,
+    }
+}
+
+impl Volume {
+    pub(crate) fn new(pool: Arc<Shared>, volume: Arc<VolumeShared>) -> Volume {
+        volume.open_count.fetch_add(1, Ordering::AcqRel);
+        Volume { pool, volume }
+    }
+
+    /// The volume's name.
+    pub fn name(&self) -> &str {
+        &self.volume.name
+    }
+
+    /// The volume's id in the metadata.
+    pub fn id(&self) -> crate::ids::VolumeId {
+        self.volume.id
+    }
+
+    /// Virtual size in bytes.
+    pub fn size_bytes(&self) -> u64 {
+        self.volume.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// Whether writes are refused (read-only volume or pool).
+    pub fn read_only(&self) -> bool {
+        self.volume.read_only.load(Ordering::Acquire) || self.pool.options.read_only
+    }
+
+    /// Data block size in bytes.
+    pub fn block_size_bytes(&self) -> u64 {
+        self.pool.block_size_bytes
+    }
+
+    /// Whether the data device can discard.
+    pub fn can_discard(&self) -> bool {
+        true
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<()> {
+        if !offset.is_multiple_of(SECTOR_SIZE) || !len.is_multiple_of(SECTOR_SIZE) {
+            return Err(Error::Invalid(format!(
+                "offset {offset} and length {len} must be multiples of {SECTOR_SIZE}"
+            )));
+        }
+        let size = self.size_bytes();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::Invalid(format!(
+                "range {offset}+{len} is beyond the volume's {size} bytes"
+            ))),
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.read_only() {
+            return Err(Error::ReadOnly { needs_check: false });
+        }
+        match self.pool.mode() {
+            PoolMode::Fail => Err(Error::ReadOnly { needs_check: true }),
+            _ => Ok(()),
+        }
+    }
+
+    fn is_shared(&self, entry: IndexEntry) -> bool {
+        self.volume.snapshotted_time.load(Ordering::Acquire) > entry.time
+    }
+
+    /// Split `offset..offset+len` into (virtual block, offset in block, length) pieces.
+    fn pieces(&self, offset: u64, len: u64) -> impl Iterator<Item = (u64, u64, u64)> {
+        let block_size = self.pool.block_size_bytes;
+        let end = offset + len;
+        let mut position = offset;
+        std::iter::from_fn(move || {
+            if position >= end {
+                return None;
+            }
+            let block = position / block_size;
+            let in_block = position % block_size;
+            let n = (block_size - in_block).min(end - position);
+            position += n;
+            Some((block, in_block, n))
+        })
+    }
+
+    /// Read `buf.len()` bytes at `offset`.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<()> {
+        self.check_range(offset, buf.len() as u64)?;
+        if self.pool.mode() == PoolMode::Fail {
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        let block_size = self.pool.block_size_bytes;
+        let mut done = 0usize;
+        for (block, in_block, n) in self.pieces(offset, buf.len() as u64) {
+            let piece = &mut buf[done..done + n as usize];
+            match self.volume.index.lookup(block) {
+                None => piece.fill(0),
+                Some(entry) => self
+                    .pool
+                    .data
+                    .read_at(entry.data_block * block_size + in_block, piece)
+                    .map_err(data_io("reading the data device"))?,
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
+    /// Write `data` at `offset`; with `fua`, durable (data and mapping) when this returns.
+    pub fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
+        self.check_range(offset, data.len() as u64)?;
+        self.check_writable()?;
+        {
+            let _pass = self.volume.gate.enter();
+            let mut done = 0usize;
+            for (block, in_block, n) in self.pieces(offset, data.len() as u64) {
+                let piece = &data[done..done + n as usize];
+                self.write_piece(block, in_block, Payload::Data(piece), true)?;
+                done += n as usize;
+            }
+        }
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Make `len` bytes at `offset` read as zeros. With `may_unmap`, whole blocks are
+    /// unmapped; without it (NBD's NO_HOLE) the range stays or becomes allocated.
+    pub fn write_zeroes(&self, offset: u64, len: u64, may_unmap: bool, fua: bool) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.check_writable()?;
+        {
+            let _pass = self.volume.gate.enter();
+            let block_size = self.pool.block_size_bytes;
+            for (block, in_block, n) in self.pieces(offset, len) {
+                if may_unmap && n == block_size {
+                    self.unmap(block);
+                } else {
+                    self.write_piece(block, in_block, Payload::Zeroes(n), !may_unmap)?;
+                }
+            }
+        }
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    /// Discard: unmap the whole blocks in the range (their data blocks are freed, and
+    /// discarded on the data device, at the next commit if nothing else references them) and
+    /// zero the parts of partial blocks that are mapped and not shared.
+    pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.check_writable()?;
+        let _pass = self.volume.gate.enter();
+        let block_size = self.pool.block_size_bytes;
+        for (block, in_block, n) in self.pieces(offset, len) {
+            if n == block_size {
+                self.unmap(block);
+            } else if let Some(entry) = self.volume.index.lookup(block) {
+                if !self.is_shared(entry) {
+                    self.pool
+                        .data
+                        .zero(entry.data_block * block_size + in_block, n)
+                        .map_err(data_io("zeroing on the data device"))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Durability point: every write completed before this call, and the mappings they made,
+    /// survive a crash once it returns.
+    pub fn flush(&self) -> Result<()> {
+        match self.pool.mode() {
+            PoolMode::ReadOnly if self.pool.options.read_only => self
+                .pool
+                .data
+                .flush()
+                .map_err(data_io("flushing the data device")),
+            _ => self.pool.commit(),
+        }
+    }
+
+    /// Allocation status of `offset..offset+len`, as extents in order.
+    pub fn block_status(&self, offset: u64, len: u64) -> Result<Vec<Extent>> {
+        self.check_range(offset, len)?;
+        let mut extents: Vec<Extent> = Vec::new();
+        for (block, _, n) in self.pieces(offset, len) {
+            let mapped = self.volume.index.lookup(block).is_some();
+            match extents.last_mut() {
+                Some(last) if last.mapped == mapped => last.length_bytes += n,
+                _ => extents.push(Extent {
+                    length_bytes: n,
+                    mapped,
+                }),
+            }
+        }
+        Ok(extents)
+    }
+
+    /// Mapped blocks, counted in the index.
+    pub fn mapped_blocks(&self) -> u64 {
+        let mut count = 0;
+        self.volume
+            .index
+            .for_each_in(0, u64::MAX, &mut |_, _| count += 1);
+        count
+    }
+
+    fn unmap(&self, block: u64) {
+        let _order = self.volume.block_lock(block);
+        if self.volume.index.lookup(block).is_some() {
+            self.volume.index.clear(block);
+            self.pool.queue(Op::Remove {
+                volume: self.volume.id,
+                block,
+            });
+        }
+    }
+
+    fn write_payload(&self, at: u64, payload: Payload<'_>) -> Result<()> {
+        match payload {
+            Payload::Data(data) => self
+                .pool
+                .data
+                .write_at(at, data)
+                .map_err(data_io("writing the data device")),
+            Payload::Zeroes(n) => self
+                .pool
+                .data
+                .zero(at, n)
+                .map_err(data_io("zeroing on the data device")),
+        }
+    }
+
+    fn write_piece(
+        &self,
+        block: u64,
+        in_block: u64,
+        payload: Payload<'_>,
+        provision: bool,
+    ) -> Result<()> {
+        let block_size = self.pool.block_size_bytes;
+        if let Some(entry) = self.volume.index.lookup(block) {
+            if !self.is_shared(entry) {
+                return self.write_payload(entry.data_block * block_size + in_block, payload);
+            }
+        }
+        let _order = self.volume.block_lock(block);
+        let current = self.volume.index.lookup(block);
+        match current {
+            Some(entry) if !self.is_shared(entry) => {
+                self.write_payload(entry.data_block * block_size + in_block, payload)
+            }
+            None if !provision => Ok(()),
+            _ => {
+                let new = self.pool.alloc_data_block()?;
+                let base = new * block_size;
+                let end = in_block + payload.len();
+                let filled = (|| -> Result<()> {
+                    match current {
+                        Some(old) => {
+                            // Break sharing: copy what the write does not cover.
+                            let old_base = old.data_block * block_size;
+                            if in_block > 0 {
+                                self.pool
+                                    .data
+                                    .copy(old_base, base, in_block)
+                                    .map_err(data_io("copying on the data device"))?;
+                            }
+                            if end < block_size {
+                                self.pool
+                                    .data
+                                    .copy(old_base + end, base + end, block_size - end)
+                                    .map_err(data_io("copying on the data device"))?;
+                            }
+                        }
+                        None if self.pool.options.zero_new_blocks => {
+                            if in_block > 0 {
+                                self.pool
+                                    .data
+                                    .zero(base, in_block)
+                                    .map_err(data_io("zeroing on the data device"))?;
+                            }
+                            if end < block_size {
+                                self.pool
+                                    .data
+                                    .zero(base + end, block_size - end)
+                                    .map_err(data_io("zeroing on the data device"))?;
+                            }
+                        }
+                        None => {}
+                    }
+                    self.write_payload(base + in_block, payload)
+                })();
+                if let Err(e) = filled {
+                    self.pool.release_unmapped(new);
+                    return Err(e);
+                }
+                let time = self.pool.time.load(Ordering::Acquire);
+                self.pool.queue(Op::Insert {
+                    volume: self.volume.id,
+                    block,
+                    data_block: new,
+                    time,
+                });
+                self.volume.index.set(
+                    block,
+                    IndexEntry {
+                        data_block: new,
+                        time,
+                    },
+                );
+                Ok(())
+            }
+        }
+    }
+}
