@@ -28,6 +28,19 @@ enum Command {
     Restore(commands::restore::Args),
     /// Estimate the metadata size a pool needs (like thin_metadata_size).
     MetadataSize(commands::metadata_size::Args),
+    /// Create a pool in a directory.
+    Create(commands::create::Args),
+    /// Manage volumes: create, snapshot, delete, resize.
+    #[command(subcommand)]
+    Volume(commands::volume::Command),
+    /// List volumes.
+    List(commands::list::Args),
+    /// Show the pool's status.
+    Status(commands::status::Args),
+    /// Serve the pool's volumes over NBD.
+    Serve(commands::serve::Args),
+    /// Measure the engine against the raw data device, side by side.
+    Bench(commands::bench::Args),
 }
 
 fn main() -> ExitCode {
@@ -37,6 +50,12 @@ fn main() -> ExitCode {
         Command::Dump(args) => commands::dump::run(args),
         Command::Restore(args) => commands::restore::run(args),
         Command::MetadataSize(args) => commands::metadata_size::run(args),
+        Command::Create(args) => commands::create::run(args),
+        Command::Volume(command) => commands::volume::run(command),
+        Command::List(args) => commands::list::run(args),
+        Command::Status(args) => commands::status::run(args),
+        Command::Serve(args) => commands::serve::run(args),
+        Command::Bench(args) => commands::bench::run(args),
     };
     match result {
         Ok(code) => code,
