@@ -251,7 +251,7 @@ fn every_value_size_matches_its_model_across_commits_and_reopens() {
     let key_spaces: Vec<u64> = (0..KINDS.len())
         .map(|_| if rng.gen_bool(0.5) { 3_000 } else { 1_000_000 })
         .collect();
-    let steps = testkit::case_count(24_000) as usize;
+    let steps = testkit::case_count(60_000) as usize;
     let commit_every = rng.gen_range(200..800);
     for step in 0..steps {
         let tree = rng.gen_range(0..KINDS.len());
@@ -459,7 +459,7 @@ fn core_space_map_matches_a_vector_of_counts() {
     let mut sm = CoreSpaceMap::new(size);
     let mut model = vec![0u32; size as usize];
     let mut released = HashSet::new();
-    let steps = testkit::case_count(200_000) as usize;
+    let steps = testkit::case_count(400_000) as usize;
     // Work on a window of blocks so counts climb past 3 (the overflow) and back.
     let mut window = 0..size.min(600);
     for step in 0..steps {

@@ -352,15 +352,18 @@ fn crash_everywhere(transactions: &[Vec<Op>], points: Option<usize>, rng: &mut S
 #[test]
 fn crash_at_every_write_and_flush_of_a_small_workload_recovers_a_commit() {
     let (_report, mut rng) = common::seeded();
-    let transactions = workload(&mut rng, 6, 40, 3000);
-    crash_everywhere(&transactions, None, &mut rng);
+    // Each workload is crashed at every point; THINPOOL_CASES runs more workloads.
+    for _ in 0..testkit::case_count(2) {
+        let transactions = workload(&mut rng, 8, 50, 3000);
+        crash_everywhere(&transactions, None, &mut rng);
+    }
 }
 
 #[test]
 fn crash_at_sampled_points_of_a_large_workload_recovers_a_commit() {
     let (_report, mut rng) = common::seeded();
     let transactions = workload(&mut rng, 8, 1500, 200_000);
-    let points = testkit::case_count(40) as usize;
+    let points = testkit::case_count(150) as usize;
     crash_everywhere(&transactions, Some(points), &mut rng);
 }
 
