@@ -20,15 +20,16 @@ pub const BLOCKNR_OFFSET: usize = 8;
 pub const CACHE_BLOCKS_DEFAULT: usize = 16_384;
 
 struct Cache {
-    blocks: HashMap<MetadataBlock, Arc<Block>>,
+    /// Cached blocks with the kind they were validated as (`None`: read raw, unvalidated).
+    blocks: HashMap<MetadataBlock, (Arc<Block>, Option<BlockKind>)>,
     /// Insertion order, for eviction (first in, first out). May name blocks already evicted.
     order: VecDeque<MetadataBlock>,
     capacity_blocks: usize,
 }
 
 impl Cache {
-    fn insert(&mut self, block: MetadataBlock, data: Arc<Block>) {
-        if self.blocks.insert(block, data).is_none() {
+    fn insert(&mut self, block: MetadataBlock, data: Arc<Block>, kind: Option<BlockKind>) {
+        if self.blocks.insert(block, (data, kind)).is_none() {
             self.order.push_back(block);
         }
         while self.blocks.len() > self.capacity_blocks {
@@ -120,7 +121,7 @@ impl BlockManager {
 
     /// Read a block without validating it (for tools that identify block kinds).
     pub fn read_raw(&self, block: MetadataBlock) -> Result<Arc<Block>> {
-        if let Some(data) = self.lock().blocks.get(&block) {
+        if let Some((data, _)) = self.lock().blocks.get(&block) {
             return Ok(data.clone());
         }
         let count = self.device.block_count();
@@ -143,16 +144,18 @@ impl BlockManager {
 
     /// Read a block and validate it as `kind`. Only valid blocks enter the cache.
     pub fn read(&self, block: MetadataBlock, kind: BlockKind) -> Result<Arc<Block>> {
-        if let Some(data) = self.lock().blocks.get(&block) {
-            let data = data.clone();
-            // A cached block was valid as whatever kind it was read as; a reader expecting
-            // another kind must still get a checksum error.
-            validate(block, &data, kind)?;
+        let cached = self.lock().blocks.get(&block).cloned();
+        if let Some((data, cached_kind)) = cached {
+            // A block validated as this kind before needs no new checksum; a reader
+            // expecting another kind must still get a checksum error.
+            if cached_kind != Some(kind) {
+                validate(block, &data, kind)?;
+            }
             return Ok(data);
         }
         let data = self.read_raw(block)?;
         validate(block, &data, kind)?;
-        self.lock().insert(block, data.clone());
+        self.lock().insert(block, data.clone(), Some(kind));
         Ok(data)
     }
 
@@ -169,7 +172,7 @@ impl BlockManager {
                 block,
                 source,
             })?;
-        self.lock().insert(block, data);
+        self.lock().insert(block, data, Some(kind));
         Ok(())
     }
 

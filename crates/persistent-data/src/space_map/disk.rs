@@ -128,6 +128,18 @@ impl DataSpaceMap {
 
     /// Load the data space map described by `root`.
     pub fn open(source: &dyn BlockSource, root: &SpaceMapRoot) -> Result<DataSpaceMap> {
+        // Every bitmap is a metadata block: a size needing more bitmaps than the metadata
+        // device has blocks is corrupt (and must not be allocated).
+        if root.block_count.div_ceil(ENTRIES_PER_BITMAP) > source.block_count() {
+            return Err(Error::corrupt(
+                MetadataBlock(root.bitmap_root),
+                format!(
+                    "data space map of {} blocks needs more bitmaps than the metadata device's {} blocks",
+                    root.block_count,
+                    source.block_count()
+                ),
+            ));
+        }
         let mut core = CoreSpaceMap::new(root.block_count);
         let bitmaps = bitmap_count(root.block_count);
         let mut bitmap_locations = vec![None; bitmaps];
