@@ -1132,15 +1132,9 @@ impl Shared {
                         md.dec_data_block(DataBlock(data_block)).map(|_| ())
                     } else {
                         md.insert_at(volume, VirtualBlock(block), DataBlock(data_block), time)
-                            .and_then(|old| match old {
-                                Some(old)
-                                    if self.options.discard_passdown
-                                        && md.data_block_count(old.data_block) == 0 =>
-                                {
-                                    self.passdown(old.data_block.0)
-                                }
-                                _ => Ok(()),
-                            })
+                            // No passdown for a replaced block: until this commit is
+                            // durable the old mapping may be what survives a crash.
+                            .map(|_| ())
                     }
                 }
                 Op::Remove { volume, block } => {
