@@ -4,8 +4,12 @@
 //! runs on its own thread: handshake (bounded by a read timeout), then the session with its
 //! worker threads. Invariants: at most `connections_max` connections are served at once
 //! (extra ones are closed at accept); every live connection has an entry in the table (removed
-//! by a drop guard, even if its thread panics), so shutdown can reach it; a Unix socket is
-//! created with mode 0600 and removed at shutdown. Shutdown stops the accept loops, shuts the
+//! by a drop guard, even if its thread panics), so shutdown can reach it; payload buffers are
+//! bounded per connection and over the whole server (`bytes_in_flight_max`,
+//! `server_bytes_in_flight_max`), so buffer memory stays below the server limit plus one
+//! maximum request per connection; a Unix socket is
+//! created with mode 0600 (set right after bind; put it in a private directory if the short
+//! window matters) and removed at shutdown. Shutdown stops the accept loops, shuts the
 //! read half of every connection (clients see in-flight requests answered, then EOF), waits for
 //! the connection threads, and after a grace period shuts the sockets completely.
 
