@@ -7,11 +7,11 @@
 //! by a drop guard, even if its thread panics), so shutdown can reach it; payload buffers are
 //! bounded per connection and over the whole server (`bytes_in_flight_max`,
 //! `server_bytes_in_flight_max`), so buffer memory stays below the server limit plus one
-//! maximum request per connection; a Unix socket is
-//! created with mode 0600 (set right after bind; put it in a private directory if the short
-//! window matters) and removed at shutdown. Shutdown stops the accept loops, shuts the
-//! read half of every connection (clients see in-flight requests answered, then EOF), waits for
-//! the connection threads, and after a grace period shuts the sockets completely.
+//! maximum request per connection; a Unix socket is created with mode 0600 (set right after
+//! bind; put it in a private directory if that short window matters) and removed at shutdown.
+//! Shutdown stops the accept loops, shuts the read half of every connection (clients see
+//! in-flight requests answered, then EOF), waits for the connection threads, and after a
+//! grace period shuts the sockets completely.
 
 use std::collections::HashMap;
 use std::fmt;
