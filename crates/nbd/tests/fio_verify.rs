@@ -33,6 +33,7 @@ fn fio_two_jobs_verify_crc32c() {
             "--verify=crc32c",
             "--do_verify=1",
             "--verify_fatal=1",
+            "--verify_state_save=0",
             &seed_arg,
             "--group_reporting",
         ],
