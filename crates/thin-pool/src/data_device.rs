@@ -20,8 +20,6 @@ use std::sync::RwLock;
 pub struct DataCounters {
     /// Bytes written with `write_at` (including zero-filling fallbacks).
     pub written_bytes: AtomicU64,
-    /// Bytes read with `read_at`.
-    pub read_bytes: AtomicU64,
     /// Bytes zeroed or discarded without writing (fallocate).
     pub zeroed_bytes: AtomicU64,
     /// Bytes copied by the device (copy_file_range), not through our buffers.
@@ -180,9 +178,6 @@ impl DataDevice for FileDataDevice {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
         check_range(offset, buf.len() as u64, self.size_bytes())?;
         self.file.read_exact_at(buf, offset)?;
-        self.counters
-            .read_bytes
-            .fetch_add(buf.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -362,9 +357,6 @@ impl DataDevice for MemoryDataDevice {
         let bytes = self.bytes.read().unwrap_or_else(|e| e.into_inner());
         check_range(offset, buf.len() as u64, bytes.len() as u64)?;
         buf.copy_from_slice(&bytes[offset as usize..offset as usize + buf.len()]);
-        self.counters
-            .read_bytes
-            .fetch_add(buf.len() as u64, Ordering::Relaxed);
         Ok(())
     }
     fn write_at(&self, offset: u64, data: &[u8]) -> io::Result<()> {
