@@ -53,8 +53,8 @@ pub enum Error {
     Metadata(#[from] crate::Error),
 }
 
-/// Overrides of `thin_restore`.
-#[derive(Debug, Clone, Default)]
+/// Overrides of `thin_restore`, and how often to commit.
+#[derive(Debug, Clone)]
 pub struct RestoreOptions {
     /// Replace the transaction id of the XML (`--transaction-id`).
     pub transaction_id: Option<u64>,
@@ -62,6 +62,19 @@ pub struct RestoreOptions {
     pub data_block_size_sectors: Option<u32>,
     /// Replace the number of data blocks of the XML (`--nr-data-blocks`).
     pub data_block_count: Option<u64>,
+    /// Commit whenever this many metadata blocks are dirty ([`COMMIT_INTERVAL_BLOCKS`]).
+    pub commit_interval_blocks: usize,
+}
+
+impl Default for RestoreOptions {
+    fn default() -> RestoreOptions {
+        RestoreOptions {
+            transaction_id: None,
+            data_block_size_sectors: None,
+            data_block_count: None,
+            commit_interval_blocks: COMMIT_INTERVAL_BLOCKS,
+        }
+    }
 }
 
 /// What a restore wrote.
@@ -198,8 +211,9 @@ impl Restorer {
 
     /// Commit what is built so far if enough is dirty, under a superblock of an empty pool.
     fn maybe_commit(&mut self) -> Result<(), dump::Error> {
+        let interval = self.options.commit_interval_blocks;
         let pool = self.pool();
-        if pool.tm.dirty_count() < COMMIT_INTERVAL_BLOCKS {
+        if pool.tm.dirty_count() < interval {
             return Ok(());
         }
         let (mapping_root, details_root) = pool.placeholder_roots;
@@ -380,8 +394,10 @@ impl DumpVisitor for Restorer {
                 )
                 .map_err(visitor_error)?;
         }
-        self.mapping_count += mapping.length;
-        Ok(())
+        if section.device.is_some() {
+            self.mapping_count += mapping.length;
+        }
+        self.maybe_commit()
     }
 
     fn reference(&mut self, name: &str) -> Result<(), dump::Error> {
@@ -397,5 +413,82 @@ impl DumpVisitor for Restorer {
             .map_err(visitor_error)?;
         self.mapping_count += nodes.iter().map(|n| n.entry_count as u64).sum::<u64>();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dump::metadata::{dump, DumpOptions};
+    use crate::dump::XmlWriter;
+    use persistent_data::MemoryDevice;
+    use std::fmt::Write as _;
+    use std::io::Cursor;
+
+    /// Two devices of 20 000 mappings sharing a 600-mapping def, and a snapshot-like copy.
+    fn big_xml() -> String {
+        let mut xml = String::from(
+            "<superblock uuid=\"\" time=\"2\" transaction=\"5\" data_block_size=\"128\" nr_data_blocks=\"100000\">\n  <def name=\"x\">\n    <range_mapping origin_begin=\"30000\" data_begin=\"90000\" length=\"600\" time=\"1\"/>\n  </def>\n",
+        );
+        for dev in 0..2u64 {
+            writeln!(xml, "  <device dev_id=\"{dev}\" mapped_blocks=\"20600\" transaction=\"0\" creation_time=\"0\" snap_time=\"0\">").unwrap();
+            for vb in 0..20_000u64 {
+                let db = dev * 40_000 + vb * 2;
+                writeln!(
+                    xml,
+                    "    <single_mapping origin_block=\"{vb}\" data_block=\"{db}\" time=\"0\"/>"
+                )
+                .unwrap();
+            }
+            writeln!(xml, "    <ref name=\"x\"/>\n  </device>").unwrap();
+        }
+        xml.push_str("</superblock>\n");
+        xml
+    }
+
+    fn restore_and_dump(xml: &str, interval: usize) -> String {
+        let device = Arc::new(MemoryDevice::new(4096));
+        let options = RestoreOptions {
+            commit_interval_blocks: interval,
+            ..RestoreOptions::default()
+        };
+        let summary = restore(Cursor::new(xml.as_bytes()), device.clone(), &options).unwrap();
+        assert_eq!(summary.device_count, 2);
+        assert_eq!(summary.mapping_count, 41_200);
+        let mut writer = XmlWriter::new(Vec::new());
+        dump(device, &DumpOptions::default(), &mut writer).unwrap();
+        String::from_utf8(writer.into_inner()).unwrap()
+    }
+
+    #[test]
+    fn intermediate_commits_do_not_change_the_result() {
+        let xml = big_xml();
+        let once = restore_and_dump(&xml, usize::MAX);
+        let often = restore_and_dump(&xml, 16);
+        assert!(once.contains("<def name="), "the def stays shared");
+        // Def names are block numbers, which intermediate commits may change.
+        let strip = |s: &str| {
+            s.lines()
+                .filter(|l| !l.contains(" name=\""))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        assert_eq!(strip(&once), strip(&often));
+    }
+
+    #[test]
+    fn mappings_beyond_the_data_device_are_refused() {
+        let xml = "<superblock uuid=\"\" time=\"0\" transaction=\"0\" data_block_size=\"128\" nr_data_blocks=\"10\">\n  <device dev_id=\"0\" mapped_blocks=\"1\" transaction=\"0\" creation_time=\"0\" snap_time=\"0\">\n    <single_mapping origin_block=\"0\" data_block=\"10\" time=\"0\"/>\n  </device>\n</superblock>\n";
+        let device = Arc::new(MemoryDevice::new(256));
+        let error = restore(
+            Cursor::new(xml.as_bytes()),
+            device,
+            &RestoreOptions::default(),
+        )
+        .unwrap_err();
+        assert!(
+            matches!(error, Error::Metadata(crate::Error::Invalid(_))),
+            "{error:?}"
+        );
     }
 }

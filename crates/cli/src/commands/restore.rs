@@ -71,6 +71,7 @@ fn restore_file(args: &Args) -> anyhow::Result<()> {
         transaction_id: args.transaction_id,
         data_block_size_sectors: args.data_block_size,
         data_block_count: args.nr_data_blocks,
+        ..RestoreOptions::default()
     };
     restore::restore(BufReader::new(input), Arc::new(device), &options).with_context(|| {
         format!(
