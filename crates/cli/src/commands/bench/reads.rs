@@ -1,0 +1,268 @@
+//! Read comparisons: the engine's read path (`Volume::read`: index lookup, then `pread` of
+//! the data block) against `pread` of the pool's data file at the same offsets.
+//!
+//! Each pool is fresh and its volume is filled in order by one writer, so virtual block `i`
+//! lives in data block `i` and a volume offset is also a data-file offset: the baseline reads
+//! exactly the bytes the engine reads. [`check_layout`] verifies that before measuring. The
+//! baseline opens the data file on its own descriptor, read-only.
+
+use super::dir::BenchDir;
+use super::report::{Row, Target};
+use super::{create_pool, fill, median, progress, Sizes, BLOCK_SIZE_BYTES, IO_SIZE_BYTES, SEED};
+use anyhow::{bail, Context};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::Barrier;
+use thin_pool::pool::DATA_FILE;
+use thin_pool::Volume;
+
+/// Data block size of the sequential-read pool: the first report's 8 MiB.
+const SEQUENTIAL_BLOCK_SIZE_BYTES: u64 = 8 << 20;
+
+/// Random reads at 1 and 2 threads, engine vs pread; the engine's added cost per read; and
+/// how both scale from 1 to 2 threads.
+pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
+    const POOL: &str = "random-reads";
+    let volume_bytes = sizes.random_read_volume_bytes;
+    progress(&format!(
+        "random reads: filling a {} MiB volume (64 KiB blocks)",
+        volume_bytes >> 20
+    ));
+    let pool = create_pool(
+        dir,
+        POOL,
+        volume_bytes + 16 * BLOCK_SIZE_BYTES,
+        BLOCK_SIZE_BYTES,
+    )?;
+    pool.create_volume("reads", volume_bytes)?;
+    let volume = pool.volume("reads")?;
+    fill(dir, &volume)?;
+    let raw = open_data_file(dir, POOL)?;
+    check_layout(&volume, &raw)?;
+    let offsets: Vec<Vec<u64>> = (0..2)
+        .map(|thread| random_offsets(volume_bytes, sizes.random_read_count, thread))
+        .collect();
+
+    // Per thread count: IOPS samples of the engine and of pread, and paired added costs.
+    let mut engine = [Vec::new(), Vec::new()];
+    let mut direct = [Vec::new(), Vec::new()];
+    let mut added_ns = Vec::new();
+    let reads = sizes.random_read_count as f64;
+    let through_engine = |o: u64, buf: &mut [u8]| Ok(volume.read(o, buf)?);
+    let through_pread = |o: u64, buf: &mut [u8]| Ok(raw.read_exact_at(buf, o)?);
+    // Warm up both paths (CPU frequency, page tables of the data file).
+    compare_reads(&offsets, through_engine, through_pread)?;
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        for threads in [1usize, 2] {
+            let seconds = compare_reads(&offsets[..threads], through_engine, through_pread)?;
+            let total = reads * threads as f64;
+            engine[threads - 1].push(total / seconds[0] / 1000.0);
+            direct[threads - 1].push(total / seconds[1] / 1000.0);
+            if threads == 1 {
+                added_ns.push((seconds[0] - seconds[1]) / reads * 1e9);
+            }
+        }
+        progress(&format!(
+            "random reads {}/{}: engine {:.0}/{:.0} kIOPS, pread {:.0}/{:.0} kIOPS (1/2 threads)",
+            repetition + 1,
+            sizes.repetition_count,
+            engine[0][repetition],
+            engine[1][repetition],
+            direct[0][repetition],
+            direct[1][repetition]
+        ));
+    }
+    let [engine_1, engine_2] = engine.map(median);
+    let [direct_1, direct_2] = direct.map(median);
+    let direct_ns = 1e6 / direct_1;
+    let rows = vec![
+        Row::new(
+            "random 4 KiB reads, 1 thread: engine vs pread",
+            engine_1,
+            direct_1,
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(0.95)),
+        Row::new(
+            "random 4 KiB reads, 2 threads: engine vs pread",
+            engine_2,
+            direct_2,
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(0.95)),
+        Row::new(
+            "engine's added cost per random 4 KiB read (1 thread) vs a pread",
+            median(added_ns),
+            direct_ns,
+            "ns/read",
+        )
+        .target(Target::RatioAtMost(0.05)),
+        Row::new(
+            "random 4 KiB reads through the engine: 2 threads vs 1",
+            engine_2,
+            engine_1,
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(1.9)),
+        Row::new(
+            "random 4 KiB reads through pread: 2 threads vs 1 (reference)",
+            direct_2,
+            direct_1,
+            "kIOPS",
+        ),
+    ];
+    drop(volume);
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
+}
+
+/// Sequential 4 KiB reads of a volume with 8 MiB data blocks (the first report's `dd`), engine
+/// vs pread.
+pub fn sequential(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
+    const POOL: &str = "sequential-reads";
+    let volume_bytes = sizes.sequential_read_volume_bytes;
+    progress(&format!(
+        "sequential reads: filling a {} MiB volume (8 MiB blocks)",
+        volume_bytes >> 20
+    ));
+    let pool = create_pool(
+        dir,
+        POOL,
+        volume_bytes + 2 * SEQUENTIAL_BLOCK_SIZE_BYTES,
+        SEQUENTIAL_BLOCK_SIZE_BYTES,
+    )?;
+    pool.create_volume("reads", volume_bytes)?;
+    let volume = pool.volume("reads")?;
+    fill(dir, &volume)?;
+    let raw = open_data_file(dir, POOL)?;
+    check_layout(&volume, &raw)?;
+    let offsets = vec![(0..volume_bytes)
+        .step_by(IO_SIZE_BYTES)
+        .collect::<Vec<u64>>()];
+    let mut engine = Vec::new();
+    let mut direct = Vec::new();
+    let megabytes = volume_bytes as f64 / 1e6;
+    let through_engine = |o: u64, buf: &mut [u8]| Ok(volume.read(o, buf)?);
+    let through_pread = |o: u64, buf: &mut [u8]| Ok(raw.read_exact_at(buf, o)?);
+    compare_reads(&offsets, through_engine, through_pread)?;
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        let seconds = compare_reads(&offsets, through_engine, through_pread)?;
+        engine.push(megabytes / seconds[0]);
+        direct.push(megabytes / seconds[1]);
+        progress(&format!(
+            "sequential reads {}/{}: engine {:.0} MB/s, pread {:.0} MB/s",
+            repetition + 1,
+            sizes.repetition_count,
+            engine[repetition],
+            direct[repetition]
+        ));
+    }
+    let row = Row::new(
+        "sequential 4 KiB reads, 8 MiB blocks: engine vs pread",
+        median(engine),
+        median(direct),
+        "MB/s",
+    )
+    .target(Target::RatioAtLeast(0.95));
+    drop(volume);
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(vec![row])
+}
+
+fn open_data_file(dir: &BenchDir, pool: &str) -> anyhow::Result<File> {
+    let path = dir.pool_path(pool).join(DATA_FILE);
+    File::open(&path).with_context(|| format!("opening {}", path.display()))
+}
+
+/// `count` 4 KiB-aligned offsets in `0..size_bytes`, from a seed per thread.
+fn random_offsets(size_bytes: u64, count: usize, thread: u64) -> Vec<u64> {
+    let mut rng = SmallRng::seed_from_u64(SEED ^ thread);
+    let slots = size_bytes / IO_SIZE_BYTES as u64;
+    (0..count)
+        .map(|_| rng.gen_range(0..slots) * IO_SIZE_BYTES as u64)
+        .collect()
+}
+
+/// Check that the volume and the data file hold the same bytes at the same offsets, so the
+/// baseline reads what the engine reads.
+fn check_layout(volume: &Volume, raw: &File) -> anyhow::Result<()> {
+    let mut through_engine = vec![0u8; IO_SIZE_BYTES];
+    let mut direct = vec![0u8; IO_SIZE_BYTES];
+    for offset in random_offsets(volume.size_bytes(), 64, 99) {
+        volume.read(offset, &mut through_engine)?;
+        raw.read_exact_at(&mut direct, offset)
+            .with_context(|| format!("reading the data file at {offset}"))?;
+        if through_engine != direct || through_engine[..8] != offset.to_le_bytes() {
+            bail!("volume offset {offset} is not at the same data-file offset: cannot compare");
+        }
+    }
+    Ok(())
+}
+
+/// Reads per thread in one slice of [`compare_reads`]: about 10 ms of work.
+const SLICE_READS: usize = 10_000;
+
+/// Seconds taken by `a` and by `b` to read 4 KiB at every offset, one thread per offset
+/// list. The lists are cut into slices run alternately by `a` and `b` (which one goes first
+/// alternates too), so drift in the machine's speed (frequency, other tenants) hits both
+/// paths alike.
+fn compare_reads<A, B>(offsets: &[Vec<u64>], a: A, b: B) -> anyhow::Result<[f64; 2]>
+where
+    A: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+    B: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+{
+    let length = offsets.iter().map(Vec::len).min().unwrap_or(0);
+    let mut seconds = [0.0; 2];
+    for (slice, start) in (0..length).step_by(SLICE_READS).enumerate() {
+        let end = (start + SLICE_READS).min(length);
+        let lists: Vec<&[u64]> = offsets.iter().map(|l| &l[start..end]).collect();
+        for turn in 0..2 {
+            if (turn + slice) % 2 == 0 {
+                seconds[0] += run_reads(&lists, &a)?;
+            } else {
+                seconds[1] += run_reads(&lists, &b)?;
+            }
+        }
+    }
+    Ok(seconds)
+}
+
+/// Seconds for one thread per offset list to read 4 KiB at each of its offsets, all threads
+/// started together.
+fn run_reads<F>(offsets: &[&[u64]], read: &F) -> anyhow::Result<f64>
+where
+    F: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+{
+    let start = Barrier::new(offsets.len() + 1);
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = offsets
+            .iter()
+            .map(|&list| {
+                let start = &start;
+                scope.spawn(move || -> anyhow::Result<()> {
+                    let mut buf = vec![0u8; IO_SIZE_BYTES];
+                    start.wait();
+                    for &offset in list {
+                        read(offset, &mut buf)
+                            .with_context(|| format!("reading 4 KiB at {offset}"))?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        start.wait();
+        let started = std::time::Instant::now();
+        for worker in workers {
+            worker.join().expect("a reader thread panicked")?;
+        }
+        Ok(started.elapsed().as_secs_f64())
+    })
+}
