@@ -6,6 +6,9 @@
 #![forbid(unsafe_code)]
 
 mod commands;
+mod control;
+mod export;
+mod pool_dir;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,12 +1,151 @@
-//! `thinpool create`: being written.
+//! `thinpool create`: make a pool in a directory (files `metadata`, `data`, the catalog, and
+//! `pool.json` with the options every later open uses), or with `--grow`, grow an existing
+//! pool's data device to `--data-size` (through the control socket when it is served).
 
+use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
+use thin_pool::pool::BLOCK_SIZE_DEFAULT_BYTES;
+use thin_pool::{CreateOptions, Pool};
+
+use crate::control::{self, Outcome, Request};
+use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions};
+
+/// Data size of a pool made without `--data-size` (a sparse file).
+pub const DATA_SIZE_DEFAULT: &str = "16G";
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    pool: PoolArg,
+    /// Data device size (K, M, G, T suffixes) [default: 16G; the file is sparse].
+    #[arg(long = "data-size", value_name = "SIZE")]
+    data_size: Option<String>,
+    /// Data block size, 64K to 1G in multiples of 64K.
+    #[arg(long = "block-size", value_name = "SIZE", default_value = "64K")]
+    block_size: String,
+    /// Metadata device size [default: estimated from the data size].
+    #[arg(long = "metadata-size", value_name = "SIZE")]
+    metadata_size: Option<String>,
+    /// Don't zero the unwritten part of newly provisioned blocks.
+    #[arg(long = "no-zero")]
+    no_zero: bool,
+    /// Fail writes at once when out of data space, instead of queueing them for a while.
+    #[arg(long = "error-if-no-space")]
+    error_if_no_space: bool,
+    /// Grow an existing pool's data device to --data-size instead of creating a pool.
+    #[arg(long = "grow", requires = "data_size", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
+    grow: bool,
+    /// Print the result as JSON.
+    #[arg(long = "json")]
+    json: bool,
+}
 
 /// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let dir = args.pool.resolve();
+    let data_size_bytes = parse_size(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))?;
+    if args.grow {
+        return grow(&dir, data_size_bytes, args.json);
+    }
+    let stored = StoredOptions {
+        zero_new_blocks: !args.no_zero,
+        error_if_no_space: args.error_if_no_space,
+        ..StoredOptions::default()
+    };
+    let create = CreateOptions {
+        data_size_bytes,
+        block_size_bytes: parse_size(&args.block_size)?,
+        metadata_size_bytes: args.metadata_size.as_deref().map(parse_size).transpose()?,
+    };
+    let status = create_pool(&dir, &create, stored)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        println!(
+            "created pool {}: data {} ({} blocks of {}), metadata {} blocks, zeroing {}, error_if_no_space {}",
+            dir.path.display(),
+            format_size(status.data_total_blocks * status.block_size_bytes),
+            status.data_total_blocks,
+            format_size(status.block_size_bytes),
+            status.metadata_total_blocks,
+            on_off(status.zero_new_blocks),
+            on_off(status.error_if_no_space),
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn on_off(value: bool) -> &'static str {
+    if value {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+/// Creates a pool and its options file; returns its status. Used by `serve` too, for the
+/// default pool on first use.
+pub fn create_pool(
+    dir: &PoolDir,
+    create: &CreateOptions,
+    stored: StoredOptions,
+) -> anyhow::Result<control::StatusRecord> {
+    if Pool::exists(&dir.path) {
+        bail!("{} already holds a pool", dir.path.display());
+    }
+    let pool = Pool::create(&dir.path, create, stored.pool_options())
+        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))?;
+    stored.store(dir)?;
+    let target = control::Target {
+        pool,
+        options: stored,
+        reserved_names: Vec::new(),
+        data_path: dir.path.join(thin_pool::pool::DATA_FILE),
+    };
+    let status = match target.execute(&Request::Status) {
+        Ok(Outcome::Status(status)) => status,
+        other => bail!("unexpected status answer: {other:?}"),
+    };
+    target.pool.close().context("cannot close the new pool")?;
+    Ok(status)
+}
+
+/// Default options for a pool created without `thinpool create`.
+pub fn default_create_options() -> CreateOptions {
+    CreateOptions {
+        data_size_bytes: parse_size(DATA_SIZE_DEFAULT).expect("default size parses"),
+        block_size_bytes: BLOCK_SIZE_DEFAULT_BYTES,
+        metadata_size_bytes: None,
+    }
+}
+
+fn grow(dir: &PoolDir, data_size_bytes: u64, json: bool) -> anyhow::Result<ExitCode> {
+    let request = Request::GrowData {
+        size_bytes: data_size_bytes,
+    };
+    let status = match control::perform(dir, &request)? {
+        Ok(Outcome::Status(status)) => status,
+        Ok(other) => bail!("unexpected answer: {other:?}"),
+        Err(error) => {
+            return Err(anyhow!(error)).with_context(|| {
+                format!(
+                    "cannot grow the data of {} to {}",
+                    dir.path.display(),
+                    format_size(data_size_bytes)
+                )
+            })
+        }
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        println!(
+            "grew pool {} data to {} ({} blocks)",
+            dir.path.display(),
+            format_size(status.data_total_blocks * status.block_size_bytes),
+            status.data_total_blocks
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }

@@ -1,12 +1,345 @@
-//! `thinpool serve`: being written.
+//! `thinpool serve`: serve every volume of a pool as an NBD export of the same name, on a Unix
+//! socket (default `nbd.sock` in the pool directory, mode 0600) and, only when asked, on TCP
+//! (127.0.0.1 unless an address is given), with the control socket beside it for management
+//! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
+//! mapping.
+//!
+//! The default pool directory is created on first use, with one volume named `disk`, so that
+//! `thinpool serve` works on a fresh machine. SIGINT or SIGTERM stop the server: listeners
+//! close, connections finish their requests, and the pool commits before the process exits.
 
+use anyhow::{bail, Context};
+use std::io::Write;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use thin_pool::Pool;
+
+use crate::commands::create::{create_pool, default_create_options};
+use crate::control::{ControlServer, Target};
+use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
+use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
+
+/// Port used when `--tcp` names only an address.
+pub const NBD_PORT: u16 = 10809;
+/// Size of the volume made with a new default pool.
+const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
+/// How long shutdown waits for NBD clients to finish before cutting them off.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    pool: PoolArg,
+    /// NBD Unix socket to create [default: nbd.sock in the pool directory].
+    #[arg(long = "socket", value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Also listen on TCP: `PORT`, `ADDR:PORT` or `ADDR` (port 10809); a bare port binds
+    /// 127.0.0.1 only.
+    #[arg(long = "tcp", value_name = "ADDR:PORT")]
+    tcp: Option<String>,
+    /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
+    #[arg(long = "raw-export", value_name = "NAME=FILE")]
+    raw_export: Vec<String>,
+    /// Don't log connections on stderr.
+    #[arg(short = 'q', long = "quiet")]
+    quiet: bool,
+}
 
 /// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let dir = args.pool.resolve();
+    if !Pool::exists(&dir.path) {
+        if !dir.is_default {
+            dir.require_pool()?;
+        }
+        create_default_pool(&dir)?;
+    }
+    let options = StoredOptions::load(&dir)?;
+    let pool = match Pool::open(&dir.path, options.pool_options()) {
+        Ok(pool) => pool,
+        Err(thin_pool::Error::Locked { .. }) => bail!(
+            "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`)",
+            dir.path.display(),
+            dir.path.display()
+        ),
+        Err(error) => {
+            return Err(error)
+                .with_context(|| format!("cannot open the pool in {}", dir.path.display()))
+        }
+    };
+    let raw = args
+        .raw_export
+        .iter()
+        .map(|spec| {
+            let (name, file) = spec
+                .split_once('=')
+                .filter(|(name, file)| !name.is_empty() && !file.is_empty())
+                .with_context(|| format!("--raw-export {spec:?}: expected NAME=FILE"))?;
+            RawFileExport::open(name, Path::new(file))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
+    let control_socket = dir.control_socket();
+    remove_stale_socket(&nbd_socket)?;
+    remove_stale_socket(&control_socket)?;
+
+    let registry = Arc::new(PoolRegistry::new(pool.clone(), raw)?);
+    let target = Arc::new(Target {
+        pool: pool.clone(),
+        options,
+        reserved_names: registry.raw_names(),
+        data_path: dir.path.join(thin_pool::pool::DATA_FILE),
+    });
+    let mut config = nbd::Config {
+        shutdown_grace: SHUTDOWN_GRACE,
+        ..nbd::Config::default()
+    };
+    if !args.quiet {
+        config.on_event = Some(Arc::new(log_event));
+    }
+    // Signals are caught from here on, so a stop request during start-up is not lost.
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
+    let mut server = nbd::Server::new(registry, config);
+    server
+        .listen_unix(&nbd_socket)
+        .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
+    let tcp_bound = match tcp {
+        Some(address) => Some(
+            server
+                .listen_tcp(address)
+                .with_context(|| format!("cannot listen on TCP {address}"))?,
+        ),
+        None => None,
+    };
+    let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
+    print_banner(&dir, &pool, &nbd_socket, &control_socket, tcp_bound)?;
+
+    let signal = signals.forever().next().unwrap_or(SIGTERM);
+    let name = if signal == SIGINT {
+        "SIGINT"
+    } else {
+        "SIGTERM"
+    };
+    eprintln!("thinpool: {name}: stopping");
+    control.shutdown();
+    server.shutdown();
+    drop(target);
+    pool.close()
+        .with_context(|| format!("cannot commit the pool in {}", dir.path.display()))?;
+    eprintln!(
+        "thinpool: stopped; pool committed at transaction {}",
+        pool.status().transaction_id
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Creates the default pool with its `disk` volume.
+fn create_default_pool(dir: &PoolDir) -> anyhow::Result<()> {
+    create_pool(dir, &default_create_options(), StoredOptions::default())?;
+    let pool = Pool::open(&dir.path, StoredOptions::default().pool_options())
+        .with_context(|| format!("cannot open the new pool in {}", dir.path.display()))?;
+    pool.create_volume(DEFAULT_VOLUME, DEFAULT_VOLUME_SIZE_BYTES)
+        .with_context(|| format!("cannot create volume {DEFAULT_VOLUME:?}"))?;
+    pool.close().context("cannot close the new pool")?;
+    eprintln!(
+        "thinpool: created pool {} with volume {DEFAULT_VOLUME:?} ({})",
+        dir.path.display(),
+        format_size(DEFAULT_VOLUME_SIZE_BYTES)
+    );
+    Ok(())
+}
+
+/// Parses `--tcp`: `PORT` (on 127.0.0.1), `ADDR:PORT`, `[V6]:PORT`, or `ADDR` (port 10809).
+pub fn parse_tcp_address(text: &str) -> anyhow::Result<SocketAddr> {
+    if let Ok(port) = text.parse::<u16>() {
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    if let Some(port) = text.strip_prefix(':') {
+        let port: u16 = port
+            .parse()
+            .with_context(|| format!("--tcp {text:?}: bad port"))?;
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    if let Ok(address) = text.parse::<SocketAddr>() {
+        return Ok(address);
+    }
+    if let Ok(ip) = text.parse::<std::net::IpAddr>() {
+        return Ok(SocketAddr::new(ip, NBD_PORT));
+    }
+    let with_port = if text.contains(':') {
+        text.to_string()
+    } else {
+        format!("{text}:{NBD_PORT}")
+    };
+    with_port
+        .to_socket_addrs()
+        .with_context(|| format!("--tcp {text:?}: cannot resolve"))?
+        .next()
+        .with_context(|| format!("--tcp {text:?}: no address"))
+}
+
+/// Removes a socket file nobody listens on (left by a server that was killed); refuses to
+/// touch anything else.
+fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
+    let Ok(metadata) = std::fs::symlink_metadata(path) else {
+        return Ok(());
+    };
+    if !metadata.file_type().is_socket() {
+        bail!("{} exists and is not a socket", path.display());
+    }
+    match UnixStream::connect(path) {
+        Ok(_) => bail!("another server listens on {}", path.display()),
+        Err(_) => std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove stale socket {}", path.display())),
+    }
+}
+
+/// Percent-encodes an export name for the path of an NBD URI.
+fn uri_escape(name: &str) -> String {
+    let mut out = String::new();
+    for byte in name.bytes() {
+        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
+            out.push(byte as char);
+        } else {
+            out.push_str(&format!("%{byte:02X}"));
+        }
+    }
+    out
+}
+
+fn print_banner(
+    dir: &PoolDir,
+    pool: &Pool,
+    nbd_socket: &Path,
+    control_socket: &Path,
+    tcp: Option<SocketAddr>,
+) -> anyhow::Result<()> {
+    let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let pool_path = absolute(&dir.path);
+    let socket = absolute(nbd_socket);
+    let volumes: Vec<String> = pool.list().into_iter().map(|info| info.name).collect();
+    let example = if volumes.iter().any(|name| name == DEFAULT_VOLUME) {
+        DEFAULT_VOLUME.to_string()
+    } else {
+        volumes
+            .first()
+            .cloned()
+            .unwrap_or_else(|| "NAME".to_string())
+    };
+    let unix_uri = format!(
+        "nbd+unix:///{}?socket={}",
+        uri_escape(&example),
+        socket.display()
+    );
+    let mut out = std::io::stdout().lock();
+    writeln!(
+        out,
+        "thinpool: serving pool {} ({} volume{}: {})",
+        pool_path.display(),
+        volumes.len(),
+        if volumes.len() == 1 { "" } else { "s" },
+        if volumes.is_empty() {
+            "none yet".to_string()
+        } else {
+            volumes.join(", ")
+        }
+    )?;
+    writeln!(out, "  NBD socket:     {}", socket.display())?;
+    if let Some(address) = tcp {
+        writeln!(out, "  NBD TCP:        {address}")?;
+    }
+    writeln!(
+        out,
+        "  control socket: {}",
+        absolute(control_socket).display()
+    )?;
+    writeln!(out, "connect with (every volume is an export of its name):")?;
+    writeln!(out, "  nbdinfo '{unix_uri}'")?;
+    writeln!(out, "  qemu-img info '{unix_uri}'")?;
+    writeln!(
+        out,
+        "  mkdir -p /tmp/{0} && nbdfuse /tmp/{0} '{unix_uri}'",
+        uri_escape(&example)
+    )?;
+    if let Some(address) = tcp {
+        let host = match address {
+            SocketAddr::V6(v6) => format!("[{}]", v6.ip()),
+            SocketAddr::V4(v4) => v4.ip().to_string(),
+        };
+        writeln!(
+            out,
+            "  nbdinfo 'nbd://{host}:{}/{}'",
+            address.port(),
+            uri_escape(&example)
+        )?;
+    }
+    writeln!(
+        out,
+        "manage with: thinpool volume create|snapshot|delete|resize ... --pool {}",
+        pool_path.display()
+    )?;
+    writeln!(out, "thinpool: ready (SIGINT or SIGTERM stops)")?;
+    out.flush()?;
+    Ok(())
+}
+
+fn log_event(event: &nbd::Event) {
+    match event {
+        nbd::Event::Serving { connection, export } => {
+            eprintln!("thinpool: connection {connection}: serving {export:?}");
+        }
+        nbd::Event::Disconnected {
+            connection,
+            error: Some(error),
+        } => {
+            eprintln!("thinpool: connection {connection} ended: {error}");
+        }
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tcp_addresses_default_to_loopback() {
+        assert_eq!(
+            parse_tcp_address("10810").unwrap(),
+            "127.0.0.1:10810".parse().unwrap()
+        );
+        assert_eq!(
+            parse_tcp_address(":0").unwrap(),
+            "127.0.0.1:0".parse().unwrap()
+        );
+        assert_eq!(
+            parse_tcp_address("0.0.0.0:99").unwrap(),
+            "0.0.0.0:99".parse().unwrap()
+        );
+        assert_eq!(
+            parse_tcp_address("[::1]:5").unwrap(),
+            "[::1]:5".parse().unwrap()
+        );
+        assert_eq!(
+            parse_tcp_address("127.0.0.2").unwrap(),
+            "127.0.0.2:10809".parse().unwrap()
+        );
+    }
+
+    #[test]
+    fn export_names_are_escaped_in_uris() {
+        assert_eq!(uri_escape("disk-1.img"), "disk-1.img");
+        assert_eq!(uri_escape("a b/c?"), "a%20b%2Fc%3F");
+    }
 }

@@ -1,12 +1,88 @@
-//! `thinpool status`: being written.
+//! `thinpool status`: the pool's data and metadata use (used/total blocks and %), transaction
+//! id, mode and `needs_check`, or `--json`, from the pool or its server.
 
+use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
+
+use crate::control::{self, Outcome, Request, StatusRecord};
+use crate::pool_dir::{format_size, PoolArg};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    pool: PoolArg,
+    /// Print the status as a JSON object.
+    #[arg(long = "json")]
+    json: bool,
+}
 
 /// Run the command.
-pub fn run(_args: Args) -> anyhow::Result<ExitCode> {
-    anyhow::bail!("not implemented yet")
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let dir = args.pool.resolve();
+    let status = match control::perform(&dir, &Request::Status)?
+        .map_err(|error| anyhow!(error))
+        .context("cannot read the pool status")?
+    {
+        Outcome::Status(status) => status,
+        other => bail!("unexpected answer: {other:?}"),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&status)?);
+    } else {
+        print!("{}", render(&status));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn yes_no(value: bool) -> &'static str {
+    if value {
+        "yes"
+    } else {
+        "no"
+    }
+}
+
+/// The text form: one `label: value` line per field.
+pub fn render(status: &StatusRecord) -> String {
+    let block = status.block_size_bytes;
+    let lines = [
+        (
+            "data",
+            format!(
+                "{}/{} blocks ({:.2}%), {} of {}, block size {}",
+                status.data_used_blocks,
+                status.data_total_blocks,
+                status.data_used_percent,
+                format_size(status.data_used_blocks * block),
+                format_size(status.data_total_blocks * block),
+                format_size(block),
+            ),
+        ),
+        (
+            "metadata",
+            format!(
+                "{}/{} blocks ({:.2}%)",
+                status.metadata_used_blocks,
+                status.metadata_total_blocks,
+                status.metadata_used_percent,
+            ),
+        ),
+        ("transaction id", status.transaction_id.to_string()),
+        ("mode", status.mode.clone()),
+        ("needs_check", yes_no(status.needs_check).to_string()),
+        ("volumes", status.volume_count.to_string()),
+        (
+            "zero new blocks",
+            yes_no(status.zero_new_blocks).to_string(),
+        ),
+        (
+            "error_if_no_space",
+            yes_no(status.error_if_no_space).to_string(),
+        ),
+    ];
+    lines
+        .iter()
+        .map(|(label, value)| format!("{:<19}{value}\n", format!("{label}:")))
+        .collect()
 }

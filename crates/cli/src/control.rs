@@ -1,0 +1,736 @@
+//! The control socket: management of a pool that `thinpool serve` holds, as JSON lines on a
+//! Unix socket (default `control.sock` in the pool directory, mode 0600), and the one entry
+//! point the management commands use, [`perform`], which opens the pool directly when no
+//! server holds it and asks the server otherwise, so both paths give the same answers.
+//!
+//! Protocol: the client sends one JSON object per line, the server answers each with one line.
+//!
+//! ```text
+//!   -> {"op":"create_volume","name":"vm1","size_bytes":1073741824}
+//!   <- {"ok":true,"volume":{"name":"vm1","id":1,"size_bytes":1073741824,...}}
+//!   -> {"op":"snapshot","origin":"vm1","name":"snap","read_only":true}
+//!   -> {"op":"delete_volume","name":"vm1"}
+//!   <- {"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
+//!   -> {"op":"resize_volume","name":"vm1","size_bytes":2147483648}
+//!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
+//!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
+//!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
+//! ```
+//!
+//! Limits: a request line is at most [`REQUEST_BYTES_MAX`] bytes (longer ones get an error and
+//! the connection is closed); at most [`CONNECTIONS_MAX`] clients at once; an idle client is
+//! dropped after [`IDLE_TIMEOUT`].
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use thin_pool::{Pool, PoolStatus, VolumeInfo};
+
+use crate::pool_dir::{percent, PoolDir, StoredOptions};
+
+/// Longest request line the server reads.
+pub const REQUEST_BYTES_MAX: usize = 64 * 1024;
+/// Longest response line the client reads (a listing of many volumes).
+pub const RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
+/// Control clients served at once; more are answered with an error and closed.
+pub const CONNECTIONS_MAX: usize = 16;
+/// How long a control client may stay silent before the server drops it.
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the client waits for an answer (a snapshot or resize commits the pool).
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One management request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Create a thin volume.
+    CreateVolume {
+        /// Volume name.
+        name: String,
+        /// Virtual size.
+        size_bytes: u64,
+    },
+    /// Snapshot `origin` as `name`.
+    Snapshot {
+        /// The volume to snapshot.
+        origin: String,
+        /// The new volume's name.
+        name: String,
+        /// Refuse writes to the snapshot.
+        #[serde(default)]
+        read_only: bool,
+    },
+    /// Delete a volume (refused while a client has it open).
+    DeleteVolume {
+        /// Volume name.
+        name: String,
+    },
+    /// Change a volume's virtual size.
+    ResizeVolume {
+        /// Volume name.
+        name: String,
+        /// New virtual size.
+        size_bytes: u64,
+    },
+    /// Grow the data device.
+    GrowData {
+        /// New data size.
+        size_bytes: u64,
+    },
+    /// List volumes.
+    List,
+    /// Pool status.
+    Status,
+}
+
+/// One volume, as `list` and the volume commands report it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Name (also the NBD export name).
+    pub name: String,
+    /// Id in the metadata (dm-thin's device id).
+    pub id: u64,
+    /// Virtual size.
+    pub size_bytes: u64,
+    /// Mapped data blocks.
+    pub mapped_blocks: u64,
+    /// Mapped share of the virtual size, in percent.
+    pub mapped_percent: f64,
+    /// Data block size.
+    pub block_size_bytes: u64,
+    /// The volume it is a snapshot of.
+    pub origin: Option<String>,
+    /// Writes refused.
+    pub read_only: bool,
+    /// Open handles (NBD connections using it).
+    pub open_count: usize,
+}
+
+impl From<&VolumeInfo> for VolumeRecord {
+    fn from(info: &VolumeInfo) -> Self {
+        VolumeRecord {
+            name: info.name.clone(),
+            id: u64::from(info.id.0),
+            size_bytes: info.size_bytes,
+            mapped_blocks: info.mapped_blocks,
+            mapped_percent: info.mapped_percent(),
+            block_size_bytes: info.block_size_bytes,
+            origin: info.origin.clone(),
+            read_only: info.read_only,
+            open_count: info.open_count,
+        }
+    }
+}
+
+/// The pool's status, as `status` reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatusRecord {
+    /// Committed transaction id.
+    pub transaction_id: u64,
+    /// Data blocks in use.
+    pub data_used_blocks: u64,
+    /// Data blocks in the pool.
+    pub data_total_blocks: u64,
+    /// Data use in percent.
+    pub data_used_percent: f64,
+    /// Metadata blocks in use.
+    pub metadata_used_blocks: u64,
+    /// Metadata blocks in the pool.
+    pub metadata_total_blocks: u64,
+    /// Metadata use in percent.
+    pub metadata_used_percent: f64,
+    /// Data block size.
+    pub block_size_bytes: u64,
+    /// dm-thin's mode word: rw, out_of_data_space, ro, fail.
+    pub mode: String,
+    /// The metadata needs a check before the pool may write again.
+    pub needs_check: bool,
+    /// New blocks are zeroed where their first write does not cover them.
+    pub zero_new_blocks: bool,
+    /// Writes fail at once when out of data space.
+    pub error_if_no_space: bool,
+    /// Freed data blocks are discarded on the data device.
+    pub discard_passdown: bool,
+    /// Free data blocks fell to the low-water mark.
+    pub low_water_reached: bool,
+    /// Metadata block of a held metadata snapshot.
+    pub metadata_snap: Option<u64>,
+    /// Volumes in the pool.
+    pub volume_count: usize,
+}
+
+impl StatusRecord {
+    fn new(status: &PoolStatus, options: &StoredOptions) -> Self {
+        StatusRecord {
+            transaction_id: status.transaction_id,
+            data_used_blocks: status.data_used_blocks,
+            data_total_blocks: status.data_total_blocks,
+            data_used_percent: percent(status.data_used_blocks, status.data_total_blocks),
+            metadata_used_blocks: status.metadata_used_blocks,
+            metadata_total_blocks: status.metadata_total_blocks,
+            metadata_used_percent: percent(
+                status.metadata_used_blocks,
+                status.metadata_total_blocks,
+            ),
+            block_size_bytes: status.block_size_bytes,
+            mode: status.mode.as_str().to_string(),
+            needs_check: status.needs_check,
+            zero_new_blocks: options.zero_new_blocks,
+            error_if_no_space: status.error_if_no_space,
+            discard_passdown: status.discard_passdown,
+            low_water_reached: status.low_water_reached,
+            metadata_snap: status.metadata_snap,
+            volume_count: status.volume_count,
+        }
+    }
+}
+
+/// What a successful request produced.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// A volume was created, snapshotted or resized.
+    Volume(VolumeRecord),
+    /// The volume list.
+    Volumes(Vec<VolumeRecord>),
+    /// The pool status (also after growing the data device).
+    Status(StatusRecord),
+    /// Done; nothing to report (delete).
+    Done,
+}
+
+/// A refused or failed request: an errno, its symbolic name, and the engine's message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpError {
+    /// Linux errno.
+    pub errno: i32,
+    /// Its name, e.g. `EBUSY`.
+    pub code: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl OpError {
+    fn new(errno: i32, message: impl Into<String>) -> Self {
+        OpError {
+            errno,
+            code: errno_name(errno).to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<thin_pool::Error> for OpError {
+    fn from(error: thin_pool::Error) -> Self {
+        OpError::new(error.errno(), error.to_string())
+    }
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.code)
+    }
+}
+
+impl std::error::Error for OpError {}
+
+fn errno_name(errno: i32) -> &'static str {
+    match errno {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EIO => "EIO",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::EINVAL => "EINVAL",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::ENODATA => "ENODATA",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::EPROTO => "EPROTO",
+        _ => "EUNKNOWN",
+    }
+}
+
+/// The wire form of an answer.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Response {
+    ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    volume: Option<VolumeRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    volumes: Option<Vec<VolumeRecord>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    status: Option<StatusRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<OpError>,
+}
+
+impl From<Result<Outcome, OpError>> for Response {
+    fn from(result: Result<Outcome, OpError>) -> Self {
+        match result {
+            Ok(Outcome::Volume(volume)) => Response {
+                ok: true,
+                volume: Some(volume),
+                ..Response::default()
+            },
+            Ok(Outcome::Volumes(volumes)) => Response {
+                ok: true,
+                volumes: Some(volumes),
+                ..Response::default()
+            },
+            Ok(Outcome::Status(status)) => Response {
+                ok: true,
+                status: Some(status),
+                ..Response::default()
+            },
+            Ok(Outcome::Done) => Response {
+                ok: true,
+                ..Response::default()
+            },
+            Err(error) => Response {
+                ok: false,
+                error: Some(error),
+                ..Response::default()
+            },
+        }
+    }
+}
+
+impl Response {
+    fn into_result(self) -> anyhow::Result<Result<Outcome, OpError>> {
+        if !self.ok {
+            return Ok(Err(self
+                .error
+                .context("control socket answered ok=false without an error")?));
+        }
+        Ok(Ok(match (self.volume, self.volumes, self.status) {
+            (Some(volume), None, None) => Outcome::Volume(volume),
+            (None, Some(volumes), None) => Outcome::Volumes(volumes),
+            (None, None, Some(status)) => Outcome::Status(status),
+            (None, None, None) => Outcome::Done,
+            _ => bail!("control socket answered with more than one result"),
+        }))
+    }
+}
+
+/// A pool and what the binary knows about it: the options it was opened with and the names
+/// raw exports took.
+pub struct Target {
+    /// The open pool.
+    pub pool: Pool,
+    /// Options from `pool.json`.
+    pub options: StoredOptions,
+    /// Names volumes may not take (raw exports).
+    pub reserved_names: Vec<String>,
+    /// The pool's data file (grown by `grow_data`).
+    pub data_path: PathBuf,
+}
+
+impl Target {
+    /// Carries out one request.
+    pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        match request {
+            Request::CreateVolume { name, size_bytes } => {
+                self.check_name_free(name)?;
+                let info = pool.create_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::Snapshot {
+                origin,
+                name,
+                read_only,
+            } => {
+                self.check_name_free(name)?;
+                let info = pool.snapshot(origin, name, *read_only)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::DeleteVolume { name } => {
+                pool.delete_volume(name)?;
+                Ok(Outcome::Done)
+            }
+            Request::ResizeVolume { name, size_bytes } => {
+                let info = pool.resize_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::GrowData { size_bytes } => {
+                let block_size = pool.block_size_bytes();
+                let wanted_blocks = size_bytes / block_size;
+                let before = pool.status().data_total_blocks;
+                if wanted_blocks < before {
+                    return Err(OpError::new(
+                        libc::EINVAL,
+                        format!(
+                            "data holds {before} blocks; {size_bytes} bytes is {wanted_blocks}: it cannot shrink"
+                        ),
+                    ));
+                }
+                self.extend_data_file(*size_bytes)?;
+                pool.grow_data(*size_bytes)?;
+                let status = pool.status();
+                if status.data_total_blocks < wanted_blocks {
+                    return Err(OpError::new(
+                        libc::ENOSPC,
+                        format!(
+                            "the data device holds {} blocks, not the {wanted_blocks} asked for",
+                            status.data_total_blocks
+                        ),
+                    ));
+                }
+                Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
+            }
+            Request::List => Ok(Outcome::Volumes(
+                pool.list().iter().map(VolumeRecord::from).collect(),
+            )),
+            Request::Status => Ok(Outcome::Status(StatusRecord::new(
+                &pool.status(),
+                &self.options,
+            ))),
+        }
+    }
+
+    /// A regular data file is extended here (the engine only rereads the size); a block
+    /// device must already be large enough.
+    fn extend_data_file(&self, size_bytes: u64) -> Result<(), OpError> {
+        let path = &self.data_path;
+        let io = |what: &str, error: std::io::Error| {
+            OpError::new(
+                error.raw_os_error().unwrap_or(libc::EIO),
+                format!("{what} {}: {error}", path.display()),
+            )
+        };
+        let metadata = std::fs::metadata(path).map_err(|e| io("cannot stat", e))?;
+        if metadata.is_file() && metadata.len() < size_bytes {
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|e| io("cannot open", e))?;
+            file.set_len(size_bytes)
+                .map_err(|e| io("cannot extend", e))?;
+            file.sync_all().map_err(|e| io("cannot sync", e))?;
+        }
+        Ok(())
+    }
+
+    fn check_name_free(&self, name: &str) -> Result<(), OpError> {
+        if self.reserved_names.iter().any(|reserved| reserved == name) {
+            return Err(OpError::new(
+                libc::EEXIST,
+                format!("{name:?} is the name of a raw export"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Carries out `request` on the pool in `dir`: directly if no process holds the pool, through
+/// its control socket if a server does. The outer error is a failure to reach the pool; the
+/// inner one is the pool's answer.
+pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
+    dir.require_pool()?;
+    let options = StoredOptions::load(dir)?;
+    match Pool::open(&dir.path, options.pool_options()) {
+        Ok(pool) => {
+            let target = Target {
+                pool,
+                options,
+                reserved_names: Vec::new(),
+                data_path: dir.path.join(thin_pool::pool::DATA_FILE),
+            };
+            let result = target.execute(request);
+            target
+                .pool
+                .close()
+                .with_context(|| format!("cannot close the pool in {}", dir.path.display()))?;
+            Ok(result)
+        }
+        Err(thin_pool::Error::Locked { .. }) => {
+            let socket = dir.control_socket();
+            call(&socket, request).with_context(|| {
+                format!(
+                    "the pool in {} is held by another process, and its control socket {} does not answer",
+                    dir.path.display(),
+                    socket.display()
+                )
+            })
+        }
+        Err(error) => {
+            Err(error).with_context(|| format!("cannot open the pool in {}", dir.path.display()))
+        }
+    }
+}
+
+/// Sends one request to a control socket and returns the answer.
+pub fn call(socket: &Path, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
+    let mut stream = UnixStream::connect(socket)
+        .with_context(|| format!("cannot connect to {}", socket.display()))?;
+    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+    let mut line = serde_json::to_vec(request).context("cannot encode the request")?;
+    line.push(b'\n');
+    stream.write_all(&line).context("cannot send the request")?;
+    let mut reader = BufReader::new(stream);
+    let answer =
+        match read_line(&mut reader, RESPONSE_BYTES_MAX).context("cannot read the answer")? {
+            Line::Complete(answer) => answer,
+            Line::End => bail!("the server closed the control connection without answering"),
+            Line::TooLong => bail!("the answer is longer than {RESPONSE_BYTES_MAX} bytes"),
+        };
+    let response: Response =
+        serde_json::from_slice(&answer).context("the answer is not valid JSON")?;
+    response.into_result()
+}
+
+/// One line read with a length limit.
+enum Line {
+    /// A line without its newline (the last line may lack one).
+    Complete(Vec<u8>),
+    /// End of stream before any byte.
+    End,
+    /// More than the limit without a newline.
+    TooLong,
+}
+
+fn read_line(reader: &mut impl BufRead, limit: usize) -> std::io::Result<Line> {
+    let mut line = Vec::new();
+    reader
+        .by_ref()
+        .take(limit as u64 + 1)
+        .read_until(b'\n', &mut line)?;
+    if line.is_empty() {
+        return Ok(Line::End);
+    }
+    if line.last() == Some(&b'\n') {
+        line.pop();
+        return Ok(Line::Complete(line));
+    }
+    if line.len() > limit {
+        return Ok(Line::TooLong);
+    }
+    Ok(Line::Complete(line))
+}
+
+/// State shared by the accept loop and the connection threads.
+struct Shared {
+    target: Arc<Target>,
+    stopping: AtomicBool,
+    connections: Mutex<HashMap<u64, UnixStream>>,
+    next_connection: AtomicU64,
+}
+
+/// The control socket server; [`ControlServer::shutdown`] stops it and removes the socket.
+pub struct ControlServer {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+}
+
+impl ControlServer {
+    /// Listens at `path` (which must not exist), mode 0600, serving requests on `target`.
+    pub fn start(path: &Path, target: Arc<Target>) -> anyhow::Result<ControlServer> {
+        let listener = UnixListener::bind(path)
+            .with_context(|| format!("cannot bind control socket {}", path.display()))?;
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+            .with_context(|| format!("cannot chmod 0600 {}", path.display()))?;
+        let shared = Arc::new(Shared {
+            target,
+            stopping: AtomicBool::new(false),
+            connections: Mutex::new(HashMap::new()),
+            next_connection: AtomicU64::new(0),
+        });
+        let accept_shared = Arc::clone(&shared);
+        let accept = std::thread::Builder::new()
+            .name("control-accept".into())
+            .spawn(move || accept_loop(listener, accept_shared))
+            .context("cannot start the control thread")?;
+        Ok(ControlServer {
+            path: path.to_path_buf(),
+            shared,
+            accept: Some(accept),
+        })
+    }
+
+    /// Stops accepting, cuts every control connection, and removes the socket file. A request
+    /// already running finishes (the engine runs it to its commit).
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        let Some(accept) = self.accept.take() else {
+            return;
+        };
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        // Wake the accept loop; it sees the flag and returns.
+        drop(UnixStream::connect(&self.path));
+        let _ = accept.join();
+        for stream in self
+            .shared
+            .connections
+            .lock()
+            .expect("control connections lock")
+            .values()
+        {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for ControlServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
+    for stream in listener.incoming() {
+        if shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let Ok(mut stream) = stream else {
+            std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+        let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
+        {
+            let mut connections = shared.connections.lock().expect("control connections lock");
+            if connections.len() >= CONNECTIONS_MAX {
+                let busy: Response =
+                    Err(OpError::new(libc::EBUSY, "too many control connections")).into();
+                let _ = send(&mut stream, &busy);
+                continue;
+            }
+            let Ok(clone) = stream.try_clone() else {
+                continue;
+            };
+            connections.insert(id, clone);
+        }
+        let connection_shared = Arc::clone(&shared);
+        let spawned = std::thread::Builder::new()
+            .name(format!("control-{id}"))
+            .spawn(move || {
+                serve_connection(stream, &connection_shared);
+                connection_shared
+                    .connections
+                    .lock()
+                    .expect("control connections lock")
+                    .remove(&id);
+            });
+        if spawned.is_err() {
+            shared
+                .connections
+                .lock()
+                .expect("control connections lock")
+                .remove(&id);
+        }
+    }
+}
+
+fn send(stream: &mut UnixStream, response: &Response) -> std::io::Result<()> {
+    let mut line = serde_json::to_vec(response).map_err(std::io::Error::other)?;
+    line.push(b'\n');
+    stream.write_all(&line)
+}
+
+fn serve_connection(stream: UnixStream, shared: &Shared) {
+    if stream.set_read_timeout(Some(IDLE_TIMEOUT)).is_err()
+        || stream.set_write_timeout(Some(IDLE_TIMEOUT)).is_err()
+    {
+        return;
+    }
+    let Ok(mut writer) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(stream);
+    loop {
+        let line = match read_line(&mut reader, REQUEST_BYTES_MAX) {
+            Ok(Line::Complete(line)) => line,
+            Ok(Line::End) | Err(_) => return,
+            Ok(Line::TooLong) => {
+                let refusal: Response = Err(OpError::new(
+                    libc::EOVERFLOW,
+                    format!("request longer than {REQUEST_BYTES_MAX} bytes"),
+                ))
+                .into();
+                let _ = send(&mut writer, &refusal);
+                return;
+            }
+        };
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let result = match serde_json::from_slice::<Request>(&line) {
+            Ok(request) if shared.stopping.load(Ordering::SeqCst) => {
+                let _ = request;
+                Err(OpError::new(libc::ESHUTDOWN, "the server is stopping"))
+            }
+            Ok(request) => shared.target.execute(&request),
+            Err(error) => Err(OpError::new(libc::EINVAL, format!("bad request: {error}"))),
+        };
+        if send(&mut writer, &result.into()).is_err() {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn requests_have_a_stable_wire_form() {
+        let request = Request::Snapshot {
+            origin: "a".into(),
+            name: "b".into(),
+            read_only: true,
+        };
+        let text = serde_json::to_string(&request).unwrap();
+        assert_eq!(
+            text,
+            r#"{"op":"snapshot","origin":"a","name":"b","read_only":true}"#
+        );
+        let parsed: Request =
+            serde_json::from_str(r#"{"op":"snapshot","origin":"a","name":"b"}"#).unwrap();
+        assert_eq!(
+            parsed,
+            Request::Snapshot {
+                origin: "a".into(),
+                name: "b".into(),
+                read_only: false
+            }
+        );
+        assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
+    }
+
+    #[test]
+    fn lines_are_bounded() {
+        let mut input: &[u8] = b"abc\ndef";
+        assert!(matches!(read_line(&mut input, 8).unwrap(), Line::Complete(l) if l == b"abc"));
+        assert!(matches!(read_line(&mut input, 8).unwrap(), Line::Complete(l) if l == b"def"));
+        assert!(matches!(read_line(&mut input, 8).unwrap(), Line::End));
+        let mut long: &[u8] = b"0123456789\n";
+        assert!(matches!(read_line(&mut long, 4).unwrap(), Line::TooLong));
+    }
+
+    #[test]
+    fn errors_round_trip() {
+        let response: Response = Err(OpError::new(libc::EBUSY, "volume \"x\" is open")).into();
+        let text = serde_json::to_string(&response).unwrap();
+        assert_eq!(
+            text,
+            r#"{"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"x\" is open"}}"#
+        );
+        let back: Response = serde_json::from_str(&text).unwrap();
+        let error = back.into_result().unwrap().unwrap_err();
+        assert_eq!(error.to_string(), "volume \"x\" is open (EBUSY)");
+    }
+}

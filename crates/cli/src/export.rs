@@ -1,0 +1,373 @@
+//! What `thinpool serve` hands the NBD server: [`VolumeExport`] (a thin volume as an
+//! [`nbd::Export`]), [`RawFileExport`] (a plain file with no thin mapping, the control for
+//! benchmarks measuring what mapping costs through the same front end) and [`PoolRegistry`]
+//! (the [`nbd::ExportRegistry`] that looks volumes up in the pool at every open, so volumes
+//! created or deleted while serving appear and disappear at once).
+//!
+//! Invariants: every NBD connection that opens a thin volume holds its own
+//! [`thin_pool::Volume`] handle until it ends, so the engine refuses to delete a volume while a
+//! client has it open; the registry itself holds no handle. [`nbd_error`] is the only place
+//! that turns an engine error into an NBD error kind.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use nbd::{
+    Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, ZeroOptions,
+};
+use thin_pool::{Pool, Volume};
+
+/// Name of the volume created with a new default pool; the empty export name opens it.
+pub const DEFAULT_VOLUME: &str = "disk";
+
+/// Largest range one BLOCK_STATUS request walks in the index, in data blocks (the client
+/// asks again for the rest), so an extended-header request cannot make one reply walk a
+/// whole huge volume.
+const BLOCK_STATUS_BLOCKS_MAX: u64 = 1 << 16;
+
+/// Maps an engine error to the NBD error the client sees. The one such mapping in the binary:
+/// EIO, ENOSPC, EINVAL, EPERM (read-only volume or pool), EOVERFLOW; anything else is EIO.
+pub fn nbd_error(error: thin_pool::Error, what: String) -> NbdError {
+    let kind = match error.errno() {
+        libc::ENOSPC => ErrorKind::NoSpace,
+        libc::EINVAL => ErrorKind::InvalidArgument,
+        libc::EPERM | libc::EROFS => ErrorKind::PermissionDenied,
+        libc::EOVERFLOW => ErrorKind::Overflow,
+        _ => ErrorKind::Io,
+    };
+    NbdError::export_with_source(kind, what, error)
+}
+
+/// A thin volume served over NBD; holds the volume open for as long as the connection lives.
+pub struct VolumeExport {
+    volume: Volume,
+    name: String,
+    description: String,
+}
+
+impl VolumeExport {
+    /// Wraps an open volume, served under `name`.
+    pub fn new(volume: Volume, name: String, description: String) -> Self {
+        VolumeExport {
+            volume,
+            name,
+            description,
+        }
+    }
+
+    /// Whether every piece of `[offset, offset + length)` that does not cover a whole data
+    /// block is unmapped, so zeroing with unmap allowed does no data I/O.
+    fn zeroing_is_fast(&self, offset: u64, length: u64) -> nbd::Result<bool> {
+        let block = self.volume.block_size_bytes();
+        let end = offset + length;
+        let head_end = offset.next_multiple_of(block).min(end);
+        let tail_start = (end / block * block).max(head_end);
+        for (start, stop) in [(offset, head_end), (tail_start, end)] {
+            if start < stop {
+                let extents = self
+                    .volume
+                    .block_status(start, stop - start)
+                    .map_err(|e| nbd_error(e, format!("block status at {start}")))?;
+                if extents.iter().any(|extent| extent.mapped) {
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+}
+
+impl Export for VolumeExport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn description(&self) -> &str {
+        &self.description
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.volume.size_bytes()
+    }
+
+    fn preferred_block_size_bytes(&self) -> u32 {
+        self.volume
+            .block_size_bytes()
+            .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64) as u32
+    }
+
+    fn read_only(&self) -> bool {
+        self.volume.read_only()
+    }
+
+    fn can_trim(&self) -> bool {
+        self.volume.can_discard()
+    }
+
+    fn can_fast_zero(&self) -> bool {
+        true
+    }
+
+    fn can_multi_conn(&self) -> bool {
+        // A flush commits the whole pool, so it covers every connection's writes.
+        true
+    }
+
+    fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {
+        self.volume
+            .read(offset, buffer)
+            .map_err(|e| nbd_error(e, format!("read at {offset} length {}", buffer.len())))
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {
+        self.volume
+            .write(offset, data, fua)
+            .map_err(|e| nbd_error(e, format!("write at {offset} length {}", data.len())))
+    }
+
+    fn write_zeroes(&self, offset: u64, length: u64, options: ZeroOptions) -> nbd::Result<()> {
+        if options.fast && !(options.may_trim && self.zeroing_is_fast(offset, length)?) {
+            return Err(NbdError::export(
+                ErrorKind::NotSupported,
+                format!("zeroing {length} bytes at {offset} needs data writes"),
+            ));
+        }
+        self.volume
+            .write_zeroes(offset, length, options.may_trim, options.fua)
+            .map_err(|e| nbd_error(e, format!("write zeroes at {offset} length {length}")))
+    }
+
+    fn trim(&self, offset: u64, length: u64, fua: bool) -> nbd::Result<()> {
+        self.volume
+            .discard(offset, length)
+            .map_err(|e| nbd_error(e, format!("trim at {offset} length {length}")))?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> nbd::Result<()> {
+        self.volume
+            .flush()
+            .map_err(|e| nbd_error(e, "flush".to_string()))
+    }
+
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        extents_max: usize,
+    ) -> nbd::Result<Vec<Extent>> {
+        let block = self.volume.block_size_bytes();
+        // Walk at most BLOCK_STATUS_BLOCKS_MAX blocks, ending on a block boundary.
+        let limit_end = (offset / block + BLOCK_STATUS_BLOCKS_MAX) * block;
+        let end = (offset + length).min(limit_end).min(self.size_bytes());
+        if end <= offset {
+            return Err(NbdError::export(
+                ErrorKind::InvalidArgument,
+                format!("block status at {offset} length {length} is past the end"),
+            ));
+        }
+        let extents = self
+            .volume
+            .block_status(offset, end - offset)
+            .map_err(|e| nbd_error(e, format!("block status at {offset} length {length}")))?;
+        Ok(extents
+            .into_iter()
+            .take(extents_max.max(1))
+            .map(|extent| Extent {
+                length_bytes: extent.length_bytes,
+                hole: !extent.mapped,
+                zero: !extent.mapped,
+            })
+            .collect())
+    }
+}
+
+/// A plain file served as is: no mapping, no allocation, no snapshots.
+pub struct RawFileExport {
+    name: String,
+    description: String,
+    path: PathBuf,
+    file: File,
+    size_bytes: u64,
+}
+
+impl RawFileExport {
+    /// Opens `path` read-write; its size, rounded down to 512 bytes, is the export's.
+    pub fn open(name: &str, path: &Path) -> anyhow::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .with_context(|| format!("cannot open raw export file {}", path.display()))?;
+        let length = file
+            .metadata()
+            .with_context(|| format!("cannot stat {}", path.display()))?
+            .len();
+        let size_bytes = length / 512 * 512;
+        if size_bytes == 0 {
+            bail!(
+                "raw export file {} is {length} bytes: at least 512 needed",
+                path.display()
+            );
+        }
+        Ok(RawFileExport {
+            name: name.to_string(),
+            description: format!("raw file {}", path.display()),
+            path: path.to_path_buf(),
+            file,
+            size_bytes,
+        })
+    }
+
+    fn io_error(&self, what: String, error: std::io::Error) -> NbdError {
+        NbdError::io(format!("{what} on {}", self.path.display()), error)
+    }
+}
+
+impl Export for RawFileExport {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn description(&self) -> &str {
+        &self.description
+    }
+
+    fn size_bytes(&self) -> u64 {
+        self.size_bytes
+    }
+
+    fn can_multi_conn(&self) -> bool {
+        // fdatasync covers writes made through every connection's copy of the file.
+        true
+    }
+
+    fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {
+        self.file
+            .read_exact_at(buffer, offset)
+            .map_err(|e| self.io_error(format!("read at {offset}"), e))
+    }
+
+    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| self.io_error(format!("write at {offset}"), e))?;
+        if fua {
+            self.flush()?;
+        }
+        Ok(())
+    }
+
+    fn flush(&self) -> nbd::Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| self.io_error("fdatasync".to_string(), e))
+    }
+}
+
+/// The exports of a served pool: every volume under its own name, live (looked up in the
+/// pool at each open), plus fixed raw-file exports. The empty name opens [`DEFAULT_VOLUME`]
+/// if it exists, else the only export if there is exactly one.
+pub struct PoolRegistry {
+    pool: Pool,
+    raw: BTreeMap<String, Arc<RawFileExport>>,
+}
+
+impl PoolRegistry {
+    /// A registry over `pool` and `raw` exports; fails if a raw export's name is a volume's.
+    pub fn new(pool: Pool, raw: Vec<RawFileExport>) -> anyhow::Result<Self> {
+        let mut map = BTreeMap::new();
+        for export in raw {
+            if pool.volume(export.name()).is_ok() {
+                bail!(
+                    "raw export {:?} has the name of a volume in the pool",
+                    export.name()
+                );
+            }
+            let name = export.name().to_string();
+            if map.insert(name.clone(), Arc::new(export)).is_some() {
+                bail!("raw export {name:?} is given twice");
+            }
+        }
+        Ok(PoolRegistry { pool, raw: map })
+    }
+
+    /// Names taken by raw exports (volumes may not be created with them).
+    pub fn raw_names(&self) -> Vec<String> {
+        self.raw.keys().cloned().collect()
+    }
+
+    fn default_name(&self) -> Option<String> {
+        if self.pool.volume(DEFAULT_VOLUME).is_ok() {
+            return Some(DEFAULT_VOLUME.to_string());
+        }
+        let listing = self.list();
+        match listing.as_slice() {
+            [only] => Some(only.name.clone()),
+            _ => None,
+        }
+    }
+}
+
+/// Description of a volume for NBD_OPT_LIST and NBD_INFO_DESCRIPTION.
+fn describe(info: &thin_pool::VolumeInfo) -> String {
+    let kind = match &info.origin {
+        Some(origin) => format!("snapshot of {origin}"),
+        None => "thin volume".to_string(),
+    };
+    let access = if info.read_only { ", read-only" } else { "" };
+    format!(
+        "{kind}, {}{access}",
+        crate::pool_dir::format_size(info.size_bytes)
+    )
+}
+
+impl ExportRegistry for PoolRegistry {
+    fn list(&self) -> Vec<ExportListing> {
+        let mut listing: Vec<ExportListing> = self
+            .pool
+            .list()
+            .iter()
+            .map(|info| ExportListing {
+                name: info.name.clone(),
+                description: describe(info),
+            })
+            .collect();
+        listing.extend(self.raw.values().map(|export| ExportListing {
+            name: export.name().to_string(),
+            description: export.description().to_string(),
+        }));
+        listing
+    }
+
+    fn open(&self, name: &str) -> nbd::Result<Option<Arc<dyn Export>>> {
+        let name = if name.is_empty() {
+            match self.default_name() {
+                Some(default) => default,
+                None => return Ok(None),
+            }
+        } else {
+            name.to_string()
+        };
+        if let Some(export) = self.raw.get(&name) {
+            return Ok(Some(Arc::clone(export) as Arc<dyn Export>));
+        }
+        // The pool only fails this lookup for a missing name.
+        let Ok(volume) = self.pool.volume(&name) else {
+            return Ok(None);
+        };
+        let description = self
+            .pool
+            .info(&name)
+            .map(|info| describe(&info))
+            .unwrap_or_default();
+        Ok(Some(Arc::new(VolumeExport::new(volume, name, description))))
+    }
+}
