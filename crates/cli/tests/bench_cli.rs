@@ -1,0 +1,65 @@
+//! Goal: `thinpool bench --quick --json` runs end to end, prints its rows in the documented
+//! JSON shape, and removes every pool it built.
+//! Method: run the built binary with `--dir` in a scratch directory, parse stdout, check each
+//! row's keys and types, and that the directory is left empty. Timings and `met` depend on
+//! the machine, so nothing asserts on them.
+
+use serde_json::Value;
+use std::process::Command;
+use testkit::scratch::ScratchDir;
+
+#[test]
+fn quick_json_run_prints_rows_and_cleans_up() {
+    let scratch = ScratchDir::new("bench-cli");
+    let output = Command::new(env!("CARGO_BIN_EXE_thinpool"))
+        .args(["bench", "--quick", "--json", "--dir"])
+        .arg(scratch.path())
+        .output()
+        .expect("run thinpool bench");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench failed: {stderr}");
+
+    let rows: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    let rows = rows.as_array().expect("a JSON list");
+    assert!(rows.len() >= 10, "only {} rows", rows.len());
+    for row in rows {
+        let object = row.as_object().expect("each row is an object");
+        let mut keys: Vec<&str> = object.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(
+            keys,
+            ["a", "b", "met", "name", "ratio", "target", "unit"],
+            "{row}"
+        );
+        assert!(!row["name"].as_str().expect("name").is_empty(), "{row}");
+        assert!(!row["unit"].as_str().expect("unit").is_empty(), "{row}");
+        for key in ["a", "b", "ratio"] {
+            let figure = row[key].as_f64();
+            assert!(figure.is_some_and(f64::is_finite), "{key} in {row}");
+        }
+        // A target comes with a verdict; no target, no verdict.
+        match &row["target"] {
+            Value::String(_) => assert!(row["met"].is_boolean(), "{row}"),
+            Value::Null => assert!(row["met"].is_null(), "{row}"),
+            other => panic!("target {other} in {row}"),
+        }
+    }
+    let names: Vec<&str> = rows.iter().filter_map(|r| r["name"].as_str()).collect();
+    for wanted in [
+        "random 4 KiB reads",
+        "sequential",
+        "first writes",
+        "snapshot",
+        "activation",
+    ] {
+        assert!(
+            names.iter().any(|n| n.contains(wanted)),
+            "no row about {wanted:?} in {names:?}"
+        );
+    }
+
+    let left: Vec<_> = std::fs::read_dir(scratch.path())
+        .expect("read the scratch directory")
+        .collect();
+    assert!(left.is_empty(), "bench left {left:?} behind");
+}
