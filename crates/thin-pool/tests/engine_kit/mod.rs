@@ -158,11 +158,20 @@ struct DataState {
 /// power cut (per 512-byte sector), like testkit's `CrashDevice` for metadata. `discard`
 /// zeroes the range volatilely (a device may return anything after a discard; zeros make
 /// a wrongly discarded block visible).
-#[derive(Debug)]
 pub struct CrashDataDevice {
     state: Mutex<DataState>,
     power: Arc<Power>,
     counters: DataCounters,
+    after_flush: Mutex<Option<FlushHook>>,
+}
+
+/// Run once right after a flush completes (to interleave work at that exact point).
+pub type FlushHook = Box<dyn FnOnce() + Send>;
+
+impl std::fmt::Debug for CrashDataDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CrashDataDevice").finish_non_exhaustive()
+    }
 }
 
 fn range_ok(offset: u64, len: u64, size: usize) -> io::Result<()> {
@@ -186,7 +195,13 @@ impl CrashDataDevice {
             }),
             power,
             counters: DataCounters::default(),
+            after_flush: Mutex::new(None),
         }
+    }
+
+    /// Run `hook` right after the next flush completes, on the flushing thread.
+    pub fn on_next_flush(&self, hook: FlushHook) {
+        *lock(&self.after_flush) = Some(hook);
     }
 
     /// Grow (the new space is durable zeros), as an administrator growing the device.
@@ -277,11 +292,17 @@ impl DataDevice for CrashDataDevice {
         self.write_volatile(to, bytes)
     }
     fn flush(&self) -> io::Result<()> {
-        let mut s = lock(&self.state);
-        self.power.start()?;
-        for (offset, data) in std::mem::take(&mut s.volatile) {
-            let at = offset as usize;
-            s.durable[at..at + data.len()].copy_from_slice(&data);
+        {
+            let mut s = lock(&self.state);
+            self.power.start()?;
+            for (offset, data) in std::mem::take(&mut s.volatile) {
+                let at = offset as usize;
+                s.durable[at..at + data.len()].copy_from_slice(&data);
+            }
+        }
+        let hook = lock(&self.after_flush).take();
+        if let Some(hook) = hook {
+            hook();
         }
         Ok(())
     }
