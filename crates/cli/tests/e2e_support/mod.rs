@@ -589,11 +589,45 @@ impl RawClient {
         reply.error
     }
 
+    /// A WRITE or FLUSH that reports socket failures instead of panicking (for crash
+    /// tests): `Ok(error value)` from the reply.
+    pub fn try_command(
+        &mut self,
+        command: u16,
+        offset: u64,
+        payload: &[u8],
+    ) -> std::io::Result<u32> {
+        let handle = self.next_handle;
+        self.next_handle += 1;
+        let mut request = header_bytes(command, handle, offset, payload.len() as u32);
+        request.extend_from_slice(payload);
+        self.stream.write_all(&request)?;
+        let mut reply = [0u8; 16];
+        self.stream.read_exact(&mut reply)?;
+        if u32::from_be_bytes(reply[..4].try_into().unwrap()) != SIMPLE_REPLY_MAGIC
+            || u64::from_be_bytes(reply[8..16].try_into().unwrap()) != handle
+        {
+            return Err(std::io::Error::other("unexpected reply"));
+        }
+        Ok(u32::from_be_bytes(reply[4..8].try_into().unwrap()))
+    }
+
     /// NBD_CMD_DISC and close.
     pub fn disconnect(mut self) {
         self.send(CMD_DISC, 0, 0, 0, &[]);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
+}
+
+fn header_bytes(command: u16, handle: u64, offset: u64, length: u32) -> Vec<u8> {
+    let mut request = Vec::with_capacity(28);
+    request.extend_from_slice(&REQUEST_MAGIC.to_be_bytes());
+    request.extend_from_slice(&0u16.to_be_bytes());
+    request.extend_from_slice(&command.to_be_bytes());
+    request.extend_from_slice(&handle.to_be_bytes());
+    request.extend_from_slice(&offset.to_be_bytes());
+    request.extend_from_slice(&length.to_be_bytes());
+    request
 }
 
 /// Deterministic bytes for (`tag`, `offset`).

@@ -1,0 +1,170 @@
+//! Goal: `thinpool serve` works on a fresh machine (it creates the default pool directory with
+//! a `disk` volume), prints how to connect, listens on TCP only when asked and on loopback by
+//! default, serves raw files beside thin volumes, refuses a second server on the same pool,
+//! and commits on SIGTERM.
+//!
+//! Method: run `serve` in an empty working directory, follow its banner with `nbdinfo`, write
+//! through our raw client without a flush, stop it with SIGTERM and serve again to read the
+//! data back.
+
+mod e2e_support;
+
+use e2e_support::*;
+use std::path::Path;
+use std::time::Duration;
+
+#[test]
+fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() {
+    require_tool("nbdinfo", "libnbd-bin");
+    let temp = TempDir::new("serve-first");
+    let served = Served::start_in(Path::new(""), &[], Some(&temp.path));
+    let pool = temp.join("thinpool-pool");
+    assert!(pool.join("metadata").is_file());
+    assert!(pool.join("pool.json").is_file());
+    assert_eq!(served.socket, pool.join("nbd.sock"));
+    assert!(served.tcp.is_none(), "TCP without --tcp");
+    for expected in [
+        "nbdinfo '",
+        "qemu-img info '",
+        "nbdfuse ",
+        "nbd+unix:///disk?socket=",
+    ] {
+        assert!(
+            served.banner.contains(expected),
+            "banner lacks {expected:?}:\n{}",
+            served.banner
+        );
+    }
+    // The banner's nbdinfo line works as printed.
+    let line = served
+        .banner
+        .lines()
+        .find(|line| line.trim_start().starts_with("nbdinfo '"))
+        .unwrap();
+    let uri = line
+        .trim()
+        .trim_start_matches("nbdinfo '")
+        .trim_end_matches('\'');
+    let info = run_ok("nbdinfo", &["--json", uri], Duration::from_secs(30));
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(info["exports"][0]["export-size"], 16u64 << 30);
+    // The empty export name opens `disk`.
+    let client = RawClient::connect(&served.socket, "");
+    assert_eq!(client.size, 16 << 30);
+    client.disconnect();
+
+    // A second server on the same pool is refused.
+    let output = run_tool_in(
+        THINPOOL,
+        &[
+            "serve",
+            "--socket",
+            temp.join("other.sock").to_str().unwrap(),
+        ],
+        Duration::from_secs(30),
+        Some(&temp.path),
+        &[],
+    );
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("held by another process"), "{stderr}");
+
+    // Written without a flush; SIGTERM must commit it.
+    let mut client = RawClient::connect(&served.socket, "disk");
+    assert_eq!(client.write(5 * MIB, &pattern(3, 65536)), 0);
+    client.disconnect();
+    let status = served.stop();
+    assert!(status.success(), "{status}");
+    assert!(!pool.join("nbd.sock").exists());
+    assert!(!pool.join("control.sock").exists());
+
+    let served = Served::start_in(Path::new(""), &[], Some(&temp.path));
+    let mut client = RawClient::connect(&served.socket, "disk");
+    assert_eq!(client.read(5 * MIB, 65536), pattern(3, 65536));
+    client.disconnect();
+    assert!(served.stop().success());
+}
+
+#[test]
+fn tcp_on_loopback_and_raw_file_exports() {
+    require_tool("nbdinfo", "libnbd-bin");
+    require_tool("qemu-io", "qemu-utils");
+    let temp = TempDir::new("serve-raw");
+    let pool = temp.join("pool");
+    create_pool(&pool, &["--data-size", "64M"]);
+    create_volume(&pool, "thin", "8M");
+    let raw = temp.join("raw.img");
+    std::fs::File::create(&raw)
+        .unwrap()
+        .set_len(4 * MIB)
+        .unwrap();
+    let socket = temp.join("custom.sock");
+    let raw_spec = format!("plain={}", raw.display());
+    let served = Served::start(
+        &pool,
+        &[
+            "--tcp",
+            "0",
+            "--raw-export",
+            &raw_spec,
+            "--socket",
+            socket.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(served.socket, socket);
+    let tcp = served.tcp.clone().unwrap();
+    assert!(tcp.starts_with("127.0.0.1:"), "{tcp}");
+    assert!(
+        served.banner.contains(&format!("nbd://{tcp}/thin")),
+        "{}",
+        served.banner
+    );
+
+    let listing = run_ok(
+        "nbdinfo",
+        &["--list", "--json", &format!("nbd://{tcp}")],
+        Duration::from_secs(30),
+    );
+    let listing: serde_json::Value = serde_json::from_str(&listing).unwrap();
+    let mut names: Vec<&str> = listing["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|export| export["export-name"].as_str().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["plain", "thin"]);
+
+    let uri = format!("nbd://{tcp}/plain");
+    run_ok(
+        "qemu-io",
+        &[
+            "-f",
+            "raw",
+            "-c",
+            "write -P 0x5a 1M 64K",
+            "-c",
+            "flush",
+            &uri,
+        ],
+        Duration::from_secs(30),
+    );
+    let bytes = std::fs::read(&raw).unwrap();
+    assert!(bytes[MIB as usize..MIB as usize + 65536]
+        .iter()
+        .all(|&b| b == 0x5a));
+    assert!(bytes[..MIB as usize].iter().all(|&b| b == 0));
+    // A volume may not take a raw export's name.
+    let error = thinpool_err(&[
+        "volume",
+        "create",
+        "plain",
+        "--size",
+        "1M",
+        "--pool",
+        pool.to_str().unwrap(),
+    ]);
+    assert!(error.contains("raw export"), "{error}");
+    assert!(served.stop().success());
+    assert!(!socket.exists());
+}
