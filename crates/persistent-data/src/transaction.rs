@@ -51,7 +51,9 @@ pub struct TransactionManager {
     /// Location of each metadata bitmap (None until first written).
     bitmap_locations: Vec<Option<MetadataBlock>>,
     index_block: Option<MetadataBlock>,
-    overflow_root: MetadataBlock,
+    /// Root of the overflow tree; `None` until the first commit of a fresh map creates it
+    /// (so a restore's first blocks go to what it builds, as thin_restore's do).
+    overflow_root: Option<MetadataBlock>,
     dirty: HashMap<MetadataBlock, (Arc<Block>, BlockKind)>,
     shadowed: HashSet<MetadataBlock>,
 }
@@ -89,16 +91,15 @@ impl TransactionManager {
         let mut sm = CoreSpaceMap::new(block_count);
         sm.set(0, 1);
         let bitmaps = sm.bitmap_count();
-        let mut tm = TransactionManager {
+        let tm = TransactionManager {
             bm,
             sm,
             bitmap_locations: vec![None; bitmaps],
             index_block: None,
-            overflow_root: MetadataBlock(0),
+            overflow_root: None,
             dirty: HashMap::new(),
             shadowed: HashSet::new(),
         };
-        tm.overflow_root = btree::create_empty::<u32>(&mut tm)?;
         Ok(tm)
     }
 
@@ -150,7 +151,7 @@ impl TransactionManager {
             sm,
             bitmap_locations,
             index_block: Some(index_block),
-            overflow_root,
+            overflow_root: Some(overflow_root),
             dirty: HashMap::new(),
             shadowed: HashSet::new(),
         })
@@ -322,19 +323,22 @@ impl TransactionManager {
     /// the index block move at most once per transaction, so the loop ends. Only then are the
     /// bitmaps and the index block serialized, from counts that no longer change.
     pub fn commit_space_map(&mut self) -> Result<SpaceMapRoot> {
+        if self.overflow_root.is_none() {
+            self.overflow_root = Some(btree::create_empty::<u32>(self)?);
+        }
         for _pass in 0..1000 {
             let mut changed = false;
             let changes = self.sm.take_overflow_changes();
             if !changes.is_empty() {
                 changed = true;
-                let mut root = self.overflow_root;
+                let mut root = self.overflow_root.expect("created above");
                 for (key, count) in changes {
                     root = match count {
                         Some(count) => btree::insert(self, &mut NoRefs, root, key, &count)?.0,
                         None => btree::remove::<u32, _>(self, &mut NoRefs, root, key)?.0,
                     };
                 }
-                self.overflow_root = root;
+                self.overflow_root = Some(root);
             }
             for index in self.sm.dirty_bitmaps() {
                 let current = self.bitmap_locations[index];
@@ -390,7 +394,7 @@ impl TransactionManager {
             block_count: self.sm.block_count(),
             allocated_count: self.sm.allocated_count(),
             bitmap_root: index_block.0,
-            ref_count_root: self.overflow_root.0,
+            ref_count_root: self.overflow_root.expect("created at commit").0,
         })
     }
 

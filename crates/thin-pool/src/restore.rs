@@ -127,7 +127,9 @@ struct Pool {
     data_sm: DataSpaceMap,
     superblock: Superblock,
     /// Empty trees the intermediate superblocks point at.
-    placeholder_roots: (MetadataBlock, MetadataBlock),
+    /// Empty trees for the superblock of intermediate commits, made at the first one (so
+    /// that, as with thin_restore, the first blocks allocated hold mappings).
+    placeholder_roots: Option<(MetadataBlock, MetadataBlock)>,
 }
 
 /// The mappings being built: a def's or a device's.
@@ -216,7 +218,17 @@ impl Restorer {
         if pool.tm.dirty_count() < interval {
             return Ok(());
         }
-        let (mapping_root, details_root) = pool.placeholder_roots;
+        let (mapping_root, details_root) = match pool.placeholder_roots {
+            Some(roots) => roots,
+            None => {
+                let roots = (
+                    btree::create_empty::<u64>(&mut pool.tm).map_err(visitor_error)?,
+                    btree::create_empty::<DeviceDetails>(&mut pool.tm).map_err(visitor_error)?,
+                );
+                pool.placeholder_roots = Some(roots);
+                roots
+            }
+        };
         let mut superblock = pool.superblock.clone();
         superblock.data_mapping_root = mapping_root.0;
         superblock.device_details_root = details_root.0;
@@ -258,8 +270,6 @@ impl DumpVisitor for Restorer {
         let bm = Arc::new(BlockManager::new(self.device.clone(), CACHE_BLOCKS_DEFAULT));
         let mut tm = TransactionManager::format(bm, block_count).map_err(visitor_error)?;
         let data_sm = DataSpaceMap::format(&mut tm, data_block_count).map_err(visitor_error)?;
-        let mapping_root = btree::create_empty::<u64>(&mut tm).map_err(visitor_error)?;
-        let details_root = btree::create_empty::<DeviceDetails>(&mut tm).map_err(visitor_error)?;
         let superblock = Superblock {
             flags: 0,
             blocknr: 0,
@@ -270,8 +280,8 @@ impl DumpVisitor for Restorer {
             metadata_snap: 0,
             data_space_map: SpaceMapRoot::default(),
             metadata_space_map: SpaceMapRoot::default(),
-            data_mapping_root: mapping_root.0,
-            device_details_root: details_root.0,
+            data_mapping_root: 0,
+            device_details_root: 0,
             data_block_size_sectors: data_block_size,
             metadata_block_count: tm.space_map().block_count(),
             compat_flags: 0,
@@ -282,7 +292,7 @@ impl DumpVisitor for Restorer {
             tm,
             data_sm,
             superblock,
-            placeholder_roots: (mapping_root, details_root),
+            placeholder_roots: None,
         });
         Ok(())
     }
@@ -308,9 +318,10 @@ impl DumpVisitor for Restorer {
             release_nodes::<u64, _>(tm, &mut DataRefs(&mut pool.data_sm), nodes)
                 .map_err(visitor_error)?;
         }
-        let (placeholder_mapping, placeholder_details) = pool.placeholder_roots;
-        tm.dec(placeholder_mapping).map_err(visitor_error)?;
-        tm.dec(placeholder_details).map_err(visitor_error)?;
+        if let Some((placeholder_mapping, placeholder_details)) = pool.placeholder_roots {
+            tm.dec(placeholder_mapping).map_err(visitor_error)?;
+            tm.dec(placeholder_details).map_err(visitor_error)?;
+        }
         let mut superblock = pool.superblock.clone();
         superblock.data_mapping_root = mapping_root.0;
         superblock.device_details_root = details_root.0;

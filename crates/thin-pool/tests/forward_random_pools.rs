@@ -270,7 +270,7 @@ fn run_case(index: u64, seed: u64, dir: &ScratchDir, v0: &ThinTools, v1: &ThinTo
         "{context}: 0.9.0 flavour differs from thin_dump 0.9.0"
     );
 
-    if index % 2 == 0 {
+    if index.is_multiple_of(2) {
         assert_eq!(
             our_dump(&path, &DumpOptions::default(), true),
             v1.dump(&path, &["--format", "human_readable"]),

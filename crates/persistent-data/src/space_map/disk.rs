@@ -114,15 +114,18 @@ pub struct DataSpaceMap {
 }
 
 impl DataSpaceMap {
-    /// A new, empty data space map of `block_count` blocks (its trees are created in `tm`).
-    pub fn format(tm: &mut TransactionManager, block_count: u64) -> Result<DataSpaceMap> {
+    /// A new, empty data space map of `block_count` blocks. Its trees are created in the
+    /// transaction at its first commit.
+    pub fn format(_tm: &mut TransactionManager, block_count: u64) -> Result<DataSpaceMap> {
         let core = CoreSpaceMap::new(block_count);
         let bitmaps = core.bitmap_count();
         Ok(DataSpaceMap {
             core,
             bitmap_locations: vec![None; bitmaps],
-            index_root: btree::create_empty::<IndexEntry>(tm)?,
-            overflow_root: btree::create_empty::<u32>(tm)?,
+            // Created at the first commit (block 0, the superblock, means "not yet"), so a
+            // restore's first blocks go to what it builds, as thin_restore's do.
+            index_root: MetadataBlock::SUPERBLOCK,
+            overflow_root: MetadataBlock::SUPERBLOCK,
         })
     }
 
@@ -254,6 +257,12 @@ impl DataSpaceMap {
     /// Write the changed bitmaps and overflow counts into metadata (in `tm`'s transaction)
     /// and return the root for the superblock. Call before the metadata space map's commit.
     pub fn commit(&mut self, tm: &mut TransactionManager) -> Result<SpaceMapRoot> {
+        if self.index_root == MetadataBlock::SUPERBLOCK {
+            self.index_root = btree::create_empty::<IndexEntry>(tm)?;
+        }
+        if self.overflow_root == MetadataBlock::SUPERBLOCK {
+            self.overflow_root = btree::create_empty::<u32>(tm)?;
+        }
         let mut overflow_root = self.overflow_root;
         for (key, count) in self.core.take_overflow_changes() {
             overflow_root = match count {
