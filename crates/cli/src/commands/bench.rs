@@ -99,9 +99,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let sizes = Sizes::new(args.quick);
     let started = Instant::now();
     progress(&format!(
-        "pools in {}, {} repetitions each",
+        "pools in {}, {} repetitions each; load average {}",
         dir.path().display(),
-        sizes.repetition_count
+        sizes.repetition_count,
+        load_average()
     ));
     let mut rows: Vec<Row> = Vec::new();
     rows.extend(reads::random(&dir, &sizes).context("random reads")?);
@@ -109,7 +110,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     rows.extend(writes::first_and_over(&dir, &sizes).context("first writes")?);
     rows.extend(writes::sharing(&dir, &sizes).context("writes breaking sharing")?);
     rows.extend(mappings::run(&dir, &sizes).context("large volumes")?);
-    progress(&format!("done in {:.1?}", started.elapsed()));
+    progress(&format!(
+        "done in {:.1?}; load average {}",
+        started.elapsed(),
+        load_average()
+    ));
     if args.json {
         println!("{}", report::json(&rows));
     } else {
@@ -122,6 +127,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// A progress line on stderr.
 pub(crate) fn progress(message: &str) {
     eprintln!("bench: {message}");
+}
+
+/// The 1, 5 and 15-minute load averages: other work on the machine skews every figure.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|text| {
+            text.split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .unwrap_or_else(|_| "unknown".to_string())
 }
 
 /// The median of some samples.
