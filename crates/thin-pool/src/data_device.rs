@@ -61,6 +61,12 @@ pub trait DataDevice: Send + Sync {
     fn refresh_size(&self) -> io::Result<u64> {
         Ok(self.size_bytes())
     }
+    /// Grow to at least `size_bytes` if the device can (a regular file is extended), or
+    /// notice that it grew. Returns the size now. Never shrinks.
+    fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        let _ = size_bytes;
+        self.refresh_size()
+    }
 }
 
 const ZERO_CHUNK: usize = 1 << 20;
@@ -305,6 +311,13 @@ impl DataDevice for FileDataDevice {
         self.size_bytes.store(size, Ordering::Release);
         Ok(size)
     }
+
+    fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        if self.file.metadata()?.is_file() {
+            self.grow_file(size_bytes)?;
+        }
+        self.refresh_size()
+    }
 }
 
 fn copy_with_buffer(device: &dyn DataDevice, from: u64, to: u64, len: u64) -> io::Result<()> {
@@ -392,6 +405,10 @@ impl DataDevice for MemoryDataDevice {
     }
     fn counters(&self) -> &DataCounters {
         &self.counters
+    }
+    fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        self.grow(size_bytes);
+        Ok(self.size_bytes())
     }
 }
 

@@ -623,8 +623,7 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
+        let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
             return Err(Error::Invalid(format!("a volume named {name:?} exists")));
         }
@@ -638,7 +637,7 @@ impl Pool {
         };
         let mut catalog = meta.catalog.clone();
         catalog.volumes.push(entry.clone());
-        shared.catalog_transaction(&mut meta, catalog, |md| md.create_thin(VolumeId(id)))?;
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| md.create_thin(VolumeId(id)))?;
         let time = shared.time.load(Ordering::Acquire);
         let volume = Arc::new(new_volume_shared(
             &entry,
@@ -663,8 +662,7 @@ impl Pool {
         let _pause = origin_volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
+        let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
             return Err(Error::Invalid(format!("a volume named {name:?} exists")));
         }
@@ -679,7 +677,7 @@ impl Pool {
         let mut catalog = meta.catalog.clone();
         catalog.volumes.push(entry.clone());
         let origin_id = origin_volume.id;
-        shared.catalog_transaction(&mut meta, catalog, |md| {
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| {
             md.create_snap(VolumeId(id), origin_id)
         })?;
         let time = meta.md()?.time();
@@ -711,12 +709,11 @@ impl Pool {
         if volume.open_count.load(Ordering::Acquire) > 0 {
             return Err(Error::Busy(format!("volume {name:?} is open")));
         }
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
+        let (mut meta, taken) = shared.flush_and_lock()?;
         let mut catalog = meta.catalog.clone();
         catalog.volumes.retain(|v| v.name != name);
         let id = volume.id;
-        shared.catalog_transaction(&mut meta, catalog, |md| md.delete(id))?;
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| md.delete(id))?;
         let mut volumes = (**shared.volumes.load()).clone();
         volumes.remove(name);
         shared.volumes.store(Arc::new(volumes));
@@ -738,8 +735,7 @@ impl Pool {
         let _pause = volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
+        let (mut meta, taken) = shared.flush_and_lock()?;
         let block_count = size_bytes.div_ceil(shared.block_size_bytes);
         let old_block_count = volume.index.block_count();
         let old_size = volume.size_bytes.load(Ordering::Acquire);
@@ -754,7 +750,7 @@ impl Pool {
             v.size_bytes = size_bytes;
         }
         let id = volume.id;
-        shared.catalog_transaction(&mut meta, catalog, |md| {
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| {
             if block_count < old_block_count {
                 md.remove_range(id, VirtualBlock(block_count), VirtualBlock(u64::MAX))?;
             }
@@ -770,23 +766,23 @@ impl Pool {
     }
 
     /// Grow the data device to `size_bytes` (a regular data file is extended; a block device
-    /// must already be that large), letting queued writes proceed.
+    /// must already be that large) and the pool with it, letting queued writes proceed.
+    /// Returns the number of data blocks.
     pub fn grow_data(&self, size_bytes: u64) -> Result<u64> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        if shared.data.size_bytes() < size_bytes {
-            shared
-                .data
-                .refresh_size()
-                .map_err(io_error("reading the data device size".to_string()))?;
-        }
-        let blocks = size_bytes.min(shared.data.size_bytes()) / shared.block_size_bytes;
-        let mut meta = shared.lock_meta();
+        let device_bytes = shared
+            .data
+            .grow_to(size_bytes)
+            .map_err(io_error("growing the data device".to_string()))?;
+        let blocks = size_bytes.min(device_bytes) / shared.block_size_bytes;
+        let (mut meta, taken) = shared.flush_and_lock()?;
         let md = meta.md()?;
         if blocks > md.data_space_map().block_count() {
             md.extend_data(blocks)?;
-            shared.commit_locked(&mut meta, usize::MAX)?;
+            shared.commit_locked(&mut meta, taken)?;
         }
+        let blocks = meta.md()?.data_space_map().block_count();
         if shared.mode() == PoolMode::OutOfDataSpace {
             shared.set_mode(PoolMode::Write);
         }
@@ -796,18 +792,26 @@ impl Pool {
         Ok(blocks)
     }
 
-    /// Grow the metadata space map to the metadata device's current size.
-    pub fn grow_metadata(&self) -> Result<u64> {
+    /// Grow the metadata device to `size_bytes` (a regular file is extended; None: use the
+    /// device's current size) and the metadata space map with it. Returns the number of
+    /// metadata blocks the space map manages.
+    pub fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        let mut meta = shared.lock_meta();
-        let blocks = shared.metadata_device.block_count();
-        let md = meta.md()?;
-        let total = md.extend_metadata(blocks)?;
+        let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
+        let blocks = shared
+            .metadata_device
+            .extend_to(wanted_blocks)
+            .map_err(io_error("growing the metadata device".to_string()))?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        if meta.md.as_ref().is_some_and(|md| md.needs_check()) {
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        let total = meta.md()?.extend_metadata(blocks)?;
         if shared.mode() == PoolMode::OutOfMetadataSpace {
             shared.set_mode(PoolMode::Write);
         }
-        shared.commit_locked(&mut meta, usize::MAX)?;
+        shared.commit_locked(&mut meta, taken)?;
         drop(meta);
         shared.space.notify_all();
         Ok(total)
@@ -823,14 +827,13 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
+        let (mut meta, taken) = shared.flush_and_lock()?;
         let mut catalog = meta.catalog.clone();
         catalog.transaction_id = new.0;
         shared.catalog_store.store(&catalog)?;
         let md = meta.md()?;
         md.set_transaction_id(current, new)?;
-        shared.commit_locked(&mut meta, usize::MAX)?;
+        shared.commit_locked(&mut meta, taken)?;
         meta.catalog = catalog;
         shared.catalog_store.committed(new.0)?;
         Ok(())
@@ -841,9 +844,8 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
-        shared.apply_ops(&mut meta, usize::MAX)?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        shared.apply_ops(&mut meta, taken)?;
         let result = shared.with_unapplied_released(&mut meta, |md| md.reserve_metadata_snap());
         result.map(|b| b.0)
     }
@@ -853,9 +855,8 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        shared.flush_data()?;
-        let mut meta = shared.lock_meta();
-        shared.apply_ops(&mut meta, usize::MAX)?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        shared.apply_ops(&mut meta, taken)?;
         shared.with_unapplied_released(&mut meta, |md| md.release_metadata_snap())
     }
 
@@ -1066,6 +1067,15 @@ impl Shared {
             .map_err(io_error("flushing the data device".to_string()))
     }
 
+    /// Count the queued ops, flush the data device (their data is now durable), lock the
+    /// metadata. Returns the lock and how many ops may be applied: ops queued during the
+    /// flush are not covered by it and wait for the next commit.
+    fn flush_and_lock(&self) -> Result<(MutexGuard<'_, MetaState>, usize)> {
+        let taken = self.lock_meta().ops.len();
+        self.flush_data()?;
+        Ok((self.lock_meta(), taken))
+    }
+
     fn publish_volume(&self, volume: Arc<VolumeShared>) {
         let mut volumes = (**self.volumes.load()).clone();
         volumes.insert(volume.name.clone(), volume);
@@ -1247,10 +1257,11 @@ impl Shared {
     fn catalog_transaction(
         &self,
         meta: &mut MetaState,
+        taken: usize,
         mut catalog: Catalog,
         change: impl FnOnce(&mut PoolMetadata) -> Result<()>,
     ) -> Result<()> {
-        self.apply_ops(meta, usize::MAX)?;
+        self.apply_ops(meta, taken)?;
         let current = meta.md()?.transaction_id();
         let next = TransactionId(current.0 + 1);
         catalog.transaction_id = next.0;

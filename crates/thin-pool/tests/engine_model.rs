@@ -1,14 +1,23 @@
 //! Goal: the engine behaves like a map of byte arrays per volume, where a snapshot copies
-//! its origin's array, across writes, zeroes, discards, flushes, snapshots, deletes, resizes
-//! and reopens. Method: seeded random operations on small volumes (64 KiB blocks) against
-//! the model, every read compared; after each reopen the index equals the mapping trees.
+//! its origin's array, across writes, zeroes, discards, flushes, snapshots, deletes, resizes,
+//! data and metadata growth and reopens, and every reopened pool's metadata passes
+//! `thinpool check` and both thin_check versions.
+//! Method: seeded random operations on small volumes (64 KiB blocks) against the model,
+//! every read compared; after each reopen every volume is read whole, the index equals the
+//! mapping trees, our checker runs on the closed pool's metadata, and both thin_check
+//! versions on a sample of them (each run of thin_check 1.1 costs about half a second).
 
-use persistent_data::MemoryDevice;
-use rand::{Rng, SeedableRng};
+mod engine_kit;
+
+use engine_kit::check_metadata;
+use persistent_data::{BlockDevice, MemoryDevice};
+use rand::Rng;
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use testkit::scratch::ScratchDir;
+use testkit::tools::ThinTools;
 use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
+use thin_pool::data_device::{DataDevice, MemoryDataDevice};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -26,7 +35,12 @@ fn engine_matches_model() {
     let (_report, mut rng) = testkit::seed::seeded_rng();
     let steps = testkit::seed::case_count(3000);
     let metadata = Arc::new(MemoryDevice::new(1024));
-    let data = Arc::new(MemoryDataDevice::new(256 * BLOCK));
+    let data = Arc::new(MemoryDataDevice::new(64 * BLOCK));
+    let tools = ThinTools::all();
+    let scratch = ScratchDir::new("engine-model");
+    let image = scratch.join("metadata");
+    let mut reopens = 0u64;
+    let tool_reopens = testkit::seed::case_count(6);
     let catalog = Arc::new(MemoryCatalog::default());
     let mut pool = Pool::format_parts(
         metadata.clone(),
@@ -136,10 +150,34 @@ fn engine_matches_model() {
                 model.get_mut(name).unwrap().resize(new_size as usize, 0);
                 // A shrink then grow must read zeros beyond the old end: the model's resize does.
             }
-            93..=96 => pool.commit().unwrap(),
+            93..=94 => pool.commit().unwrap(),
+            95 => pool.volume(name).unwrap().flush().unwrap(),
+            96 => {
+                let blocks = data.size_bytes() / BLOCK;
+                if blocks < 512 {
+                    data.grow((blocks + rng.gen_range(1..=32)) * BLOCK);
+                    pool.grow_data(data.size_bytes()).unwrap();
+                    assert_eq!(pool.status().data_total_blocks, data.size_bytes() / BLOCK);
+                }
+            }
+            97 => {
+                if metadata.block_count() < 4096 {
+                    metadata.grow(metadata.block_count() + rng.gen_range(1..=256));
+                    pool.grow_metadata(None).unwrap();
+                    assert_eq!(pool.status().metadata_total_blocks, metadata.block_count());
+                }
+            }
             _ => {
                 pool.verify_index().unwrap();
                 drop(pool);
+                reopens += 1;
+                let run_tools = reopens <= tool_reopens;
+                if let Err(e) = check_metadata(
+                    metadata.clone(),
+                    run_tools.then_some((&tools[..], image.as_path())),
+                ) {
+                    panic!("step {step}: closed pool's metadata fails a check: {e}");
+                }
                 pool = Pool::open_parts(
                     metadata.clone(),
                     data.clone(),
@@ -161,4 +199,8 @@ fn engine_matches_model() {
     pool.verify_index().unwrap();
     let status = pool.status();
     assert_eq!(status.volume_count, model.len());
+    drop(pool);
+    check_metadata(metadata.clone(), Some((&tools[..], image.as_path())))
+        .unwrap_or_else(|e| panic!("final metadata fails a check: {e}"));
+    println!("{steps} steps, {reopens} reopens");
 }

@@ -103,7 +103,6 @@ impl Pair {
 /// block), reads as zeros — neither its old nor its new contents. Had the new data block
 /// been freed by another volume, that volume's data would show.
 #[test]
-#[ignore = "engine bug in Pool::grow_data (src/pool.rs): commit without a data flush"]
 fn crash_after_grow_data_keeps_no_mapping_without_its_data() {
     let (pair, pool) = Pair::new(16);
     pool.create_volume("v0", 2 * BLOCK).unwrap();
@@ -134,7 +133,6 @@ fn crash_after_grow_data_keeps_no_mapping_without_its_data() {
 /// Same as above for `Pool::grow_metadata`, which also commits queued mappings without a
 /// data flush.
 #[test]
-#[ignore = "engine bug in Pool::grow_metadata (src/pool.rs): commit without a data flush"]
 fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
     let (pair, pool) = Pair::new(16);
     pool.create_volume("v0", 2 * BLOCK).unwrap();
@@ -142,7 +140,7 @@ fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
     v0.write(0, &block_of(1, 1), true).unwrap();
     pool.snapshot("v0", "v1", false).unwrap();
     v0.write(0, &block_of(1, 2), false).unwrap();
-    pool.grow_metadata().unwrap();
+    pool.grow_metadata(None).unwrap();
     drop(v0);
     let reopened = pair.crash_and_reopen();
     let found = first_sector(&reopened, "v0");
@@ -162,7 +160,6 @@ fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
 /// show through. (`Pool::commit` does it right: it applies only the ops queued before its
 /// flush.)
 #[test]
-#[ignore = "engine bug in Pool management operations (src/pool.rs): ops queued after the data flush are committed"]
 fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
     let (pair, pool) = Pair::with_options(
         2,

@@ -6,6 +6,7 @@ use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A file (or block device) of metadata blocks, accessed with positional I/O so that any
 /// number of threads may use it at once. `flush` is `fdatasync`.
@@ -13,7 +14,7 @@ use std::path::{Path, PathBuf};
 pub struct FileDevice {
     file: File,
     path: PathBuf,
-    block_count: u64,
+    block_count: AtomicU64,
 }
 
 impl FileDevice {
@@ -25,7 +26,7 @@ impl FileDevice {
         Ok(FileDevice {
             file,
             path: path.to_path_buf(),
-            block_count: size_bytes / BLOCK_SIZE as u64,
+            block_count: AtomicU64::new(size_bytes / BLOCK_SIZE as u64),
         })
     }
 
@@ -41,7 +42,7 @@ impl FileDevice {
         Ok(FileDevice {
             file,
             path: path.to_path_buf(),
-            block_count,
+            block_count: AtomicU64::new(block_count),
         })
     }
 
@@ -56,9 +57,10 @@ impl FileDevice {
     }
 
     /// Re-read the size of the underlying file or device (after it was grown).
-    pub fn refresh_size(&mut self) -> io::Result<u64> {
-        self.block_count = device_size_bytes(&self.file)? / BLOCK_SIZE as u64;
-        Ok(self.block_count)
+    pub fn refresh_size(&self) -> io::Result<u64> {
+        let blocks = device_size_bytes(&self.file)? / BLOCK_SIZE as u64;
+        self.block_count.store(blocks, Ordering::Release);
+        Ok(blocks)
     }
 }
 
@@ -76,24 +78,33 @@ fn device_size_bytes(file: &File) -> io::Result<u64> {
 
 impl BlockDevice for FileDevice {
     fn block_count(&self) -> u64 {
-        self.block_count
+        self.block_count.load(Ordering::Acquire)
     }
 
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
-        if block.0 >= self.block_count {
-            return Err(out_of_range(block, self.block_count));
+        let count = self.block_count();
+        if block.0 >= count {
+            return Err(out_of_range(block, count));
         }
         self.file.read_exact_at(buf, block.byte_offset())
     }
 
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
-        if block.0 >= self.block_count {
-            return Err(out_of_range(block, self.block_count));
+        let count = self.block_count();
+        if block.0 >= count {
+            return Err(out_of_range(block, count));
         }
         self.file.write_all_at(buf, block.byte_offset())
     }
 
     fn flush(&self) -> io::Result<()> {
         self.file.sync_data()
+    }
+
+    fn extend_to(&self, block_count: u64) -> io::Result<u64> {
+        if self.file.metadata()?.is_file() && block_count > self.block_count() {
+            self.file.set_len(block_count * BLOCK_SIZE as u64)?;
+        }
+        self.refresh_size()
     }
 }

@@ -91,4 +91,11 @@ impl BlockDevice for MemoryDevice {
     fn flush(&self) -> io::Result<()> {
         Ok(())
     }
+
+    fn extend_to(&self, block_count: u64) -> io::Result<u64> {
+        if block_count > self.block_count() {
+            self.grow(block_count);
+        }
+        Ok(BlockDevice::block_count(self))
+    }
 }

@@ -30,6 +30,12 @@ pub trait BlockDevice: Send + Sync {
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()>;
     /// Make every completed write durable.
     fn flush(&self) -> io::Result<()>;
+    /// Grow the device to at least `block_count` blocks if it can (a regular file is
+    /// extended), or notice that it grew; returns the size now. Never shrinks.
+    fn extend_to(&self, block_count: u64) -> io::Result<u64> {
+        let _ = block_count;
+        Ok(self.block_count())
+    }
 }
 
 impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
@@ -44,6 +50,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn flush(&self) -> io::Result<()> {
         (**self).flush()
+    }
+    fn extend_to(&self, block_count: u64) -> io::Result<u64> {
+        (**self).extend_to(block_count)
     }
 }
 
