@@ -29,7 +29,7 @@ fn slot_image(slot: u64, generation: u64) -> Vec<u8> {
         image.extend_from_slice(&generation.to_le_bytes());
         image.extend_from_slice(&sector.to_le_bytes());
         image.extend_from_slice(&pattern(
-            slot << 40 ^ generation << 8 ^ sector,
+            (slot << 40) ^ (generation << 8) ^ sector,
             SECTOR_BYTES - 24,
         ));
     }
@@ -63,7 +63,7 @@ fn check_slot(volume: &str, slot: u64, data: &[u8], flushed: u64) {
             "{volume} slot {slot} sector {sector}: generation {generation} older than flushed {flushed}"
         );
         let expected = pattern(
-            slot << 40 ^ generation << 8 ^ sector as u64,
+            (slot << 40) ^ (generation << 8) ^ sector as u64,
             SECTOR_BYTES - 24,
         );
         assert!(
@@ -165,7 +165,7 @@ fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
                 let socket = served.socket.clone();
                 let volume = volume.to_string();
                 let flushed = Arc::clone(flushed);
-                let writer_seed = seed ^ (cycle * 2 + index as u64 + 1) * 0x9e37_79b9;
+                let writer_seed = seed ^ ((cycle * 2 + index as u64 + 1) * 0x9e37_79b9);
                 std::thread::spawn(move || {
                     writer(&socket, &volume, flushed, writer_seed, (cycle + 1) << 32)
                 })

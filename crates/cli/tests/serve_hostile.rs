@@ -8,6 +8,9 @@
 //! snapshot, and seeded random headers. Afterwards the server still answers, the good
 //! client's data is intact and the pool's status is clean.
 
+// NBD is big-endian on the wire.
+#![allow(clippy::big_endian_bytes)]
+
 mod e2e_support;
 
 use e2e_support::*;
