@@ -210,7 +210,7 @@ impl Served {
         let stderr_path = std::env::temp_dir().join(format!(
             "tp-serve-stderr-{}-{}",
             std::process::id(),
-            Instant::now().elapsed().as_nanos() ^ rand_tag()
+            unique()
         ));
         let stderr = std::fs::File::create(&stderr_path).unwrap();
         let mut child = command
@@ -304,13 +304,10 @@ impl Served {
     }
 }
 
-fn rand_tag() -> u128 {
+/// A number not returned before in this process.
+fn unique() -> u64 {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
-    u128::from(COUNTER.fetch_add(1, Ordering::SeqCst)) << 64
-        | std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_nanos()
+    COUNTER.fetch_add(1, Ordering::SeqCst)
 }
 
 impl Drop for Served {
