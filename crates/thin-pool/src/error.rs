@@ -71,6 +71,12 @@ pub enum Error {
         /// The metadata path.
         path: String,
     },
+    /// No volume has this name.
+    #[error("no volume named {0:?}")]
+    NoSuchVolume(String),
+    /// A volume with this name exists.
+    #[error("a volume named {0:?} exists")]
+    NameExists(String),
     /// The object is in use (an open volume cannot be deleted).
     #[error("{0}")]
     Busy(String),
@@ -98,8 +104,9 @@ impl Error {
     pub fn errno(&self) -> i32 {
         match self {
             Error::Metadata(_) | Error::Io { .. } => libc_errno::EIO,
-            Error::VolumeExists(_) => libc_errno::EEXIST,
+            Error::VolumeExists(_) | Error::NameExists(_) => libc_errno::EEXIST,
             Error::VolumeNotFound(_) => libc_errno::ENODATA,
+            Error::NoSuchVolume(_) => libc_errno::ENOENT,
             Error::BadVolumeId(_)
             | Error::TransactionMismatch { .. }
             | Error::NoMetadataSnap
@@ -127,6 +134,8 @@ pub mod libc_errno {
     pub const ENOSPC: i32 = 28;
     /// Read-only.
     pub const EROFS: i32 = 30;
+    /// No such file or directory.
+    pub const ENOENT: i32 = 2;
     /// No data available.
     pub const ENODATA: i32 = 61;
 }

@@ -544,7 +544,7 @@ impl Pool {
         let shared = volumes
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::Invalid(format!("no volume named {name:?}")))?;
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))?;
         Ok(Volume::new(self.shared.clone(), shared))
     }
 
@@ -625,7 +625,7 @@ impl Pool {
         shared.check_management()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
-            return Err(Error::Invalid(format!("a volume named {name:?} exists")));
+            return Err(Error::NameExists(name.to_string()));
         }
         let id = meta.catalog.free_id()?;
         let entry = CatalogVolume {
@@ -658,13 +658,13 @@ impl Pool {
             .load()
             .get(origin)
             .cloned()
-            .ok_or_else(|| Error::Invalid(format!("no volume named {origin:?}")))?;
+            .ok_or_else(|| Error::NoSuchVolume(origin.to_string()))?;
         let _pause = origin_volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
-            return Err(Error::Invalid(format!("a volume named {name:?} exists")));
+            return Err(Error::NameExists(name.to_string()));
         }
         let id = meta.catalog.free_id()?;
         let entry = CatalogVolume {
@@ -705,7 +705,7 @@ impl Pool {
             .load()
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::Invalid(format!("no volume named {name:?}")))?;
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))?;
         if volume.open_count.load(Ordering::Acquire) > 0 {
             return Err(Error::Busy(format!("volume {name:?} is open")));
         }
@@ -731,7 +731,7 @@ impl Pool {
             .load()
             .get(name)
             .cloned()
-            .ok_or_else(|| Error::Invalid(format!("no volume named {name:?}")))?;
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))?;
         let _pause = volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
@@ -865,7 +865,7 @@ impl Pool {
         self.list()
             .into_iter()
             .find(|v| v.name == name)
-            .ok_or_else(|| Error::Invalid(format!("no volume named {name:?}")))
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
     }
 
     /// Stop the commit thread and commit. Further I/O through open volumes still works, but
