@@ -26,7 +26,7 @@ enum Format {
 /// Which thin_dump to imitate.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum ToolsVersion {
-    /// thin-provisioning-tools 1.x: shared leaves as <def>/<ref>.
+    /// thin-provisioning-tools 1.x: shared leaves as `<def>`/`<ref>`.
     #[value(name = "1")]
     V1,
     /// thin-provisioning-tools 0.9.0: every device expanded.
