@@ -47,6 +47,7 @@ fn first_sector(pool: &Pool, name: &str) -> SectorContent {
 }
 
 struct Pair {
+    power: Arc<Power>,
     metadata: Arc<PairedMetadata>,
     data: Arc<CrashDataDevice>,
     catalog: Arc<ForkableCatalog>,
@@ -60,6 +61,7 @@ impl Pair {
     fn with_options(data_blocks: u64, options: PoolOptions) -> (Pair, Pool) {
         let power = Power::new();
         let pair = Pair {
+            power: power.clone(),
             metadata: Arc::new(PairedMetadata::new(256, power.clone())),
             data: Arc::new(CrashDataDevice::new(data_blocks * BLOCK, power)),
             catalog: ForkableCatalog::new(),
@@ -194,6 +196,55 @@ fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
                     generation: 3,
                 }),
         "v1 block 0, written but never flushed, reads {found:?} after the crash"
+    );
+    drop(pool);
+}
+
+/// Found by `engine_power_cut` (seed 15386065756220072279, large workload, cut after 89
+/// operations, KeepRandomSubset): with discard passdown, a data block whose count drops to
+/// zero while queued ops are applied is discarded on the data device *before* the metadata
+/// commit. If that commit never lands, the last committed metadata still maps the block —
+/// here in a snapshot that was never discarded — and it reads as whatever the discard left
+/// (zeros here). The discard must wait until the commit that frees the block is durable.
+#[test]
+#[ignore = "engine bug in Shared::apply_ops (src/pool.rs): passdown discard before the metadata commit"]
+fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
+    let (pair, pool) = Pair::new(8);
+    pool.create_volume("v0", 2 * BLOCK).unwrap();
+    let v0 = pool.volume("v0").unwrap();
+    v0.write(0, &block_of(1, 1), true).unwrap();
+    pool.snapshot("v0", "s", false).unwrap();
+    // The snapshot stops sharing its block 0, then the origin discards it: at the next
+    // commit the old data block's count reaches zero and passdown discards it.
+    let s = pool.volume("s").unwrap();
+    s.write(0, &block_of(1, 2), false).unwrap();
+    v0.discard(0, BLOCK).unwrap();
+    // Power cut at the first metadata write after the passdown discard.
+    let power = pair.power.clone();
+    pair.data.on_next_flush(Box::new(move || {
+        power.set_cut_after(Some(power.operations() + 1));
+    }));
+    assert!(pool.commit().is_err(), "the power cut fails the commit");
+    drop((v0, s));
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    let metadata: Arc<dyn BlockDevice> = Arc::new(
+        pair.metadata
+            .device
+            .crash_image(CrashMode::DropAll, &mut rng),
+    );
+    let data: Arc<dyn DataDevice> = Arc::new(pair.data.image_keeping_all());
+    let reopened = Pool::open_parts(
+        metadata,
+        data,
+        Box::new(pair.catalog.fork()),
+        options(),
+        None,
+    )
+    .unwrap();
+    let found = first_sector(&reopened, "s");
+    assert!(
+        matches!(found, SectorContent::Written(s) if s.tag == 1 && s.sector == 0),
+        "snapshot block 0 reads {found:?} after the crash: neither generation 1 (flushed) nor 2"
     );
     drop(pool);
 }

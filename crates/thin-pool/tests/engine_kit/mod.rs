@@ -163,6 +163,7 @@ pub struct CrashDataDevice {
     power: Arc<Power>,
     counters: DataCounters,
     after_flush: Mutex<Option<FlushHook>>,
+    discard_ignored: std::sync::atomic::AtomicBool,
 }
 
 /// Run once right after a flush completes (to interleave work at that exact point).
@@ -196,7 +197,14 @@ impl CrashDataDevice {
             power,
             counters: DataCounters::default(),
             after_flush: Mutex::new(None),
+            discard_ignored: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Make `discard` leave the data as it was (still a write and flush operation for the
+    /// power count) instead of zeroing it.
+    pub fn set_discard_ignored(&self, ignored: bool) {
+        self.discard_ignored.store(ignored, Ordering::Release);
     }
 
     /// Run `hook` right after the next flush completes, on the flushing thread.
@@ -226,6 +234,15 @@ impl CrashDataDevice {
         s.current[at..at + bytes.len()].copy_from_slice(&bytes);
         s.volatile.push((offset, bytes));
         Ok(())
+    }
+
+    /// The device with every completed write kept (what reads see now): one of the images
+    /// a power cut may leave, chosen deterministically.
+    pub fn image_keeping_all(&self) -> MemoryDataDevice {
+        let s = lock(&self.state);
+        let device = MemoryDataDevice::new(s.current.len() as u64);
+        device.write_at(0, &s.current).expect("image fits");
+        device
     }
 
     /// The device as it could look after a power cut now (see [`CrashMode`]; `Tear` keeps
@@ -281,6 +298,14 @@ impl DataDevice for CrashDataDevice {
         self.write_volatile(offset, vec![0; len as usize])
     }
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+        if self.discard_ignored.load(Ordering::Acquire) {
+            let old = {
+                let s = lock(&self.state);
+                range_ok(offset, len, s.current.len())?;
+                s.current[offset as usize..(offset + len) as usize].to_vec()
+            };
+            return self.write_volatile(offset, old);
+        }
         self.write_volatile(offset, vec![0; len as usize])
     }
     fn copy(&self, from: u64, to: u64, len: u64) -> io::Result<()> {
