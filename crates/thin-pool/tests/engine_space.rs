@@ -248,7 +248,7 @@ fn out_of_metadata_space_until_the_metadata_device_grows() {
             break e;
         }
         written += 1;
-        if written % 64 == 0 {
+        if written.is_multiple_of(64) {
             match v.flush() {
                 Ok(()) => flushed = written,
                 Err(e) => break e,
