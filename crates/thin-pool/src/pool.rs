@@ -187,6 +187,10 @@ pub(crate) struct MetaState {
     pub(crate) ops: Vec<Op>,
     /// Data blocks allocated for provisioning whose Insert is not applied yet.
     pub(crate) unapplied: HashSet<u64>,
+    /// Data blocks a discard freed in this transaction: discarded on the data device only
+    /// once the commit that frees them is durable (before it, the committed metadata may
+    /// still map them, e.g. in a snapshot whose copy-on-write is not committed).
+    pub(crate) passdown: Vec<u64>,
 }
 
 impl MetaState {
@@ -482,6 +486,7 @@ impl Pool {
                 catalog,
                 ops: Vec::new(),
                 unapplied: HashSet::new(),
+                passdown: Vec::new(),
             }),
             commit_lock: Mutex::new(()),
             space: Condvar::new(),
@@ -1152,16 +1157,13 @@ impl Shared {
                     if !md.has_volume(volume) {
                         Ok(())
                     } else {
-                        md.remove(volume, VirtualBlock(block))
-                            .and_then(|old| match old {
-                                Some(db)
-                                    if self.options.discard_passdown
-                                        && md.data_block_count(db) == 0 =>
-                                {
-                                    self.passdown(db.0)
+                        md.remove(volume, VirtualBlock(block)).map(|old| {
+                            if let Some(db) = old {
+                                if self.options.discard_passdown && md.data_block_count(db) == 0 {
+                                    meta.passdown.push(db.0);
                                 }
-                                _ => Ok(()),
-                            })
+                            }
+                        })
                     }
                 }
             };
@@ -1176,12 +1178,19 @@ impl Shared {
         Ok(())
     }
 
-    fn passdown(&self, data_block: u64) -> Result<()> {
-        // A discard failure only costs space on the data device; never fail the commit.
-        let _ = self
-            .data
-            .discard(data_block * self.block_size_bytes, self.block_size_bytes);
-        Ok(())
+    /// After a durable commit: discard the data blocks discards freed, if nothing took them
+    /// since (nothing can: the metadata lock is held from the commit to here).
+    fn pass_down(&self, meta: &mut MetaState) {
+        let blocks = std::mem::take(&mut meta.passdown);
+        let Some(md) = meta.md.as_ref() else { return };
+        for block in blocks {
+            if md.data_block_count(DataBlock(block)) == 0 {
+                // A discard failure only costs space on the data device.
+                let _ = self
+                    .data
+                    .discard(block * self.block_size_bytes, self.block_size_bytes);
+            }
+        }
     }
 
     fn metadata_reserve_blocks(&self, meta: &MetaState) -> u64 {
@@ -1223,6 +1232,7 @@ impl Shared {
                         return Err(self.metadata_failed(meta, e));
                     }
                 }
+                self.pass_down(meta);
                 Ok(value)
             }
             Err(
@@ -1283,6 +1293,7 @@ impl Shared {
         meta.md = None;
         meta.ops.clear();
         meta.unapplied.clear();
+        meta.passdown.clear();
         if !out_of_space {
             let _ = PoolMetadata::mark_needs_check(&*self.metadata_device);
         }

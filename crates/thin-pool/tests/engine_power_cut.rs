@@ -36,11 +36,10 @@ const SECTORS_PER_BLOCK: u64 = BLOCK / 512;
 const DATA_BLOCKS: u64 = 96;
 const METADATA_BLOCKS: u64 = 256;
 
-/// Until passdown discards wait for the commit that frees their blocks
-/// (`engine_regressions::crash_before_commit_keeps_blocks_discarded_by_passdown_intact`),
-/// the data device ignores discards so the random workloads can look for other bugs. Set
-/// to true once fixed.
-const PASSDOWN_WAITS_FOR_COMMIT: bool = false;
+/// Passdown discards wait for the commit that frees their blocks (regression:
+/// `engine_regressions::crash_before_commit_keeps_blocks_discarded_by_passdown_intact`), so
+/// the crashing data device honours discards.
+const PASSDOWN_WAITS_FOR_COMMIT: bool = true;
 
 fn options(discard_passdown: bool) -> PoolOptions {
     PoolOptions {

@@ -207,7 +207,6 @@ fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
 /// here in a snapshot that was never discarded — and it reads as whatever the discard left
 /// (zeros here). The discard must wait until the commit that frees the block is durable.
 #[test]
-#[ignore = "engine bug in Shared::apply_ops (src/pool.rs): passdown discard before the metadata commit"]
 fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
     let (pair, pool) = Pair::new(8);
     pool.create_volume("v0", 2 * BLOCK).unwrap();
