@@ -114,7 +114,10 @@ impl Error {
             Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
                 libc_errno::EBUSY
             }
-            Error::ReadOnly { .. } => libc_errno::EROFS,
+            // dm-thin fails I/O with EIO in read-only mode after a metadata error; a pool or
+            // volume read-only by choice refuses writes with EROFS.
+            Error::ReadOnly { needs_check: true } => libc_errno::EIO,
+            Error::ReadOnly { needs_check: false } => libc_errno::EROFS,
             Error::OutOfDataSpace { .. } | Error::OutOfMetadataSpace { .. } => libc_errno::ENOSPC,
         }
     }
