@@ -81,7 +81,9 @@ pub trait Export: Send + Sync {
         false
     }
 
-    /// Fills `buffer` with the bytes at `offset`.
+    /// Fills all of `buffer` with the bytes at `offset`. The buffer's previous contents are
+    /// unspecified (the session reuses buffers without zeroing them), so every byte must be
+    /// written, zeroes included.
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> Result<()>;
 
     /// Writes `data` at `offset`; if `fua`, the data is durable when this returns.

@@ -2,8 +2,8 @@
 //!
 //! Layers, from the wire up: [`protocol`] parses and encodes every structure without I/O;
 //! `handshake` runs fixed-newstyle negotiation; `session` runs the transmission phase with a
-//! reader thread and a small worker pool per connection; [`server`] owns listeners and
-//! connection threads. The crate never depends on the pool: the binary implements [`Export`]
+//! few threads per connection that each read, serve and answer requests; [`server`] owns
+//! listeners and connection threads. The crate never depends on the pool: the binary implements [`Export`]
 //! and [`ExportRegistry`] for its volumes. [`MemoryExport`] and [`ExportMap`] are complete
 //! in-memory implementations used by the tests.
 //!

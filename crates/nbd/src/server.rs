@@ -2,12 +2,13 @@
 //!
 //! Owns the listening sockets and the table of live connections. Each accepted connection
 //! runs on its own thread: handshake (bounded by a read timeout), then the session with its
-//! worker threads. Invariants: at most `connections_max` connections are served at once
+//! request threads. Invariants: at most `connections_max` connections are served at once
 //! (extra ones are closed at accept); every live connection has an entry in the table (removed
 //! by a drop guard, even if its thread panics), so shutdown can reach it; payload buffers are
 //! bounded per connection and over the whole server (`bytes_in_flight_max`,
 //! `server_bytes_in_flight_max`), so buffer memory stays below the server limit plus one
-//! maximum request per connection; a Unix socket is created with mode 0600 (set right after
+//! maximum request per connection, plus a small retained buffer per connection thread
+//! (input buffer per connection, payload buffer up to 256 KiB per thread); a Unix socket is created with mode 0600 (set right after
 //! bind; put it in a private directory if that short window matters) and removed at shutdown.
 //! Shutdown stops the accept loops, shuts the read half of every connection (clients see
 //! in-flight requests answered, then EOF), waits for the connection threads, and after a
@@ -63,7 +64,8 @@ pub type EventHandler = Arc<dyn Fn(&Event) + Send + Sync>;
 /// Server limits and hooks.
 #[derive(Clone)]
 pub struct Config {
-    /// Worker threads per connection that run requests against the export.
+    /// Threads per connection; each reads a request, runs it against the export and writes
+    /// the reply, so this also bounds the requests in flight per connection.
     pub workers_per_connection: usize,
     /// Requests in flight per connection (header read, reply not yet written).
     pub requests_in_flight_max: usize,
@@ -451,7 +453,7 @@ impl Shared {
             .try_clone()
             .map_err(|e| Error::io("clone connection", e))?;
         let limits = Limits {
-            workers: self.config.workers_per_connection,
+            threads: self.config.workers_per_connection,
             requests_in_flight_max: self.config.requests_in_flight_max,
             bytes_in_flight_max: self.config.bytes_in_flight_max,
             server_bytes: Arc::clone(&self.server_bytes),

@@ -1,25 +1,34 @@
-//! The transmission phase of one connection: reading requests, running them on a small pool
-//! of worker threads, and writing replies in any order.
+//! The transmission phase of one connection: reading requests, running them on a few
+//! threads, and writing replies in any order.
 //!
-//! Threading: the connection thread reads request headers and WRITE payloads (straight into
-//! the buffer later passed to [`Export::write_at`]) and checks every request before it is
-//! dispatched; `workers` threads take checked requests from a queue, call the export, and write
-//! the reply under the writer lock with one vectored write (READ data goes from the buffer
-//! [`Export::read_at`] filled to the socket). Invariants: at most `requests_in_flight_max`
-//! requests and about `bytes_in_flight_max` payload bytes are between "header read" and
-//! "reply written" at once, and the server-wide byte budget bounds the sum over all
-//! connections ([`Budget`]); a request reaches the export only with a range inside
-//! the export, aligned to [`BLOCK_SIZE_MIN`], and a payload of at most [`PAYLOAD_LENGTH_MAX`];
-//! every reply is written whole while holding the writer lock, so replies never interleave
-//! byte-wise. Out-of-range, misaligned, unknown or badly flagged requests get an error reply
-//! and the connection goes on; a bad magic, an oversize WRITE payload or a socket error ends
-//! the connection after in-flight requests are answered.
+//! Threading (nbdkit's model, plus inline serving): each of `threads` threads loops on
+//! "take the input lock, read one request, serve it, write its reply". The input lock guards
+//! the socket's read side and a buffer ([`Input`]), so one `recv` picks up every request
+//! header already queued and the next thread parses the following request from memory; a
+//! WRITE payload is copied from what the buffer already holds and the rest is read straight
+//! into the thread's payload buffer. A thread normally gives the input lock up before serving,
+//! so another thread reads the next request meanwhile and many requests are in flight. It keeps
+//! the lock while serving (and reads the next request itself afterwards) when nothing else is
+//! in flight on the connection, nothing is buffered, and the request is a READ, a WRITE
+//! without FUA or a BLOCK_STATUS, which on a page-cached export do not block long: at queue
+//! depth 1 one thread then does everything, with no wake-up of another thread per request.
+//! Each thread reuses one payload buffer for READ data and WRITE payloads up to
+//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it).
+//!
+//! Invariants: at most `requests_in_flight_max` requests (and never more than `threads`) and
+//! about `bytes_in_flight_max` payload bytes are between "header read" and "reply written" at
+//! once, and the server-wide byte budget bounds the sum over all connections ([`Budget`]); a
+//! request reaches the export only with a range inside the export, aligned to
+//! [`BLOCK_SIZE_MIN`], and a payload of at most [`PAYLOAD_LENGTH_MAX`]; every reply is written
+//! whole while holding the writer lock, so replies never interleave byte-wise. Out-of-range,
+//! misaligned, unknown or badly flagged requests get an error reply and the connection goes on;
+//! a bad magic, an oversize WRITE payload or a socket error ends the connection after in-flight
+//! requests are answered.
 
 use std::io::{self, IoSlice, Read};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
 use crate::export::{Export, ZeroOptions};
@@ -29,12 +38,21 @@ use crate::protocol::{
     HeaderStyle, Request, BLOCK_SIZE_MIN, EXTENTS_PER_REPLY_MAX, PAYLOAD_LENGTH_MAX,
     REPLY_FLAG_DONE,
 };
-use crate::stream::{read_exact_or_eof, write_all_vectored, Stream};
+use crate::stream::{write_all_vectored, Stream};
+
+/// Size of each connection's input buffer: room for the headers of many queued requests in
+/// one `recv`. Bytes of a WRITE payload that land in it are copied out once.
+const INPUT_BUFFER_BYTES: usize = 64 * 1024;
+
+/// Largest payload buffer a thread keeps between requests; bigger READs and WRITEs get a
+/// buffer of their own, freed after the reply, so idle connections hold little memory.
+pub(crate) const RETAINED_BUFFER_BYTES: usize = 256 * 1024;
 
 /// Limits of one connection's transmission phase.
 #[derive(Clone)]
 pub(crate) struct Limits {
-    pub(crate) workers: usize,
+    /// Threads that read, serve and answer requests.
+    pub(crate) threads: usize,
     pub(crate) requests_in_flight_max: usize,
     pub(crate) bytes_in_flight_max: u64,
     /// Payload bytes in flight over all connections of the server.
@@ -42,17 +60,29 @@ pub(crate) struct Limits {
 }
 
 /// Counts requests and payload bytes in flight; the reader waits here when either is full.
+///
+/// Released twice per READ or WRITE (the connection's budget and the server's), so release
+/// is kept cheap: it takes an uncontended mutex and makes a wake-up call only when a thread
+/// is registered as waiting (a condvar notify is a futex syscall even with no waiter).
 pub(crate) struct Budget {
-    used: Mutex<(usize, u64)>,
+    used: Mutex<Used>,
     released: Condvar,
     requests_max: usize,
     bytes_max: u64,
 }
 
+#[derive(Default)]
+struct Used {
+    requests: usize,
+    bytes: u64,
+    /// Threads blocked in [`Budget::acquire`]; release notifies only if nonzero.
+    waiters: usize,
+}
+
 impl Budget {
     pub(crate) fn new(requests_max: usize, bytes_max: u64) -> Self {
         Budget {
-            used: Mutex::new((0, 0)),
+            used: Mutex::new(Used::default()),
             released: Condvar::new(),
             requests_max,
             bytes_max,
@@ -62,44 +92,219 @@ impl Budget {
     fn acquire(&self, bytes: u64) {
         let mut used = self.used.lock().expect("budget lock");
         // A single request larger than the byte budget still runs, alone.
-        while used.0 >= self.requests_max || (used.0 > 0 && used.1 + bytes > self.bytes_max) {
+        while used.requests >= self.requests_max
+            || (used.requests > 0 && used.bytes + bytes > self.bytes_max)
+        {
+            used.waiters += 1;
             used = self.released.wait(used).expect("budget lock");
+            used.waiters -= 1;
         }
-        used.0 += 1;
-        used.1 += bytes;
+        used.requests += 1;
+        used.bytes += bytes;
     }
 
     fn release(&self, bytes: u64) {
         let mut used = self.used.lock().expect("budget lock");
-        assert!(used.0 > 0, "budget released more requests than acquired");
-        assert!(used.1 >= bytes, "budget released more bytes than acquired");
-        used.0 -= 1;
-        used.1 -= bytes;
-        self.released.notify_all();
+        assert!(
+            used.requests > 0,
+            "budget released more requests than acquired"
+        );
+        assert!(
+            used.bytes >= bytes,
+            "budget released more bytes than acquired"
+        );
+        used.requests -= 1;
+        used.bytes -= bytes;
+        if used.waiters > 0 {
+            self.released.notify_all();
+        }
     }
 }
 
-/// A checked request on its way to a worker.
+/// A checked request taken by a thread; its WRITE payload is in the thread's [`Scratch`].
 struct Job {
     request: Request,
-    payload: Vec<u8>,
+    payload_length: usize,
     reserved_bytes: u64,
 }
 
-/// State shared by the reader and the workers of one connection.
+impl Job {
+    /// Served while the thread keeps the input lock, if nothing else is going on: commands
+    /// that, on a page-cached export, finish in microseconds. FLUSH, FUA writes, TRIM,
+    /// WRITE_ZEROES and CACHE may wait for the disk or a commit, so they always let another
+    /// thread read on.
+    fn may_run_inline(&self) -> bool {
+        match self.request.command {
+            command::READ | command::BLOCK_STATUS => true,
+            command::WRITE => self.request.flags & command_flags::FUA == 0,
+            _ => false,
+        }
+    }
+}
+
+/// What a thread got from the input.
+enum Next {
+    /// A checked request to serve, with its budget reserved.
+    Run(Job),
+    /// A request that was refused and answered already.
+    Answered,
+    /// Reading has stopped (disconnect, shutdown, protocol violation, socket error).
+    End,
+}
+
+/// The read side of the socket, buffered, shared by the connection's threads under a lock.
+struct Input {
+    stream: Stream,
+    buffer: Box<[u8]>,
+    /// Unconsumed bytes are `buffer[start..end]`.
+    start: usize,
+    end: usize,
+    /// Reading has stopped; every thread that takes the input from now on leaves.
+    ended: bool,
+    /// Why reading stopped, if not cleanly.
+    error: Option<Error>,
+}
+
+impl Input {
+    fn new(stream: Stream) -> Self {
+        Input {
+            stream,
+            buffer: vec![0u8; INPUT_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            ended: false,
+            error: None,
+        }
+    }
+
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Stops reading; the first reason given is kept.
+    fn stop(&mut self, result: Result<()>) {
+        if !self.ended {
+            self.ended = true;
+            self.error = result.err();
+        }
+    }
+
+    /// Buffers at least `length` bytes, reading as much as the socket has; `Ok(false)` if the
+    /// peer closed with nothing buffered.
+    fn fill(&mut self, length: usize) -> io::Result<bool> {
+        assert!(length <= self.buffer.len(), "fill beyond the input buffer");
+        if self.buffered() == 0 {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start + length > self.buffer.len() {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        while self.buffered() < length {
+            match self.stream.read(&mut self.buffer[self.end..]) {
+                Ok(0) if self.buffered() == 0 => return Ok(false),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(count) => self.end += count,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(true)
+    }
+
+    /// The next `length` buffered bytes, consumed; [`Input::fill`] must have buffered them.
+    fn consume(&mut self, length: usize) -> &[u8] {
+        assert!(
+            length <= self.buffered(),
+            "consume beyond the buffered bytes"
+        );
+        let bytes = &self.buffer[self.start..self.start + length];
+        self.start += length;
+        bytes
+    }
+
+    /// Fills `payload` from the buffer, then straight from the socket.
+    fn read_payload(&mut self, payload: &mut [u8]) -> io::Result<()> {
+        let from_buffer = self.buffered().min(payload.len());
+        payload[..from_buffer].copy_from_slice(&self.buffer[self.start..self.start + from_buffer]);
+        self.start += from_buffer;
+        self.stream.read_exact(&mut payload[from_buffer..])
+    }
+
+    /// Reads and drops `length` payload bytes.
+    fn discard(&mut self, length: u64) -> io::Result<()> {
+        let from_buffer = (self.buffered() as u64).min(length);
+        self.start += from_buffer as usize;
+        let rest = length - from_buffer;
+        if rest == 0 {
+            return Ok(());
+        }
+        let copied = io::copy(&mut (&mut self.stream).take(rest), &mut io::sink())?;
+        if copied != rest {
+            return Err(io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(())
+    }
+}
+
+/// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
+#[derive(Default)]
+struct Scratch {
+    /// Grows to the largest payload up to [`RETAINED_BUFFER_BYTES`] and stays; never zeroed
+    /// again (READs are filled completely by the export, WRITEs by the socket).
+    retained: Vec<u8>,
+    /// A larger payload's buffer, for one request only.
+    large: Vec<u8>,
+}
+
+impl Scratch {
+    /// A buffer of `length` bytes; its contents are left over from earlier requests.
+    fn prepare(&mut self, length: usize) -> &mut [u8] {
+        if length <= RETAINED_BUFFER_BYTES {
+            if self.retained.len() < length {
+                self.retained.resize(length, 0);
+            }
+            &mut self.retained[..length]
+        } else {
+            self.large = vec![0u8; length];
+            &mut self.large
+        }
+    }
+
+    /// The buffer [`Scratch::prepare`] gave out last, for `length` bytes.
+    fn current(&self, length: usize) -> &[u8] {
+        if length <= RETAINED_BUFFER_BYTES {
+            &self.retained[..length]
+        } else {
+            &self.large[..length]
+        }
+    }
+
+    /// Frees a large buffer once its request is answered.
+    fn shrink(&mut self) {
+        self.large = Vec::new();
+    }
+}
+
+/// State shared by the threads of one connection.
 struct Connection {
     export: Arc<dyn Export>,
     style: ReplyStyle,
     base_allocation_id: Option<u32>,
+    input: Mutex<Input>,
     writer: Mutex<Stream>,
     broken: AtomicBool,
+    /// Requests taken and not yet answered (the same count as `budget` holds, without its
+    /// lock); a thread serves inline only when its own request is the only one.
+    in_flight: AtomicUsize,
     budget: Budget,
     server_bytes: Arc<Budget>,
 }
 
-/// What the reader decided about one request.
+/// What the checks decided about one request.
 enum Verdict {
-    /// Dispatch to a worker.
+    /// Serve it.
     Run,
     /// Answer at once with this error (after discarding any payload).
     Refuse(Error),
@@ -109,11 +314,11 @@ enum Verdict {
 /// connection ended because of a protocol violation or a socket failure.
 pub(crate) fn serve(
     negotiated: Negotiated,
-    mut reader: Stream,
+    reader: Stream,
     writer: Stream,
     limits: Limits,
 ) -> Result<()> {
-    assert!(limits.workers > 0, "a session needs a worker");
+    assert!(limits.threads > 0, "a session needs a thread");
     assert!(
         limits.requests_in_flight_max > 0,
         "a session needs a request slot"
@@ -122,22 +327,25 @@ pub(crate) fn serve(
         export: negotiated.export,
         style: negotiated.style,
         base_allocation_id: negotiated.base_allocation_id,
+        input: Mutex::new(Input::new(reader)),
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
+        in_flight: AtomicUsize::new(0),
         budget: Budget::new(limits.requests_in_flight_max, limits.bytes_in_flight_max),
         server_bytes: limits.server_bytes,
     };
-    let (sender, receiver) = mpsc::sync_channel::<Job>(limits.requests_in_flight_max);
-    let receiver = Mutex::new(receiver);
     std::thread::scope(|scope| {
-        for _ in 0..limits.workers {
-            scope.spawn(|| connection.work(&receiver));
+        for _ in 1..limits.threads {
+            scope.spawn(|| connection.run_thread());
         }
-        let result = connection.read_requests(&mut reader, &sender);
-        // Dropping the sender lets the workers drain the queue and stop.
-        drop(sender);
-        result
-    })
+        connection.run_thread();
+    });
+    let input = connection.input.into_inner().expect("input lock");
+    assert!(input.ended, "threads left before reading stopped");
+    match input.error {
+        Some(error) => Err(error),
+        None => Ok(()),
+    }
 }
 
 impl Connection {
@@ -155,71 +363,121 @@ impl Connection {
         if bytes > 0 {
             self.server_bytes.acquire(bytes);
         }
+        self.in_flight.fetch_add(1, Ordering::SeqCst);
     }
 
     fn release(&self, bytes: u64) {
+        let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        assert!(before > 0, "released a request that was not in flight");
         if bytes > 0 {
             self.server_bytes.release(bytes);
         }
         self.budget.release(bytes);
     }
 
-    fn read_requests(&self, reader: &mut Stream, sender: &mpsc::SyncSender<Job>) -> Result<()> {
-        let style = self.header_style();
-        let mut header = [0u8; protocol::EXTENDED_REQUEST_SIZE];
-        let header = &mut header[..style.request_size()];
+    /// One thread's loop: take the input, read a request, serve it, answer; until reading
+    /// stops. See the module docs for when the input lock is kept while serving.
+    fn run_thread(&self) {
+        let mut scratch = Scratch::default();
+        let mut kept: Option<MutexGuard<'_, Input>> = None;
         loop {
-            if self.broken.load(Ordering::SeqCst) {
-                return Err(Error::protocol("reply could not be sent"));
+            let mut input = match kept.take() {
+                Some(input) => input,
+                None => self.input.lock().expect("input lock"),
+            };
+            let job = match self.next(&mut input, &mut scratch) {
+                Next::Run(job) => job,
+                Next::Answered => {
+                    kept = Some(input);
+                    continue;
+                }
+                Next::End => return,
+            };
+            let inline = job.may_run_inline()
+                && input.buffered() == 0
+                && self.in_flight.load(Ordering::SeqCst) == 1;
+            if inline {
+                kept = Some(input);
+            } else {
+                drop(input);
             }
-            let open =
-                read_exact_or_eof(reader, header).map_err(|e| Error::io("read request", e))?;
-            if !open {
-                return Ok(());
+            if !self.broken.load(Ordering::SeqCst) {
+                self.run(&job, &mut scratch);
             }
-            let request = Request::parse(style, header)?;
-            if request.command == command::DISC {
-                return Ok(());
+            self.release(job.reserved_bytes);
+            scratch.shrink();
+        }
+    }
+
+    /// Reads and checks the next request; a WRITE payload goes into `scratch`.
+    fn next(&self, input: &mut Input, scratch: &mut Scratch) -> Next {
+        if input.ended {
+            return Next::End;
+        }
+        match self.read_request(input, scratch) {
+            Ok(next) => next,
+            Err(error) => {
+                input.stop(Err(error));
+                Next::End
             }
-            let payload_length = self.payload_length(&request);
-            if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
-                // The payload cannot be skipped safely: answer, then hang up.
-                let error = Error::TooLong {
-                    what: "request payload",
-                    length: payload_length,
-                    maximum: u64::from(PAYLOAD_LENGTH_MAX),
-                };
+        }
+    }
+
+    fn read_request(&self, input: &mut Input, scratch: &mut Scratch) -> Result<Next> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(Error::protocol("reply could not be sent"));
+        }
+        let style = self.header_style();
+        let size = style.request_size();
+        let open = input.fill(size).map_err(|e| Error::io("read request", e))?;
+        if !open {
+            input.stop(Ok(()));
+            return Ok(Next::End);
+        }
+        let request = Request::parse(style, input.consume(size))?;
+        if request.command == command::DISC {
+            input.stop(Ok(()));
+            return Ok(Next::End);
+        }
+        let payload_length = self.payload_length(&request);
+        if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
+            // The payload cannot be skipped safely: answer, then hang up.
+            let error = Error::TooLong {
+                what: "request payload",
+                length: payload_length,
+                maximum: u64::from(PAYLOAD_LENGTH_MAX),
+            };
+            self.reply_error(&request, &error);
+            return Err(error);
+        }
+        match self.check(&request, payload_length) {
+            Verdict::Refuse(error) => {
+                input
+                    .discard(payload_length)
+                    .map_err(|e| Error::io("discard payload", e))?;
                 self.reply_error(&request, &error);
-                return Err(error);
+                Ok(Next::Answered)
             }
-            match self.check(&request, payload_length) {
-                Verdict::Refuse(error) => {
-                    discard(reader, payload_length)?;
-                    self.reply_error(&request, &error);
-                }
-                Verdict::Run => {
-                    let reserved_bytes = match request.command {
-                        command::READ | command::WRITE => request.length,
-                        _ => 0,
-                    };
-                    self.acquire(reserved_bytes);
-                    let mut payload = Vec::new();
-                    if payload_length > 0 {
-                        payload = vec![0u8; payload_length as usize];
-                        if let Err(error) = reader.read_exact(&mut payload) {
-                            self.release(reserved_bytes);
-                            return Err(Error::io("read write payload", error));
-                        }
-                    }
-                    let job = Job {
-                        request,
-                        payload,
-                        reserved_bytes,
-                    };
-                    if sender.send(job).is_err() {
-                        unreachable!("workers outlive the reader");
+            Verdict::Run => {
+                let reserved_bytes = match request.command {
+                    command::READ | command::WRITE => request.length,
+                    _ => 0,
+                };
+                self.acquire(reserved_bytes);
+                let payload_length =
+                    usize::try_from(payload_length).expect("payload length checked above");
+                if payload_length > 0 {
+                    if let Err(error) = input.read_payload(scratch.prepare(payload_length)) {
+                        self.release(reserved_bytes);
+                        scratch.shrink();
+                        return Err(Error::io("read write payload", error));
                     }
                 }
+                Ok(Next::Run(Job {
+                    request,
+                    payload_length,
+                    reserved_bytes,
+                }))
             }
         }
     }
@@ -338,27 +596,16 @@ impl Connection {
         Verdict::Run
     }
 
-    fn work(&self, receiver: &Mutex<mpsc::Receiver<Job>>) {
-        loop {
-            let job = match receiver.lock().expect("queue lock").recv() {
-                Ok(job) => job,
-                Err(mpsc::RecvError) => return,
-            };
-            if !self.broken.load(Ordering::SeqCst) {
-                self.run(&job);
-            }
-            self.release(job.reserved_bytes);
-        }
-    }
-
-    fn run(&self, job: &Job) {
+    fn run(&self, job: &Job, scratch: &mut Scratch) {
         let request = &job.request;
         let fua = request.flags & command_flags::FUA != 0;
         let export = self.export.as_ref();
         let result = match request.command {
-            command::READ => return self.run_read(request),
+            command::READ => return self.run_read(request, scratch),
             command::BLOCK_STATUS => return self.run_block_status(request),
-            command::WRITE => export.write_at(request.offset, &job.payload, fua),
+            command::WRITE => {
+                export.write_at(request.offset, scratch.current(job.payload_length), fua)
+            }
             command::FLUSH => export.flush(),
             command::TRIM => export.trim(request.offset, request.length, fua),
             command::CACHE => export.cache(request.offset, request.length),
@@ -392,10 +639,11 @@ impl Connection {
         }
     }
 
-    fn run_read(&self, request: &Request) {
-        let mut buffer = vec![0u8; request.length as usize];
-        match self.export.read_at(request.offset, &mut buffer) {
-            Ok(()) => self.reply_data(request, &buffer),
+    fn run_read(&self, request: &Request, scratch: &mut Scratch) {
+        let length = usize::try_from(request.length).expect("read length checked");
+        let buffer = scratch.prepare(length);
+        match self.export.read_at(request.offset, buffer) {
+            Ok(()) => self.reply_data(request, buffer),
             Err(error) => self.reply_error(request, &error),
         }
     }
@@ -540,22 +788,6 @@ fn descriptors(
         ));
     }
     Ok(out)
-}
-
-/// Reads and drops `length` payload bytes through a small stack buffer.
-fn discard(reader: &mut Stream, length: u64) -> Result<()> {
-    if length == 0 {
-        return Ok(());
-    }
-    let copied = io::copy(&mut reader.take(length), &mut io::sink())
-        .map_err(|e| Error::io("discard payload", e))?;
-    if copied != length {
-        return Err(Error::io(
-            "discard payload",
-            io::ErrorKind::UnexpectedEof.into(),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,8 +1,8 @@
 //! The connected socket a session runs on: a Unix or TCP stream behind one type.
 //!
 //! Owns nothing but the file descriptor. `try_clone` gives the session a second handle, so
-//! one thread reads requests while workers write replies under a lock, and the server keeps a
-//! third to shut the connection down from outside.
+//! requests are read under one lock and replies written under another, and the server keeps
+//! a third to shut the connection down from outside.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
