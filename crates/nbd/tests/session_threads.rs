@@ -146,7 +146,7 @@ fn pipelined_behind_a_stuck_read_in_one_send() {
     let slow_read = client.send_request(CMD_READ, 0, SLOW_OFFSET, 4096, &[]);
     let fast_write = client.send_request(CMD_WRITE, 0, 8192, 4096, &pattern(3, 4096));
     let fast_read = client.send_request(CMD_READ, 0, 0, 8192, &[]);
-    let mut fast = vec![client.read_completed(), client.read_completed()];
+    let mut fast = [client.read_completed(), client.read_completed()];
     fast.sort_by_key(|reply| reply.cookie);
     assert_eq!(fast[0].cookie, fast_write);
     assert_eq!(fast[0].error, 0);
