@@ -360,19 +360,15 @@ impl Volume {
                                     .map_err(data_io("copying on the data device"))?;
                             }
                         }
-                        None if self.pool.options.zero_new_blocks => {
-                            if in_block > 0 {
-                                self.pool
-                                    .data
-                                    .zero(base, in_block)
-                                    .map_err(data_io("zeroing on the data device"))?;
-                            }
-                            if end < block_size {
-                                self.pool
-                                    .data
-                                    .zero(base + end, block_size - end)
-                                    .map_err(data_io("zeroing on the data device"))?;
-                            }
+                        None if self.pool.options.zero_new_blocks
+                            && (in_block > 0 || end < block_size) =>
+                        {
+                            // One call over the whole block (the write then lands on
+                            // zeros) costs less than zeroing the parts before and after it.
+                            self.pool
+                                .data
+                                .zero(base, block_size)
+                                .map_err(data_io("zeroing on the data device"))?;
                         }
                         None => {}
                     }
