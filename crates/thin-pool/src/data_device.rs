@@ -140,6 +140,29 @@ impl FileDataDevice {
         }
     }
 
+    /// `fallocate(flags | KEEP_SIZE)` unless the file system said it cannot (remembered in
+    /// `works`). Ok(false): not supported, use a fallback.
+    fn try_fallocate(
+        &self,
+        flags: rustix::fs::FallocateFlags,
+        works: &AtomicBool,
+        offset: u64,
+        len: u64,
+    ) -> io::Result<bool> {
+        if !works.load(Ordering::Relaxed) {
+            return Ok(false);
+        }
+        let flags = flags | rustix::fs::FallocateFlags::KEEP_SIZE;
+        match rustix::fs::fallocate(&self.file, flags, offset, len) {
+            Ok(()) => Ok(true),
+            Err(e) if unsupported(&e.into()) => {
+                works.store(false, Ordering::Relaxed);
+                Ok(false)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// The path opened.
     pub fn path(&self) -> &Path {
         &self.path
@@ -201,39 +224,14 @@ impl DataDevice for FileDataDevice {
         if len == 0 {
             return Ok(());
         }
-        use rustix::fs::{fallocate, FallocateFlags};
-        if self.zero_range_works.load(Ordering::Relaxed) {
-            match fallocate(
-                &self.file,
-                FallocateFlags::ZERO_RANGE | FallocateFlags::KEEP_SIZE,
-                offset,
-                len,
-            ) {
-                Ok(()) => {
-                    self.counters.zeroed_bytes.fetch_add(len, Ordering::Relaxed);
-                    return Ok(());
-                }
-                Err(e) if unsupported(&e.into()) => {
-                    self.zero_range_works.store(false, Ordering::Relaxed)
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-        if self.punch_hole_works.load(Ordering::Relaxed) {
-            match fallocate(
-                &self.file,
-                FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-                offset,
-                len,
-            ) {
-                Ok(()) => {
-                    self.counters.zeroed_bytes.fetch_add(len, Ordering::Relaxed);
-                    return Ok(());
-                }
-                Err(e) if unsupported(&e.into()) => {
-                    self.punch_hole_works.store(false, Ordering::Relaxed)
-                }
-                Err(e) => return Err(e.into()),
+        use rustix::fs::FallocateFlags;
+        for (flags, works) in [
+            (FallocateFlags::ZERO_RANGE, &self.zero_range_works),
+            (FallocateFlags::PUNCH_HOLE, &self.punch_hole_works),
+        ] {
+            if self.try_fallocate(flags, works, offset, len)? {
+                self.counters.zeroed_bytes.fetch_add(len, Ordering::Relaxed);
+                return Ok(());
             }
         }
         write_zeros(self, offset, len)
@@ -241,23 +239,11 @@ impl DataDevice for FileDataDevice {
 
     fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
         check_range(offset, len, self.size_bytes())?;
-        if len == 0 || !self.punch_hole_works.load(Ordering::Relaxed) {
-            return Ok(());
+        if len > 0 {
+            let flags = rustix::fs::FallocateFlags::PUNCH_HOLE;
+            self.try_fallocate(flags, &self.punch_hole_works, offset, len)?;
         }
-        use rustix::fs::{fallocate, FallocateFlags};
-        match fallocate(
-            &self.file,
-            FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE,
-            offset,
-            len,
-        ) {
-            Ok(()) => Ok(()),
-            Err(e) if unsupported(&e.into()) => {
-                self.punch_hole_works.store(false, Ordering::Relaxed);
-                Ok(())
-            }
-            Err(e) => Err(e.into()),
-        }
+        Ok(())
     }
 
     fn copy(&self, from: u64, to: u64, len: u64) -> io::Result<()> {

@@ -658,12 +658,7 @@ impl Pool {
     pub fn snapshot(&self, origin: &str, name: &str, read_only: bool) -> Result<VolumeInfo> {
         validate_name(name)?;
         let shared = &self.shared;
-        let origin_volume = shared
-            .volumes
-            .load()
-            .get(origin)
-            .cloned()
-            .ok_or_else(|| Error::NoSuchVolume(origin.to_string()))?;
+        let origin_volume = shared.volume_named(origin)?;
         let _pause = origin_volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
@@ -705,12 +700,7 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_management()?;
-        let volume = shared
-            .volumes
-            .load()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))?;
+        let volume = shared.volume_named(name)?;
         if volume.open_count.load(Ordering::Acquire) > 0 {
             return Err(Error::Busy(format!("volume {name:?} is open")));
         }
@@ -731,12 +721,7 @@ impl Pool {
     pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo> {
         check_size(size_bytes)?;
         let shared = &self.shared;
-        let volume = shared
-            .volumes
-            .load()
-            .get(name)
-            .cloned()
-            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))?;
+        let volume = shared.volume_named(name)?;
         let _pause = volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_management()?;
@@ -1079,6 +1064,14 @@ impl Shared {
         let taken = self.lock_meta().ops.len();
         self.flush_data()?;
         Ok((self.lock_meta(), taken))
+    }
+
+    fn volume_named(&self, name: &str) -> Result<Arc<VolumeShared>> {
+        self.volumes
+            .load()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
     }
 
     fn publish_volume(&self, volume: Arc<VolumeShared>) {
