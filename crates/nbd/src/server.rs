@@ -67,7 +67,8 @@ pub struct Config {
     /// Threads per connection; each reads a request, runs it against the export and writes
     /// the reply, so this also bounds the requests in flight per connection.
     pub workers_per_connection: usize,
-    /// Requests in flight per connection (header read, reply not yet written).
+    /// Requests in flight per connection (header read, reply not yet written); also never
+    /// more than `workers_per_connection`, since each thread serves one request at a time.
     pub requests_in_flight_max: usize,
     /// READ/WRITE payload bytes in flight per connection (a single larger request still runs).
     pub bytes_in_flight_max: u64,

@@ -59,7 +59,8 @@ pub(crate) struct Limits {
     pub(crate) server_bytes: Arc<Budget>,
 }
 
-/// Counts requests and payload bytes in flight; the reader waits here when either is full.
+/// Counts requests and payload bytes in flight; the thread reading a request waits here
+/// (holding the input lock) when either is full.
 ///
 /// Released twice per READ or WRITE (the connection's budget and the server's), so release
 /// is kept cheap: it takes an uncontended mutex and makes a wake-up call only when a thread
