@@ -3,11 +3,11 @@
 //! One index per volume: a table of leaves, each 512 `AtomicU64` entries covering 512
 //! consecutive virtual blocks, allocated the first time one of its blocks is mapped. An
 //! entry is 0 for "unmapped", else `(data_block + 1) << 24 | time` (the btree's block_time
-//! with the data block biased by one). A lookup is an atomic load of the published table
-//! (arc-swap, lock-free) and one atomic load of the entry: no lock, no allocation.
+//! with the data block biased by one). A lookup reads the leaf's slot (a `OnceLock`, set
+//! once) and one atomic entry: no lock, no reference counting, no allocation.
 //!
 //! Writers (the engine, under its per-block provisioning order) store entries with release
-//! ordering; growing the volume publishes a new table sharing the old leaves.
+//! ordering; growing the volume appends a segment of slots, never moving the old ones.
 //!
 //! RAM: 8 bytes per virtual block of every 512-block region holding at least one mapping,
 //! plus 16 bytes per 512 virtual blocks of volume size (the table slot) and 16 bytes per
@@ -20,7 +20,6 @@
 //! so a fully provisioned volume costs 8.06 bytes per mapped block (≤ 16 whenever at least
 //! half of each touched region is mapped); an isolated mapping costs at most 4 KiB.
 
-use arc_swap::ArcSwap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -33,10 +32,54 @@ pub const INDEX_DATA_BLOCK_MAX: u64 = (1 << 40) - 2;
 
 type Leaf = [AtomicU64; LEAF_ENTRIES];
 
+/// A run of leaf slots. A volume's first segment covers its size at creation; growing it
+/// appends a segment for the new blocks (set once, never replaced), so a lookup reads no
+/// shared pointer that can change under it: no lock, no reference counting.
 #[derive(Debug)]
-struct Table {
-    leaves: Vec<OnceLock<Arc<Leaf>>>,
-    block_count: u64,
+struct Segment {
+    /// First leaf this segment holds.
+    first_leaf: usize,
+    leaves: Box<[OnceLock<Arc<Leaf>>]>,
+    next: OnceLock<Box<Segment>>,
+}
+
+impl Segment {
+    fn new(first_leaf: usize, leaf_count: usize) -> Segment {
+        Segment {
+            first_leaf,
+            leaves: (0..leaf_count).map(|_| OnceLock::new()).collect(),
+            next: OnceLock::new(),
+        }
+    }
+
+    #[inline]
+    fn slot(&self, leaf: usize) -> Option<&OnceLock<Arc<Leaf>>> {
+        let mut segment = self;
+        loop {
+            if let Some(slot) = segment.leaves.get(leaf - segment.first_leaf) {
+                return Some(slot);
+            }
+            segment = segment.next.get()?;
+        }
+    }
+
+    fn capacity_leaves(&self) -> usize {
+        let mut segment = self;
+        loop {
+            match segment.next.get() {
+                Some(next) => segment = next,
+                None => return segment.first_leaf + segment.leaves.len(),
+            }
+        }
+    }
+
+    fn last(&self) -> &Segment {
+        let mut segment = self;
+        while let Some(next) = segment.next.get() {
+            segment = next;
+        }
+        segment
+    }
 }
 
 /// A mapping as the index holds it.
@@ -67,46 +110,51 @@ fn new_leaf() -> Arc<Leaf> {
     Arc::new(std::array::from_fn(|_| AtomicU64::new(0)))
 }
 
+fn leaves_for(block_count: u64) -> usize {
+    block_count.div_ceil(LEAF_ENTRIES as u64) as usize
+}
+
 /// A volume's mapping index.
 #[derive(Debug)]
 pub struct Index {
-    table: ArcSwap<Table>,
+    first: Segment,
+    block_count: AtomicU64,
 }
 
 impl Index {
     /// An empty index for a volume of `block_count` virtual blocks.
     pub fn new(block_count: u64) -> Index {
-        let leaves = block_count.div_ceil(LEAF_ENTRIES as u64) as usize;
         Index {
-            table: ArcSwap::from_pointee(Table {
-                leaves: (0..leaves).map(|_| OnceLock::new()).collect(),
-                block_count,
-            }),
+            first: Segment::new(0, leaves_for(block_count)),
+            block_count: AtomicU64::new(block_count),
         }
     }
 
     /// Virtual blocks covered.
     pub fn block_count(&self) -> u64 {
-        self.table.load().block_count
+        self.block_count.load(Ordering::Acquire)
+    }
+
+    #[inline]
+    fn leaf(&self, block: u64) -> Option<&Arc<Leaf>> {
+        self.first
+            .slot((block / LEAF_ENTRIES as u64) as usize)?
+            .get()
     }
 
     /// The mapping of `block`, if any. Lock-free.
     #[inline]
     pub fn lookup(&self, block: u64) -> Option<IndexEntry> {
-        let table = self.table.load();
-        let leaf = table
-            .leaves
-            .get((block / LEAF_ENTRIES as u64) as usize)?
-            .get()?;
+        let leaf = self.leaf(block)?;
         decode(leaf[(block % LEAF_ENTRIES as u64) as usize].load(Ordering::Acquire))
     }
 
     /// Record a mapping. `block` must be inside the volume.
     pub fn set(&self, block: u64, entry: IndexEntry) {
-        let table = self.table.load();
-        let slot = table
-            .leaves
-            .get((block / LEAF_ENTRIES as u64) as usize)
+        assert!(block < self.block_count(), "index set beyond the volume");
+        let slot = self
+            .first
+            .slot((block / LEAF_ENTRIES as u64) as usize)
             .expect("index set inside the volume");
         let leaf = slot.get_or_init(new_leaf);
         leaf[(block % LEAF_ENTRIES as u64) as usize].store(encode(entry), Ordering::Release);
@@ -114,75 +162,52 @@ impl Index {
 
     /// Forget a mapping.
     pub fn clear(&self, block: u64) {
-        let table = self.table.load();
-        if let Some(leaf) = table
-            .leaves
-            .get((block / LEAF_ENTRIES as u64) as usize)
-            .and_then(|s| s.get())
-        {
+        if let Some(leaf) = self.leaf(block) {
             leaf[(block % LEAF_ENTRIES as u64) as usize].store(0, Ordering::Release);
         }
     }
 
-    /// Resize to `block_count` virtual blocks. Growing shares the existing leaves; shrinking
-    /// drops the entries beyond the end (the caller unmaps them first).
+    /// Resize to `block_count` virtual blocks. Growing beyond the capacity appends a
+    /// segment; shrinking keeps the capacity (the caller clears the entries beyond the end
+    /// first). Callers serialize resizes of one index.
     pub fn resize(&self, block_count: u64) {
-        let old = self.table.load();
-        let leaves_needed = block_count.div_ceil(LEAF_ENTRIES as u64) as usize;
-        let leaves = (0..leaves_needed)
-            .map(|i| {
-                let slot = OnceLock::new();
-                if let Some(leaf) = old.leaves.get(i).and_then(|s| s.get()) {
-                    let _ = slot.set(leaf.clone());
-                }
-                slot
-            })
-            .collect();
-        self.table.store(Arc::new(Table {
-            leaves,
-            block_count,
-        }));
+        let capacity = self.first.capacity_leaves();
+        let needed = leaves_for(block_count);
+        if needed > capacity {
+            let segment = Segment::new(capacity, needed - capacity);
+            let appended = self.first.last().next.set(Box::new(segment)).is_ok();
+            assert!(appended, "index resizes are serialized");
+        }
+        self.block_count.store(block_count, Ordering::Release);
     }
 
     /// A deep copy (for a snapshot's own index).
     pub fn duplicate(&self) -> Index {
-        let table = self.table.load();
-        let leaves = table
-            .leaves
-            .iter()
-            .map(|slot| {
-                let copy = OnceLock::new();
-                if let Some(leaf) = slot.get() {
-                    let new = new_leaf();
-                    for (dst, src) in new.iter().zip(leaf.iter()) {
-                        dst.store(src.load(Ordering::Acquire), Ordering::Relaxed);
-                    }
-                    let _ = copy.set(new);
+        let block_count = self.block_count();
+        let copy = Index::new(block_count);
+        for (i, slot) in copy.first.leaves.iter().enumerate() {
+            if let Some(leaf) = self.first.slot(i).and_then(|s| s.get()) {
+                let new = new_leaf();
+                for (dst, src) in new.iter().zip(leaf.iter()) {
+                    dst.store(src.load(Ordering::Acquire), Ordering::Relaxed);
                 }
-                copy
-            })
-            .collect();
-        Index {
-            table: ArcSwap::from_pointee(Table {
-                leaves,
-                block_count: table.block_count,
-            }),
+                let _ = slot.set(new);
+            }
         }
+        copy
     }
 
     /// Visit every mapping in `begin..end` in order.
     pub fn for_each_in(&self, begin: u64, end: u64, visit: &mut dyn FnMut(u64, IndexEntry)) {
-        let table = self.table.load();
-        let end = end.min(table.block_count);
+        let end = end.min(self.block_count());
         let mut block = begin;
         while block < end {
             let leaf_index = (block / LEAF_ENTRIES as u64) as usize;
             let leaf_end = ((leaf_index as u64 + 1) * LEAF_ENTRIES as u64).min(end);
-            if let Some(leaf) = table.leaves.get(leaf_index).and_then(|s| s.get()) {
+            if let Some(leaf) = self.first.slot(leaf_index).and_then(|s| s.get()) {
                 for b in block..leaf_end {
-                    if let Some(entry) =
-                        decode(leaf[(b % LEAF_ENTRIES as u64) as usize].load(Ordering::Acquire))
-                    {
+                    let raw = leaf[(b % LEAF_ENTRIES as u64) as usize].load(Ordering::Acquire);
+                    if let Some(entry) = decode(raw) {
                         visit(b, entry);
                     }
                 }
@@ -193,18 +218,14 @@ impl Index {
 
     /// Leaves allocated (for the RAM formula).
     pub fn leaves_in_use(&self) -> usize {
-        self.table
-            .load()
-            .leaves
-            .iter()
-            .filter(|s| s.get().is_some())
+        (0..self.first.capacity_leaves())
+            .filter(|&i| self.first.slot(i).is_some_and(|s| s.get().is_some()))
             .count()
     }
 
     /// RAM used by the index, per the module's formula.
     pub fn ram_bytes(&self) -> u64 {
-        let table = self.table.load();
-        4112 * self.leaves_in_use() as u64 + 16 * table.leaves.len() as u64
+        4112 * self.leaves_in_use() as u64 + 16 * self.first.capacity_leaves() as u64
     }
 }
 
