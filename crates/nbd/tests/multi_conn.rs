@@ -9,7 +9,9 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Barrier};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use common::*;
 use nbd::MemoryExport;
@@ -23,12 +25,13 @@ fn four_connections_share_one_export() {
     let seed = seed();
     let disk = Arc::new(MemoryExport::new("disk", SIZE));
     let server = TestServer::start(vec![disk.clone()]);
-    let barrier = Arc::new(Barrier::new(CLIENTS as usize));
+    // A barrier that gives up: if one client panics, the others fail instead of hanging.
+    let arrived = Arc::new(AtomicUsize::new(0));
     let quarter = SIZE / CLIENTS;
     let threads: Vec<_> = (0..CLIENTS)
         .map(|index| {
             let socket = server.socket.clone();
-            let barrier = barrier.clone();
+            let arrived = arrived.clone();
             std::thread::spawn(move || {
                 let mode = if index % 2 == 0 {
                     Mode::Structured
@@ -70,7 +73,15 @@ fn four_connections_share_one_export() {
                     in_flight.remove(&reply.cookie);
                 }
                 assert_eq!(client.read(base, quarter), model, "THINPOOL_SEED={seed}");
-                barrier.wait();
+                arrived.fetch_add(1, Ordering::SeqCst);
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while arrived.load(Ordering::SeqCst) < CLIENTS as usize {
+                    assert!(
+                        Instant::now() < deadline,
+                        "another client failed (THINPOOL_SEED={seed})"
+                    );
+                    std::thread::sleep(Duration::from_millis(1));
+                }
                 // Another connection's writes are visible here.
                 let other = (index + 1) % CLIENTS;
                 let theirs = client.read(other * quarter, quarter);
