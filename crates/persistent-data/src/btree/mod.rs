@@ -198,6 +198,7 @@ fn shadow_node<V: Value, C: RefCounter<V>>(
     let (copy, data, shared) = tm.shadow(block, BlockKind::Node)?;
     let node = Node::parse(block, &data, V::SIZE)?;
     let buf = NodeBuf::from_node(&node);
+    check_key_order(block, &buf.keys)?;
     if shared {
         for i in 0..buf.len() {
             if buf.leaf {
@@ -210,8 +211,29 @@ fn shadow_node<V: Value, C: RefCounter<V>>(
     Ok((copy, buf))
 }
 
-fn put(tm: &mut TransactionManager, block: MetadataBlock, node: &NodeBuf) {
+/// Keys read from disk must strictly increase; corrupt ones are an error, not a panic in
+/// the code that rearranges them.
+fn check_key_order(block: MetadataBlock, keys: &[u64]) -> Result<()> {
+    match keys.windows(2).position(|w| w[0] >= w[1]) {
+        None => Ok(()),
+        Some(i) => Err(Error::corrupt(
+            block,
+            format!(
+                "btree keys not strictly increasing: {} at entry {} after {}",
+                keys[i + 1],
+                i + 1,
+                keys[i]
+            ),
+        )),
+    }
+}
+
+/// Store a changed node. A node whose keys are out of order here can only come from corrupt
+/// neighbours (a child whose keys lie outside its parent's range): report it.
+fn put(tm: &mut TransactionManager, block: MetadataBlock, node: &NodeBuf) -> Result<()> {
+    check_key_order(block, &node.keys)?;
     tm.write(block, Arc::from(node.encode(block)), BlockKind::Node);
+    Ok(())
 }
 
 /// Insert or overwrite `key`. Returns the new root and the value replaced, if any (a
@@ -235,8 +257,8 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
         let mut new_root = NodeBuf::new(false, 8);
         new_root.insert(0, left.keys[0], &left_block.0.to_le_bytes());
         new_root.insert(1, right.keys[0], &right_block.0.to_le_bytes());
-        put(tm, left_block, &left);
-        put(tm, right_block, &right);
+        put(tm, left_block, &left)?;
+        put(tm, right_block, &right)?;
         node = new_root;
     }
     let mut block = root_block;
@@ -246,7 +268,7 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
                 Ok(i) => {
                     let old = V::unpack(node.value(i));
                     node.set_value(i, &value_bytes);
-                    put(tm, block, &node);
+                    put(tm, block, &node)?;
                     if old != *value {
                         counter.dec(tm, &old)?;
                     }
@@ -254,7 +276,7 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
                 }
                 Err(i) => {
                     node.insert(i, key, &value_bytes);
-                    put(tm, block, &node);
+                    put(tm, block, &node)?;
                     return Ok((root_block, None));
                 }
             }
@@ -277,16 +299,16 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
             let right_block = tm.new_block()?;
             node.insert(i + 1, right.keys[0], &right_block.0.to_le_bytes());
             if key >= right.keys[0] {
-                put(tm, child_block, &child);
+                put(tm, child_block, &child)?;
                 (right_block, right)
             } else {
-                put(tm, right_block, &right);
+                put(tm, right_block, &right)?;
                 (child_block, child)
             }
         } else {
             (child_block, child)
         };
-        put(tm, block, &node);
+        put(tm, block, &node)?;
         block = next_block;
         node = next;
     }
@@ -308,19 +330,19 @@ pub fn remove<V: Value, C: RefCounter<V>>(
                 Ok(i) => {
                     let old = V::unpack(node.value(i));
                     node.remove(i);
-                    put(tm, block, &node);
+                    put(tm, block, &node)?;
                     counter.dec(tm, &old)?;
                     Ok((root_block, Some(old)))
                 }
                 Err(_) => {
-                    put(tm, block, &node);
+                    put(tm, block, &node)?;
                     Ok((root_block, None))
                 }
             };
         }
         let p = node.keys.partition_point(|&k| k <= key);
         if p == 0 {
-            put(tm, block, &node);
+            put(tm, block, &node)?;
             return Ok((root_block, None));
         }
         let i = p - 1;
@@ -337,7 +359,7 @@ pub fn remove<V: Value, C: RefCounter<V>>(
             tm.dec(block)?;
             root_block = next_block;
         } else {
-            put(tm, block, &node);
+            put(tm, block, &node)?;
         }
         block = next_block;
         node = next;
@@ -372,6 +394,14 @@ fn rebalance<V: Value, C: RefCounter<V>>(
             "sibling btree nodes of different kinds",
         ));
     }
+    if let (Some(&last), Some(&first)) = (left.keys.last(), right.keys.first()) {
+        if last >= first {
+            return Err(Error::corrupt(
+                right_block,
+                format!("sibling btree nodes overlap: key {first} follows {last}"),
+            ));
+        }
+    }
     if left.len() + right.len() <= left.max_entries() {
         left.append(&mut right);
         parent.remove(right_index);
@@ -391,10 +421,10 @@ fn rebalance<V: Value, C: RefCounter<V>>(
     }
     parent.keys[right_index] = right.keys[0];
     if key >= right.keys[0] {
-        put(tm, left_block, &left);
+        put(tm, left_block, &left)?;
         Ok((right_block, right))
     } else {
-        put(tm, right_block, &right);
+        put(tm, right_block, &right)?;
         Ok((left_block, left))
     }
 }
