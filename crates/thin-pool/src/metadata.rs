@@ -608,8 +608,12 @@ impl PoolMetadata {
         }
         if old.is_none() {
             state.details.mapped_blocks += 1;
-            state.details_changed = true;
         }
+        // Like the kernel, rewrite the details of every volume whose mappings changed, even
+        // when the values are the same: thin_check 1.1.0 rejects a metadata snapshot whose
+        // details tree is still shared with the live one while its mapping tree is not
+        // ("metadata snap: unexpected thin ids").
+        state.details_changed = true;
         self.changed = true;
         Ok(old.map(|value| {
             let (data, time) = unpack_block_time(value);

@@ -62,3 +62,26 @@ fn workload_passes_both_checkers_after_every_commit() {
     let md = PoolMetadata::open(device).unwrap();
     assert!(md.volumes().is_empty());
 }
+
+/// Regression (forward suite, case seed 17801605200822169912): after a metadata snapshot,
+/// overwriting existing mappings left the details tree shared with the snapshot while the
+/// mapping tree was not, which thin_check 1.1.0 rejects ("metadata snap: unexpected thin
+/// ids"). Details are now rewritten whenever a volume's mappings change, as the kernel does.
+#[test]
+fn overwriting_mappings_after_a_metadata_snapshot_passes_both_checkers() {
+    let dir = ScratchDir::new("metadata-snap-overwrite");
+    let path = dir.join("metadata");
+    let device = Arc::new(FileDevice::create(&path, 1024).unwrap());
+    let mut md = PoolMetadata::format(device, 128, 1000).unwrap();
+    md.create_thin(VolumeId(0)).unwrap();
+    for vb in 0..10u64 {
+        let db = md.alloc_data_block().unwrap();
+        md.insert(VolumeId(0), VirtualBlock(vb), db).unwrap();
+    }
+    md.reserve_metadata_snap().unwrap();
+    let db = md.alloc_data_block().unwrap();
+    let old = md.insert(VolumeId(0), VirtualBlock(3), db).unwrap();
+    assert!(old.is_some(), "an overwrite, not a new mapping");
+    md.commit().unwrap();
+    check_all(&path);
+}
