@@ -601,20 +601,7 @@ impl PoolMetadata {
             block.0,
             &value,
         )?;
-        let state = self.volumes.get_mut(&id).expect("volume exists");
-        if root != state.root {
-            state.root = root;
-            state.root_changed = true;
-        }
-        if old.is_none() {
-            state.details.mapped_blocks += 1;
-        }
-        // Like the kernel, rewrite the details of every volume whose mappings changed, even
-        // when the values are the same: thin_check 1.1.0 rejects a metadata snapshot whose
-        // details tree is still shared with the live one while its mapping tree is not
-        // ("metadata snap: unexpected thin ids").
-        state.details_changed = true;
-        self.changed = true;
+        self.mappings_changed(id, root, i64::from(old.is_none()));
         Ok(old.map(|value| {
             let (data, time) = unpack_block_time(value);
             Mapping {
@@ -640,16 +627,7 @@ impl PoolMetadata {
             root,
             block.0,
         )?;
-        let state = self.volumes.get_mut(&id).expect("volume exists");
-        if root != state.root {
-            state.root = root;
-            state.root_changed = true;
-        }
-        if old.is_some() {
-            state.details.mapped_blocks -= 1;
-            state.details_changed = true;
-        }
-        self.changed = true;
+        self.mappings_changed(id, root, -i64::from(old.is_some()));
         Ok(old.map(|v| DataBlock(unpack_block_time(v).0)))
     }
 
@@ -675,15 +653,28 @@ impl PoolMetadata {
             begin.0,
             end.0,
         )?;
+        self.mappings_changed(id, root, -(removed as i64));
+        Ok(removed)
+    }
+
+    /// Record that volume `id`'s mappings changed: its tree now has root `root` and
+    /// `mapped_delta` more mappings. Like the kernel, the details of every volume whose
+    /// mappings changed are rewritten at commit, even when their values are the same:
+    /// thin_check 1.1.0 rejects a metadata snapshot whose details tree is still shared with
+    /// the live one while its mapping tree is not ("metadata snap: unexpected thin ids").
+    fn mappings_changed(&mut self, id: VolumeId, root: MetadataBlock, mapped_delta: i64) {
         let state = self.volumes.get_mut(&id).expect("volume exists");
         if root != state.root {
             state.root = root;
             state.root_changed = true;
         }
-        state.details.mapped_blocks -= removed;
+        state.details.mapped_blocks = state
+            .details
+            .mapped_blocks
+            .checked_add_signed(mapped_delta)
+            .expect("mapped block count stays in range");
         state.details_changed = true;
         self.changed = true;
-        Ok(removed)
     }
 
     /// Allocate a free data block (count 1: the reference a new mapping will hold).

@@ -627,7 +627,7 @@ impl Pool {
         check_size(size_bytes)?;
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
             return Err(Error::NameExists(name.to_string()));
@@ -661,7 +661,7 @@ impl Pool {
         let origin_volume = shared.volume_named(origin)?;
         let _pause = origin_volume.gate.pause();
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
             return Err(Error::NameExists(name.to_string()));
@@ -699,7 +699,7 @@ impl Pool {
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let volume = shared.volume_named(name)?;
         if volume.open_count.load(Ordering::Acquire) > 0 {
             return Err(Error::Busy(format!("volume {name:?} is open")));
@@ -724,7 +724,7 @@ impl Pool {
         let volume = shared.volume_named(name)?;
         let _pause = volume.gate.pause();
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         let block_count = size_bytes.div_ceil(shared.block_size_bytes);
         let old_block_count = volume.index.block_count();
@@ -816,7 +816,7 @@ impl Pool {
     pub fn set_transaction_id(&self, current: TransactionId, new: TransactionId) -> Result<()> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         let mut catalog = meta.catalog.clone();
         catalog.transaction_id = new.0;
@@ -833,7 +833,7 @@ impl Pool {
     pub fn reserve_metadata_snap(&self) -> Result<u64> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         shared.apply_ops(&mut meta, taken)?;
         let result = shared.with_unapplied_released(&mut meta, |md| md.reserve_metadata_snap());
@@ -844,7 +844,7 @@ impl Pool {
     pub fn release_metadata_snap(&self) -> Result<()> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
-        shared.check_management()?;
+        shared.check_changes_allowed()?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         shared.apply_ops(&mut meta, taken)?;
         shared.with_unapplied_released(&mut meta, |md| md.release_metadata_snap())
@@ -1039,7 +1039,8 @@ impl Shared {
         self.commit_lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn check_management(&self) -> Result<()> {
+    /// Whether the mode lets metadata change (allocations, commits, management).
+    fn check_changes_allowed(&self) -> Result<()> {
         match self.mode() {
             PoolMode::Write | PoolMode::OutOfDataSpace => Ok(()),
             PoolMode::OutOfMetadataSpace => Err(Error::OutOfMetadataSpace {
@@ -1083,19 +1084,7 @@ impl Shared {
     /// Commit: take the ops queued now, flush data, apply them, commit metadata.
     pub(crate) fn commit(&self) -> Result<()> {
         let _commit = self.lock_commit();
-        match self.mode() {
-            PoolMode::ReadOnly | PoolMode::Fail => {
-                return Err(Error::ReadOnly {
-                    needs_check: !self.options.read_only,
-                })
-            }
-            PoolMode::OutOfMetadataSpace => {
-                return Err(Error::OutOfMetadataSpace {
-                    block_count: self.metadata_device.block_count(),
-                })
-            }
-            _ => {}
-        }
+        self.check_changes_allowed()?;
         let taken = self.lock_meta().ops.len();
         self.flush_data()?;
         let mut meta = self.lock_meta();
@@ -1313,19 +1302,7 @@ impl Shared {
         let deadline = Instant::now() + self.options.no_space_timeout;
         let mut committed_once = false;
         loop {
-            match self.mode() {
-                PoolMode::ReadOnly | PoolMode::Fail => {
-                    return Err(Error::ReadOnly {
-                        needs_check: !self.options.read_only,
-                    })
-                }
-                PoolMode::OutOfMetadataSpace => {
-                    return Err(Error::OutOfMetadataSpace {
-                        block_count: self.metadata_device.block_count(),
-                    })
-                }
-                _ => {}
-            }
+            self.check_changes_allowed()?;
             let mut meta = self.lock_meta();
             let md = meta.md()?;
             match md.alloc_data_block() {
