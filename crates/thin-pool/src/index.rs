@@ -216,6 +216,13 @@ impl Index {
         }
     }
 
+    /// Number of mapped blocks.
+    pub fn mapped_count(&self) -> u64 {
+        let mut count = 0;
+        self.for_each_in(0, u64::MAX, &mut |_, _| count += 1);
+        count
+    }
+
     /// Leaves allocated (for the RAM formula).
     pub fn leaves_in_use(&self) -> usize {
         (0..self.first.capacity_leaves())

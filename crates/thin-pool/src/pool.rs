@@ -555,36 +555,19 @@ impl Pool {
 
     /// Every volume, in name order.
     pub fn list(&self) -> Vec<VolumeInfo> {
+        // The index holds every mapping, committed or queued: no need for the metadata.
         let volumes = self.shared.volumes.load();
-        let meta = self.shared.lock_meta();
         volumes
             .values()
-            .map(|v| {
-                let mapped_blocks = meta
-                    .md
-                    .as_ref()
-                    .and_then(|md| md.details(v.id).ok())
-                    .map(|d| d.mapped_blocks)
-                    .unwrap_or(0);
-                let pending = meta
-                    .ops
-                    .iter()
-                    .filter(|op| matches!(op, Op::Insert { volume, .. } | Op::Remove { volume, .. } if *volume == v.id))
-                    .count();
-                let mut index_mapped = 0u64;
-                if pending > 0 {
-                    v.index.for_each_in(0, u64::MAX, &mut |_, _| index_mapped += 1);
-                }
-                VolumeInfo {
-                    name: v.name.clone(),
-                    id: v.id,
-                    size_bytes: v.size_bytes.load(Ordering::Acquire),
-                    mapped_blocks: if pending > 0 { index_mapped } else { mapped_blocks },
-                    block_size_bytes: self.shared.block_size_bytes,
-                    origin: v.origin.clone(),
-                    read_only: v.read_only.load(Ordering::Acquire),
-                    open_count: v.open_count.load(Ordering::Acquire),
-                }
+            .map(|v| VolumeInfo {
+                name: v.name.clone(),
+                id: v.id,
+                size_bytes: v.size_bytes.load(Ordering::Acquire),
+                mapped_blocks: v.index.mapped_count(),
+                block_size_bytes: self.shared.block_size_bytes,
+                origin: v.origin.clone(),
+                read_only: v.read_only.load(Ordering::Acquire),
+                open_count: v.open_count.load(Ordering::Acquire),
             })
             .collect()
     }

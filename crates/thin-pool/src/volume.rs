@@ -285,11 +285,7 @@ impl Volume {
 
     /// Mapped blocks, counted in the index.
     pub fn mapped_blocks(&self) -> u64 {
-        let mut count = 0;
-        self.volume
-            .index
-            .for_each_in(0, u64::MAX, &mut |_, _| count += 1);
-        count
+        self.volume.index.mapped_count()
     }
 
     fn unmap(&self, block: u64) {
