@@ -443,7 +443,7 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
                 pool,
                 options,
                 reserved_names: Vec::new(),
-                data_path: dir.path.join(thin_pool::pool::DATA_FILE),
+                data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
             };
             let result = target.execute(request);
             target

@@ -1,5 +1,5 @@
 //! Checker benchmark: builds pool metadata with about a million mappings (several volumes,
-//! snapshots sharing and diverging) in a file, then times `thin_pool::check::check` on it.
+//! snapshots sharing and diverging) in a file, then times `thin_pool::format::check::check` on it.
 //!
 //! ```text
 //! cargo run --release -p thin-pool --example check_bench [PATH]   # default /dev/shm/...
@@ -12,7 +12,7 @@
 use persistent_data::{BlockDevice, FileDevice};
 use std::sync::Arc;
 use std::time::Instant;
-use thin_pool::check::{check, CheckOptions};
+use thin_pool::format::check::{check, CheckOptions};
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
 const METADATA_BLOCKS: u64 = 32_768;

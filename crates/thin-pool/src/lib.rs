@@ -1,24 +1,21 @@
 //! dm-thin semantics on top of `persistent-data`: pool metadata, volumes and the I/O engine.
+//!
+//! Two halves, and the second uses the first, never the reverse:
+//!
+//! - [`format`]: dm-thin's on-disk metadata (superblock, details, mapping trees) with its
+//!   operations, and the offline tools (`check`, `dump`, `restore`, `metadata_size`);
+//! - [`engine`]: the pool open for I/O (volumes, index, commits, catalog, data device).
+//!
+//! `error` and `ids` are the vocabulary both share.
 #![forbid(unsafe_code)]
 
-pub mod catalog;
-pub mod check;
-pub mod data_device;
-pub mod details;
-pub mod dump;
+pub mod engine;
 pub mod error;
-pub mod gate;
+pub mod format;
 pub mod ids;
-pub mod index;
-pub mod metadata;
-pub mod metadata_size;
-pub mod pool;
-pub mod restore;
-pub mod superblock;
-pub mod volume;
 
+pub use engine::pool::{CreateOptions, Pool, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+pub use engine::volume::{Extent, Volume};
 pub use error::{Error, Result};
+pub use format::metadata::{Mapping, PoolMetadata};
 pub use ids::{DataBlock, TransactionId, VirtualBlock, VolumeId};
-pub use metadata::{Mapping, PoolMetadata};
-pub use pool::{CreateOptions, Pool, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
-pub use volume::{Extent, Volume};

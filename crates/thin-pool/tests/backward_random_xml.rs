@@ -26,10 +26,10 @@ use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::check::{check, CheckOptions};
-use thin_pool::dump::expand::Expanded;
-use thin_pool::dump::metadata::{dump, DumpOptions};
-use thin_pool::dump::{xml, XmlWriter};
+use thin_pool::format::check::{check, CheckOptions};
+use thin_pool::format::dump::expand::Expanded;
+use thin_pool::format::dump::metadata::{dump, DumpOptions};
+use thin_pool::format::dump::{xml, XmlWriter};
 
 const DATA_BLOCKS: u64 = 200_000;
 const METADATA_SIZE_BYTES: u64 = 8 << 20;
@@ -286,7 +286,7 @@ fn our_restore(xml: &Path, out: &Path) {
     drop(file);
     let device = Arc::new(FileDevice::open(out, true).unwrap());
     let input = std::io::BufReader::new(std::fs::File::open(xml).unwrap());
-    thin_pool::restore::restore(input, device, &Default::default()).unwrap();
+    thin_pool::format::restore::restore(input, device, &Default::default()).unwrap();
 }
 
 fn run_case(index: u64, seed: u64, dir: &ScratchDir, v0: &ThinTools, v1: &ThinTools) {

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::{ThinTools, ToolVersion};
-use thin_pool::check::{check, CheckOptions, LeafOccupancy, Report};
+use thin_pool::format::check::{check, CheckOptions, LeafOccupancy, Report};
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
 fn run(device: Arc<dyn BlockDevice>, leaf_occupancy: LeafOccupancy) -> Report {

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::check::{check, CheckOptions, LeafOccupancy, Report, Rule};
-use thin_pool::metadata::read_superblock;
-use thin_pool::superblock::Superblock;
+use thin_pool::format::check::{check, CheckOptions, LeafOccupancy, Report, Rule};
+use thin_pool::format::metadata::read_superblock;
+use thin_pool::format::superblock::Superblock;
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
 const METADATA_BLOCKS: u64 = 2048;

@@ -15,7 +15,7 @@ use persistent_data::checksum::{self, BlockKind};
 use persistent_data::{Block, BLOCK_SIZE};
 use rand::Rng;
 use testkit::{ScratchDir, ThinTools, ToolVersion};
-use thin_pool::dump::{self, Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::dump::{self, Flavour, HumanWriter, XmlWriter};
 
 /// Which version's `thin_dump` output our writers are compared with.
 fn flavour(version: ToolVersion) -> Flavour {

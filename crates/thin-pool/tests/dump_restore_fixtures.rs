@@ -16,8 +16,8 @@ use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::dump::metadata::{dump, DumpOptions};
-use thin_pool::dump::{Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::dump::metadata::{dump, DumpOptions};
+use thin_pool::format::dump::{Flavour, HumanWriter, XmlWriter};
 
 const METADATA_SIZE_BYTES: u64 = 64 << 20;
 
@@ -45,7 +45,7 @@ fn our_restore(xml: &Path, out: &Path) {
     drop(file);
     let device = Arc::new(FileDevice::open(out, true).unwrap());
     let input = std::io::BufReader::new(std::fs::File::open(xml).unwrap());
-    thin_pool::restore::restore(input, device, &Default::default()).unwrap();
+    thin_pool::format::restore::restore(input, device, &Default::default()).unwrap();
 }
 
 /// Rename defs to `d0`, `d1`, ... in order of appearance.

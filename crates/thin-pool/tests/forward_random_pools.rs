@@ -24,9 +24,9 @@ use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::dump::expand::Expanded;
-use thin_pool::dump::metadata::{dump, DumpOptions, Source};
-use thin_pool::dump::{xml, Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::dump::expand::Expanded;
+use thin_pool::format::dump::metadata::{dump, DumpOptions, Source};
+use thin_pool::format::dump::{xml, Flavour, HumanWriter, XmlWriter};
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
 const DATA_BLOCKS: u64 = 30_000;

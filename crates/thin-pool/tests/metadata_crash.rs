@@ -16,7 +16,7 @@ use std::sync::Arc;
 use testkit::crash::{CrashDevice, CrashMode};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::check::{check, CheckOptions};
+use thin_pool::format::check::{check, CheckOptions};
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
 const METADATA_BLOCKS: u64 = 256;

@@ -8,7 +8,7 @@
 
 use rand::Rng;
 use testkit::ThinTools;
-use thin_pool::metadata_size::{self, OutputStyle, Request, Unit};
+use thin_pool::format::metadata_size::{self, OutputStyle, Request, Unit};
 
 /// What the library says for these arguments: `Ok(line)` or `Err(message)`.
 fn ours(

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thin_pool::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
+use thin_pool::format::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
 use thin_pool::PoolMetadata;
 
 /// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).

@@ -4,7 +4,7 @@
 
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
-use thin_pool::pool::BLOCK_SIZE_DEFAULT_BYTES;
+use thin_pool::engine::pool::BLOCK_SIZE_DEFAULT_BYTES;
 use thin_pool::{CreateOptions, Pool};
 
 use crate::control::{self, Outcome, Request};
@@ -101,7 +101,7 @@ pub fn create_pool(
         pool,
         options: stored,
         reserved_names: Vec::new(),
-        data_path: dir.path.join(thin_pool::pool::DATA_FILE),
+        data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

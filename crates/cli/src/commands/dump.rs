@@ -10,8 +10,8 @@ use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use thin_pool::dump::metadata::{self, DumpOptions, Source};
-use thin_pool::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::dump::metadata::{self, DumpOptions, Source};
+use thin_pool::format::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
 
 /// Output format.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,13 +1,13 @@
 //! `thinpool metadata-size`: how large a metadata device a pool needs, with the arguments,
 //! output and exit codes of `thin_metadata_size` 1.1.0 (the estimate itself lives in
-//! `thin_pool::metadata_size`).
+//! `thin_pool::format::metadata_size`).
 //!
 //! Exit codes: 0 with the size on stdout; 2 for a malformed command line (clap); 64 when the
 //! arguments are well formed but refused (e.g. a block size that is not a multiple of
 //! 64 KiB), with the tool's message on stderr.
 
 use std::process::ExitCode;
-use thin_pool::metadata_size::{self, OutputStyle, Request, Unit};
+use thin_pool::format::metadata_size::{self, OutputStyle, Request, Unit};
 
 /// Exit code of `thin_metadata_size` for refused arguments.
 const EXIT_REFUSED: u8 = 64;

@@ -1,5 +1,5 @@
 //! `thinpool restore`: build pool metadata from an XML dump, with the arguments of
-//! `thin_restore` 1.1.0 (see `thin_pool::restore` for what is written).
+//! `thin_restore` 1.1.0 (see `thin_pool::format::restore` for what is written).
 //!
 //! Like `thin_restore`, the output (file or device) must already exist: its size becomes
 //! the metadata size. Errors exit with status 64, like the 1.x tools.
@@ -11,7 +11,7 @@ use std::io::BufReader;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use thin_pool::restore::{self, RestoreOptions};
+use thin_pool::format::restore::{self, RestoreOptions};
 
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]

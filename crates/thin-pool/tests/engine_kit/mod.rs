@@ -23,9 +23,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use testkit::crash::{CrashDevice, CrashMode};
 use testkit::fault::{OpCounts, Ops};
 use testkit::tools::ThinTools;
-use thin_pool::catalog::{Catalog, CatalogStore};
-use thin_pool::check::{check, CheckOptions};
-use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::engine::catalog::{Catalog, CatalogStore};
+use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::format::check::{check, CheckOptions};
 
 /// Sector size of the data device.
 pub const SECTOR: usize = 512;

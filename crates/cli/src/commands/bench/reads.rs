@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Barrier;
-use thin_pool::pool::DATA_FILE;
+use thin_pool::engine::pool::DATA_FILE;
 use thin_pool::Volume;
 
 /// Data block size of the sequential-read pool: the first report's 8 MiB.

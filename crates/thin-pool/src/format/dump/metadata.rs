@@ -34,9 +34,9 @@
 //! The 0.9.0 flavour prints every device fully expanded, without defs.
 
 use super::{DeviceInfo, DumpVisitor, Flavour, Mapping, RunBuilder, SuperblockInfo};
-use crate::details::{unpack_block_time, DeviceDetails};
-use crate::metadata::read_superblock;
-use crate::superblock::Superblock;
+use crate::format::details::{unpack_block_time, DeviceDetails};
+use crate::format::metadata::read_superblock;
+use crate::format::superblock::Superblock;
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::{self, node::Node};
 use persistent_data::checksum::BlockKind;

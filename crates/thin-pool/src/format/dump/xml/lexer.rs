@@ -9,7 +9,7 @@
 use std::io::BufRead;
 use std::ops::Range;
 
-use crate::dump::{Error, ParseProblem};
+use crate::format::dump::{Error, ParseProblem};
 
 /// The most bytes of names and attribute values one tag may hold.
 pub(super) const TAG_LENGTH_MAX_BYTES: usize = 4096;

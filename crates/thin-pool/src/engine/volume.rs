@@ -16,9 +16,9 @@
 //! A mapping is *shared* when the volume was snapshotted after it was made (spec §8.5);
 //! the test is conservative, as in dm-thin.
 
+use crate::engine::index::IndexEntry;
+use crate::engine::pool::{Op, PoolMode, Shared, VolumeShared};
 use crate::error::{Error, Result};
-use crate::index::IndexEntry;
-use crate::pool::{Op, PoolMode, Shared, VolumeShared};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -25,14 +25,14 @@
 //! (no metadata changes until the metadata device grows), `ReadOnly` (option, or after a
 //! metadata error, with needs_check set) and `Fail`.
 
-use crate::catalog::{validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use crate::data_device::{DataDevice, FileDataDevice};
+use crate::engine::catalog::{validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog};
+use crate::engine::data_device::{DataDevice, FileDataDevice};
+use crate::engine::gate::WriteGate;
+use crate::engine::index::{Index, IndexEntry, INDEX_DATA_BLOCK_MAX};
+use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
-use crate::gate::WriteGate;
+use crate::format::metadata::PoolMetadata;
 use crate::ids::{DataBlock, TransactionId, VirtualBlock, VolumeId};
-use crate::index::{Index, IndexEntry, INDEX_DATA_BLOCK_MAX};
-use crate::metadata::PoolMetadata;
-use crate::volume::Volume;
 use arc_swap::ArcSwap;
 use persistent_data::{BlockDevice, FileDevice};
 use std::collections::{BTreeMap, HashSet};
@@ -266,7 +266,7 @@ impl std::fmt::Debug for Pool {
 /// A default metadata size for a data size: four times thin_metadata_size's estimate for
 /// 1000 volumes, at least 4 MiB, at most the format's 15.87 GiB.
 pub fn default_metadata_size_bytes(data_size_bytes: u64, block_size_bytes: u64) -> u64 {
-    let estimate = crate::metadata_size::estimate(&crate::metadata_size::Request {
+    let estimate = crate::format::metadata_size::estimate(&crate::format::metadata_size::Request {
         data_block_size_bytes: block_size_bytes,
         pool_size_bytes: data_size_bytes.max(block_size_bytes),
         thin_count_max: 1000,
@@ -301,7 +301,9 @@ impl Pool {
     pub fn create(dir: &Path, create: &CreateOptions, options: PoolOptions) -> Result<Pool> {
         let block_size = create.block_size_bytes;
         if !block_size.is_multiple_of(512)
-            || !crate::superblock::valid_data_block_size((block_size / 512).try_into().unwrap_or(0))
+            || !crate::format::superblock::valid_data_block_size(
+                (block_size / 512).try_into().unwrap_or(0),
+            )
         {
             return Err(Error::Invalid(format!(
                 "block size {block_size} bytes: must be a multiple of 64 KiB from 64 KiB to 1 GiB"

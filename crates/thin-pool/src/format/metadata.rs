@@ -14,10 +14,10 @@
 //!   several trees counts once; copying a shared leaf takes a reference per entry);
 //! - a top-level leaf entry holds one reference to its subtree root.
 
-use crate::details::{pack_block_time, unpack_block_time, DeviceDetails};
 use crate::error::{Error, Result};
+use crate::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
+use crate::format::superblock::{valid_data_block_size, Superblock, NEEDS_CHECK_FLAG, VERSION};
 use crate::ids::{DataBlock, TransactionId, VirtualBlock, VolumeId, DATA_BLOCK_MAX};
-use crate::superblock::{valid_data_block_size, Superblock, NEEDS_CHECK_FLAG, VERSION};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::{self, NoRefs, RefCounter};
 use persistent_data::checksum::BlockKind;

@@ -31,9 +31,9 @@ mod tree;
 
 pub use report::{Problem, Report, Rule, Severity, Structure, Summary, PROBLEMS_MAX};
 
-use crate::details::{unpack_block_time, DeviceDetails};
+use crate::format::details::{unpack_block_time, DeviceDetails};
+use crate::format::superblock::{valid_data_block_size, MAGIC, NEEDS_CHECK_FLAG};
 use crate::ids::VolumeId;
-use crate::superblock::{valid_data_block_size, MAGIC, NEEDS_CHECK_FLAG};
 use persistent_data::block_manager::BlockManager;
 use persistent_data::btree::Value;
 use persistent_data::checksum::{self, BlockKind};

@@ -6,7 +6,7 @@ use std::collections::HashSet;
 use std::io::BufRead;
 
 use super::lexer::{Lexer, TagKind};
-use crate::dump::{DeviceInfo, DumpVisitor, Error, Mapping, ParseProblem, SuperblockInfo};
+use crate::format::dump::{DeviceInfo, DumpVisitor, Error, Mapping, ParseProblem, SuperblockInfo};
 
 /// The `version` a superblock gets when the XML leaves it out (as 1.x `thin_restore` does).
 const VERSION_DEFAULT: u32 = 2;

@@ -23,10 +23,10 @@
 //! restored pool). What grows is per device (its root and details) and per def (its leaves).
 //! `mapped_blocks` is taken from the XML, as 1.x does.
 
-use crate::details::{pack_block_time, DeviceDetails};
-use crate::dump::{self, DeviceInfo, DumpVisitor, Mapping, SuperblockInfo};
+use crate::format::details::{pack_block_time, DeviceDetails};
+use crate::format::dump::{self, DeviceInfo, DumpVisitor, Mapping, SuperblockInfo};
+use crate::format::superblock::{valid_data_block_size, Superblock, VERSION};
 use crate::ids::DATA_BLOCK_MAX;
-use crate::superblock::{valid_data_block_size, Superblock, VERSION};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::builder::{
     build_tree, release_nodes, NodeBuilder, NodeSummary, TreeBuilder,
@@ -430,8 +430,8 @@ impl DumpVisitor for Restorer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dump::metadata::{dump, DumpOptions};
-    use crate::dump::XmlWriter;
+    use crate::format::dump::metadata::{dump, DumpOptions};
+    use crate::format::dump::XmlWriter;
     use persistent_data::MemoryDevice;
     use std::fmt::Write as _;
     use std::io::Cursor;
