@@ -80,9 +80,17 @@ pub enum Error {
     /// The object is in use (an open volume cannot be deleted).
     #[error("{0}")]
     Busy(String),
-    /// A request that can never succeed (bad size, shrinking, ...).
+    /// Refused: a request that can never succeed (bad size, name, range, ...). Nothing
+    /// was changed.
     #[error("{0}")]
     Invalid(String),
+    /// What is on disk breaks a format rule (even with a valid checksum): the pool goes
+    /// read-only with needs_check.
+    #[error("corrupt metadata: {0}")]
+    Corrupt(String),
+    /// A broken internal invariant: a bug in thinpool, not the caller's fault.
+    #[error("internal error: {0}")]
+    Internal(String),
 }
 
 impl From<persistent_data::Error> for Error {
@@ -111,6 +119,7 @@ impl Error {
             | Error::TransactionMismatch { .. }
             | Error::NoMetadataSnap
             | Error::Invalid(_) => libc_errno::EINVAL,
+            Error::Corrupt(_) | Error::Internal(_) => libc_errno::EIO,
             Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
                 libc_errno::EBUSY
             }
