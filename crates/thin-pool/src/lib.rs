@@ -18,4 +18,4 @@ pub use engine::pool::{CreateOptions, Pool, PoolMode, PoolOptions, PoolStatus, V
 pub use engine::volume::{Extent, Volume};
 pub use error::{Error, Result};
 pub use format::metadata::{Mapping, PoolMetadata};
-pub use ids::{DataBlock, TransactionId, VirtualBlock, VolumeId};
+pub use ids::{BlockTime, DataBlock, Time, TransactionId, VirtualBlock, VolumeId};
