@@ -14,11 +14,22 @@
 //!   DIR/nbd.sock           NBD Unix socket while serving        serve
 //!   DIR/control.sock       control socket while serving         serve
 //! ```
+//!
+//! Whoever can write to the directory can replace any of these with a link to another file
+//! (which the pool would then truncate, overwrite or serve) or with a socket of their own.
+//! So a pool directory must belong to the caller and be writable by nobody else, and no
+//! parent may let others rename it ([`PoolDir::check_safe`]); `thinpool create` makes it
+//! 0700. Files in it are created 0600, never through a link, and the management commands
+//! refuse links in place of the pool's files and make older, readable files private
+//! ([`PoolDir::check_files`]). `--allow-shared-dir` skips the directory checks for those who
+//! accept the risk. See `docs/security.md`.
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use std::io::Write;
-use std::path::PathBuf;
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 use thin_pool::PoolOptions;
 
 /// Environment variable naming the pool directory when `--pool` is not given.
@@ -31,6 +42,14 @@ pub const OPTIONS_FILE: &str = "pool.json";
 pub const NBD_SOCKET_FILE: &str = "nbd.sock";
 /// Control socket inside a pool directory.
 pub const CONTROL_SOCKET_FILE: &str = "control.sock";
+/// Mode of a pool directory thinpool creates.
+pub const DIR_MODE: u32 = 0o700;
+/// Mode of every file thinpool creates in a pool directory.
+pub const FILE_MODE: u32 = 0o600;
+/// Permission bits that let users other than the owner write (group, other).
+const OTHERS_WRITE: u32 = 0o022;
+/// The sticky bit: in a directory, only an entry's owner may rename or remove it.
+const STICKY: u32 = 0o1000;
 
 /// The `--pool DIR` argument every management command takes.
 #[derive(clap::Args, Debug, Clone)]
@@ -38,6 +57,10 @@ pub struct PoolArg {
     /// Pool directory [default: $THINPOOL_POOL, else ./thinpool-pool].
     #[arg(long = "pool", value_name = "DIR")]
     pub pool: Option<PathBuf>,
+    /// Use the pool directory even if other users can write to it or it is not yours
+    /// (they can then swap the pool's files and sockets for their own).
+    #[arg(long = "allow-shared-dir")]
+    pub allow_shared_dir: bool,
 }
 
 /// Where the pool directory is and how it was chosen.
@@ -47,26 +70,22 @@ pub struct PoolDir {
     pub path: PathBuf,
     /// Neither `--pool` nor `$THINPOOL_POOL` named it.
     pub is_default: bool,
+    /// `--allow-shared-dir`: skip the ownership and permission checks of the directory.
+    pub allow_shared: bool,
 }
 
 impl PoolArg {
     /// Resolves the directory: `--pool`, else `$THINPOOL_POOL`, else `./thinpool-pool`.
     pub fn resolve(&self) -> PoolDir {
-        if let Some(path) = &self.pool {
-            return PoolDir {
-                path: path.clone(),
-                is_default: false,
-            };
-        }
-        match std::env::var_os(POOL_VARIABLE) {
-            Some(value) if !value.is_empty() => PoolDir {
-                path: PathBuf::from(value),
-                is_default: false,
-            },
-            _ => PoolDir {
-                path: PathBuf::from(DEFAULT_POOL_DIR),
-                is_default: true,
-            },
+        let (path, is_default) = match (&self.pool, std::env::var_os(POOL_VARIABLE)) {
+            (Some(path), _) => (path.clone(), false),
+            (None, Some(value)) if !value.is_empty() => (PathBuf::from(value), false),
+            (None, _) => (PathBuf::from(DEFAULT_POOL_DIR), true),
+        };
+        PoolDir {
+            path,
+            is_default,
+            allow_shared: self.allow_shared_dir,
         }
     }
 }
@@ -87,7 +106,9 @@ impl PoolDir {
         self.path.join(NBD_SOCKET_FILE)
     }
 
-    /// Fails with a hint unless the directory holds a pool.
+    /// Fails with a hint unless the directory holds a pool; then checks that the directory
+    /// and the pool's files are safe to use ([`PoolDir::check_safe`],
+    /// [`PoolDir::check_files`]).
     pub fn require_pool(&self) -> anyhow::Result<()> {
         if !thin_pool::Pool::exists(&self.path) {
             bail!(
@@ -96,8 +117,181 @@ impl PoolDir {
                 self.path.display()
             );
         }
+        self.check_safe()?;
+        self.check_files()
+    }
+
+    /// Creates the directory (and missing parents) with mode 0700 unless it exists, then
+    /// checks it as [`PoolDir::check_safe`] does: a directory someone else made in its place
+    /// first is refused, not used.
+    pub fn create_private(&self) -> anyhow::Result<()> {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(DIR_MODE)
+            .create(&self.path)
+            .with_context(|| format!("cannot create {}", self.path.display()))?;
+        self.check_safe()?;
+        self.check_files()
+    }
+
+    /// Refuses a directory that other users could change: not owned by the caller, writable
+    /// by group or others, or under a parent that lets others rename it (writable by others
+    /// and not sticky). Skipped with `--allow-shared-dir`.
+    pub fn check_safe(&self) -> anyhow::Result<()> {
+        if self.allow_shared {
+            return Ok(());
+        }
+        let shown = self.path.display();
+        let real = std::fs::canonicalize(&self.path)
+            .with_context(|| format!("cannot resolve pool directory {shown}"))?;
+        let metadata = std::fs::metadata(&real)
+            .with_context(|| format!("cannot examine pool directory {shown}"))?;
+        if !metadata.is_dir() {
+            bail!("{shown} is not a directory");
+        }
+        let me = current_uid();
+        let mode = metadata.mode() & 0o7777;
+        let skip = "--allow-shared-dir skips this check, at that risk";
+        if metadata.uid() != me {
+            bail!(
+                "refusing pool directory {shown}: it belongs to uid {}, not to you (uid {me}), \
+                 and its owner could replace the pool's files with links to files of yours or \
+                 its sockets with their own. Use a directory of your own (`thinpool create` \
+                 makes one with mode 0700) or `chown {me} {shown}`; {skip}",
+                metadata.uid()
+            );
+        }
+        if mode & OTHERS_WRITE != 0 {
+            let fix = if mode & STICKY != 0 {
+                format!(
+                    "use a directory of its own inside it, e.g. --pool {}, which thinpool \
+                     creates with mode 0700",
+                    self.path.join(DEFAULT_POOL_DIR).display()
+                )
+            } else {
+                format!("make it private with `chmod 700 {shown}`")
+            };
+            bail!(
+                "refusing pool directory {shown}: other users can write to it (mode {mode:04o}), \
+                 so they could replace the pool's files with links to files of yours or its \
+                 sockets with their own. To fix it, {fix}; {skip}"
+            );
+        }
+        for parent in real.ancestors().skip(1) {
+            let metadata = std::fs::metadata(parent)
+                .with_context(|| format!("cannot examine {}", parent.display()))?;
+            let mode = metadata.mode() & 0o7777;
+            if mode & OTHERS_WRITE != 0 && mode & STICKY == 0 {
+                bail!(
+                    "refusing pool directory {shown}: its parent {} is writable by other users \
+                     and not sticky (mode {mode:04o}), so they could rename the pool directory \
+                     and put one of their own in its place. Run `chmod go-w {}` (or `chmod +t`), \
+                     or keep the pool elsewhere; {skip}",
+                    parent.display(),
+                    parent.display()
+                );
+            }
+        }
         Ok(())
     }
+
+    /// Checks the files the pool keeps in the directory (`metadata`, `data`, the catalogs,
+    /// `pool.json`): a symbolic link in place of one is refused (the pool would write
+    /// through it), a file of another user too (unless `--allow-shared-dir`), and a file
+    /// other users may read (made by an older version) is made private (0600), with a note.
+    pub fn check_files(&self) -> anyhow::Result<()> {
+        let mut names: Vec<std::ffi::OsString> = [
+            thin_pool::engine::pool::METADATA_FILE,
+            thin_pool::engine::pool::DATA_FILE,
+            OPTIONS_FILE,
+        ]
+        .iter()
+        .map(|name| name.into())
+        .collect();
+        let entries = std::fs::read_dir(&self.path)
+            .with_context(|| format!("cannot list {}", self.path.display()))?;
+        for entry in entries {
+            let name = entry
+                .with_context(|| format!("cannot list {}", self.path.display()))?
+                .file_name();
+            if name.to_str().is_some_and(|n| n.starts_with("catalog-")) {
+                names.push(name);
+            }
+        }
+        let me = current_uid();
+        for name in names {
+            let path = self.path.join(&name);
+            // Not following a link, and not blocking on a FIFO someone left there.
+            let file = match OpenOptions::new()
+                .read(true)
+                .custom_flags(no_follow() | rustix::fs::OFlags::NONBLOCK.bits() as i32)
+                .open(&path)
+            {
+                Ok(file) => file,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error)
+                    if error.raw_os_error() == Some(rustix::io::Errno::LOOP.raw_os_error()) =>
+                {
+                    bail!(
+                    "refusing pool file {}: it is a symbolic link, which thinpool never follows \
+                     in a pool directory (someone could point it at a file of yours); \
+                     remove it or put the file itself there",
+                    path.display()
+                )
+                }
+                Err(error) => {
+                    return Err(error).with_context(|| format!("cannot open {}", path.display()))
+                }
+            };
+            let metadata = file
+                .metadata()
+                .with_context(|| format!("cannot examine {}", path.display()))?;
+            if metadata.uid() != me && !self.allow_shared {
+                bail!(
+                    "refusing pool file {}: it belongs to uid {}, not to you (uid {me}); \
+                     --allow-shared-dir skips this check, at that risk",
+                    path.display(),
+                    metadata.uid()
+                );
+            }
+            let mode = metadata.mode() & 0o7777;
+            if metadata.is_file() && metadata.uid() == me && mode & 0o077 != 0 {
+                file.set_permissions(std::fs::Permissions::from_mode(FILE_MODE))
+                    .with_context(|| format!("cannot make {} private", path.display()))?;
+                eprintln!(
+                    "thinpool: {} was open to other users (mode {mode:04o}); made it private (0600)",
+                    path.display()
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The caller's effective user id.
+pub fn current_uid() -> u32 {
+    rustix::process::geteuid().as_raw()
+}
+
+/// `O_NOFOLLOW` for [`OpenOptionsExt::custom_flags`].
+fn no_follow() -> i32 {
+    rustix::fs::OFlags::NOFOLLOW.bits() as i32
+}
+
+/// Creates `path` afresh with mode 0600: a stale file or link there is removed first, and
+/// the creation fails rather than follow or reuse anything that appears in between.
+fn create_private_file(path: &Path) -> std::io::Result<File> {
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+        Err(error) => return Err(error),
+    }
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(FILE_MODE)
+        .custom_flags(no_follow())
+        .open(path)
 }
 
 /// Pool options chosen at create that every later open must use, kept in `pool.json`.
@@ -126,7 +320,16 @@ impl StoredOptions {
     /// defaults.
     pub fn load(dir: &PoolDir) -> anyhow::Result<StoredOptions> {
         let path = dir.options_path();
-        let text = match std::fs::read_to_string(&path) {
+        let read = || -> std::io::Result<String> {
+            let mut text = String::new();
+            OpenOptions::new()
+                .read(true)
+                .custom_flags(no_follow())
+                .open(&path)?
+                .read_to_string(&mut text)?;
+            Ok(text)
+        };
+        let text = match read() {
             Ok(text) => text,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
                 return Ok(StoredOptions::default())
@@ -153,12 +356,12 @@ impl StoredOptions {
         let temporary = dir.path.join(format!("{OPTIONS_FILE}.tmp"));
         let text = serde_json::to_string_pretty(self).context("cannot encode pool options")?;
         let write = || -> std::io::Result<()> {
-            let mut file = std::fs::File::create(&temporary)?;
+            let mut file = create_private_file(&temporary)?;
             file.write_all(text.as_bytes())?;
             file.write_all(b"\n")?;
             file.sync_all()?;
             std::fs::rename(&temporary, &path)?;
-            std::fs::File::open(&dir.path)?.sync_all()
+            File::open(&dir.path)?.sync_all()
         };
         write().with_context(|| format!("cannot write {}", path.display()))
     }

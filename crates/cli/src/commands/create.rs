@@ -84,13 +84,16 @@ fn on_off(value: bool) -> &'static str {
     }
 }
 
-/// Creates a pool and its options file; returns its status. Used by `serve` too, for the
-/// default pool on first use.
+/// Creates a pool and its options file in a private directory (see
+/// [`PoolDir::create_private`]); returns its status. Used by `serve` too, for the default
+/// pool on first use.
 pub fn create_pool(
     dir: &PoolDir,
     create: &CreateOptions,
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
+    // The directory first: made 0700 if missing, refused if others could change it.
+    dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }

@@ -63,6 +63,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         create_default_pool(&dir)?;
     }
+    // Before anything is opened or bound in it: the directory is the caller's alone.
+    dir.require_pool()?;
     let options = StoredOptions::load(&dir)?;
     let pool = match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => pool,
@@ -189,14 +191,21 @@ pub fn parse_tcp_address(text: &str) -> anyhow::Result<SocketAddr> {
         .with_context(|| format!("--tcp {text:?}: no address"))
 }
 
-/// Removes a socket file nobody listens on (left by a server that was killed); refuses to
-/// touch anything else.
+/// Removes a socket file of ours nobody listens on (left by a server that was killed);
+/// refuses to touch anything else.
 fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
     let Ok(metadata) = std::fs::symlink_metadata(path) else {
         return Ok(());
     };
     if !metadata.file_type().is_socket() {
         bail!("{} exists and is not a socket", path.display());
+    }
+    if std::os::unix::fs::MetadataExt::uid(&metadata) != crate::pool_dir::current_uid() {
+        bail!(
+            "{} is a socket of another user (uid {}): not removing it",
+            path.display(),
+            std::os::unix::fs::MetadataExt::uid(&metadata)
+        );
     }
     match UnixStream::connect(path) {
         Ok(_) => bail!("another server listens on {}", path.display()),

@@ -30,13 +30,17 @@ impl FileDevice {
         })
     }
 
-    /// Create (or truncate) a regular file of `block_count` blocks, sparse.
+    /// Create (or truncate) a regular file of `block_count` blocks, sparse. A new file is
+    /// private to its owner (mode 0600); a symbolic link at `path` is refused, not followed.
     pub fn create(path: &Path, block_count: u64) -> io::Result<FileDevice> {
+        use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)?;
         file.set_len(block_count * BLOCK_SIZE as u64)?;
         Ok(FileDevice {

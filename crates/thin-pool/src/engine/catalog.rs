@@ -20,8 +20,15 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-/// Longest volume name, in bytes.
-pub const NAME_LENGTH_MAX: usize = 128;
+/// Longest volume name, in characters (LVM's limit for a logical volume name).
+pub const NAME_LENGTH_MAX: usize = 127;
+
+/// Longest name older versions accepted, in bytes (names already in a catalog).
+const STORED_NAME_BYTES_MAX: usize = 128;
+
+/// The naming rule, as quoted in every refusal.
+pub const NAME_RULE: &str = "letters, digits and + _ . - only, not starting with -, \
+                             1 to 127 characters, not . or ..";
 
 /// One volume in the catalog.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,23 +69,74 @@ impl Catalog {
     }
 }
 
-/// Check a volume name: 1 to 128 bytes, no '/', no control characters, not "." or "..".
+/// Check a new volume name against LVM's rule for logical volume names: ASCII letters,
+/// digits and `+ _ . -`, not starting with `-`, 1 to 127 characters, not `.` or `..`. So a
+/// name cannot hide (spaces only), disguise itself (right-to-left override, look-alike
+/// letters) or pass for an option.
 pub fn validate_name(name: &str) -> Result<()> {
-    if name.is_empty() || name.len() > NAME_LENGTH_MAX {
-        return Err(Error::Invalid(format!(
-            "volume name must be 1 to {NAME_LENGTH_MAX} bytes, not {}",
-            name.len()
-        )));
-    }
-    if name == "." || name == ".." {
-        return Err(Error::Invalid(format!("volume name {name:?} is reserved")));
+    let refuse = |why: String| {
+        Err(Error::Invalid(format!(
+            "volume name {}: {why} (names: {NAME_RULE})",
+            quoted(name)
+        )))
+    };
+    if name.is_empty() {
+        return refuse("is empty".to_string());
     }
     if let Some(c) = name
         .chars()
-        .find(|c| *c == '/' || *c == '\\' || c.is_control())
+        .find(|c| !(c.is_ascii_alphanumeric() || "+_.-".contains(*c)))
+    {
+        return refuse(format!("contains {}", c.escape_unicode()));
+    }
+    // Only ASCII is left: bytes are characters.
+    if name.len() > NAME_LENGTH_MAX {
+        return refuse(format!("is {} characters long", name.len()));
+    }
+    if name.starts_with('-') {
+        return refuse("starts with -".to_string());
+    }
+    if name == "." || name == ".." {
+        return refuse("is reserved".to_string());
+    }
+    Ok(())
+}
+
+/// A name quoted for messages: what is not printable ASCII is shown as `\u{...}`, so a
+/// refusal cannot carry a control or direction character to the terminal; long names are cut.
+fn quoted(name: &str) -> String {
+    let mut out = String::from("\"");
+    for (i, c) in name.chars().enumerate() {
+        if i > NAME_LENGTH_MAX {
+            out.push_str("...");
+            break;
+        }
+        match c {
+            '"' | '\\' => {
+                out.push('\\');
+                out.push(c);
+            }
+            ' ' => out.push(c),
+            c if c.is_ascii_graphic() => out.push(c),
+            c => out.extend(c.escape_unicode()),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Check a name already in a catalog: what older versions accepted (1 to 128 bytes, no
+/// path separator, no control character), so their pools still open; anything else is damage.
+fn check_stored_name(name: &str) -> Result<()> {
+    if name.is_empty()
+        || name.len() > STORED_NAME_BYTES_MAX
+        || name
+            .chars()
+            .any(|c| c == '/' || c == '\\' || c.is_control())
     {
         return Err(Error::Invalid(format!(
-            "volume name {name:?} contains {c:?}: no path separators or control characters"
+            "volume catalog holds an impossible name {}",
+            quoted(name)
         )));
     }
     Ok(())
@@ -141,8 +199,8 @@ impl DirCatalog {
 impl CatalogStore for DirCatalog {
     fn load(&self, transaction_id: u64) -> Result<Catalog> {
         let path = self.path(transaction_id);
-        let text = fs::read_to_string(&path)
-            .map_err(|e| self.io("reading the volume catalog", &path, e))?;
+        let text =
+            read_no_follow(&path).map_err(|e| self.io("reading the volume catalog", &path, e))?;
         let catalog: Catalog = serde_json::from_str(&text).map_err(|e| {
             Error::Invalid(format!("volume catalog {} is damaged: {e}", path.display()))
         })?;
@@ -154,7 +212,7 @@ impl CatalogStore for DirCatalog {
             )));
         }
         for v in &catalog.volumes {
-            validate_name(&v.name)?;
+            check_stored_name(&v.name)?;
         }
         Ok(catalog)
     }
@@ -166,7 +224,7 @@ impl CatalogStore for DirCatalog {
             .join(format!("catalog-{}.json.tmp", catalog.transaction_id));
         let text = serde_json::to_string_pretty(catalog).expect("a catalog serializes");
         let write = || -> std::io::Result<()> {
-            let mut file = fs::File::create(&temporary)?;
+            let mut file = create_private(&temporary)?;
             file.write_all(text.as_bytes())?;
             file.write_all(b"\n")?;
             file.sync_all()?;
@@ -184,6 +242,37 @@ impl CatalogStore for DirCatalog {
         }
         Ok(())
     }
+}
+
+/// Reads a file, refusing a symbolic link in its place.
+fn read_no_follow(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut text = String::new();
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)?
+        .read_to_string(&mut text)?;
+    Ok(text)
+}
+
+/// Creates `path` afresh, private to its owner (mode 0600): a stale file or link left there
+/// (by a crash, or planted) is removed first, and creation fails rather than follow or reuse
+/// anything that appears in between.
+fn create_private(path: &Path) -> std::io::Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(path)
 }
 
 /// Catalogs in memory (tests).
@@ -238,11 +327,86 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_are_validated() {
-        assert!(validate_name("vm-disk.0").is_ok());
-        for bad in ["", ".", "..", "a/b", "a\nb", "a\u{7f}", &"x".repeat(129)] {
-            assert!(validate_name(bad).is_err(), "{bad:?}");
+    fn names_follow_lvm_rule() {
+        let longest = "x".repeat(127);
+        for good in ["vm-disk.0", "a", "A+b_c.d-e", "0", "..a", longest.as_str()] {
+            assert!(validate_name(good).is_ok(), "{good:?} was refused");
         }
+        let too_long = "x".repeat(128);
+        for bad in [
+            "",
+            ".",
+            "..",
+            "-a",
+            "a/b",
+            "a\nb",
+            "a\u{7f}",
+            "   ",
+            "a b",
+            "evil\u{202e}gpj.exe",
+            "caf\u{e9}",
+            "\u{430}dmin",
+            too_long.as_str(),
+        ] {
+            let error = validate_name(bad).expect_err(bad).to_string();
+            assert!(error.contains(NAME_RULE), "{error}");
+            assert!(
+                !error.contains('\u{202e}') && !error.contains('\n'),
+                "the refusal repeats a control character: {error:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn catalogs_with_names_from_older_versions_still_load() {
+        let dir = std::env::temp_dir().join(format!("tp-catalog-old-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let store = DirCatalog::new(&dir);
+        let catalog = Catalog {
+            transaction_id: 3,
+            volumes: vec![CatalogVolume {
+                name: "old name \u{e9}".into(),
+                id: 0,
+                size_bytes: 512,
+                read_only: false,
+                origin: None,
+            }],
+        };
+        store.store(&catalog).unwrap();
+        assert_eq!(store.load(3).unwrap(), catalog);
+        fs::write(
+            dir.join("catalog-4.json"),
+            r#"{"transaction_id":4,"volumes":[{"name":"a/b","id":0,"size_bytes":512,"read_only":false,"origin":null}]}"#,
+        )
+        .unwrap();
+        assert!(store.load(4).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn catalog_files_are_private_and_links_are_not_followed() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("tp-catalog-link-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        fs::write(&victim, "keep").unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("catalog-5.json.tmp")).unwrap();
+        let store = DirCatalog::new(&dir);
+        let catalog = Catalog {
+            transaction_id: 5,
+            volumes: vec![],
+        };
+        store.store(&catalog).unwrap();
+        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
+        let mode = fs::metadata(dir.join("catalog-5.json"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        fs::remove_file(dir.join("catalog-5.json")).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join("catalog-5.json")).unwrap();
+        assert!(store.load(5).is_err(), "a catalog link was followed");
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

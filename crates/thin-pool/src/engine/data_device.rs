@@ -108,20 +108,29 @@ pub struct FileDataDevice {
 }
 
 impl FileDataDevice {
-    /// Open an existing file or block device read-write.
+    /// Open an existing file or block device read-write. A symbolic link at `path` is
+    /// refused, not followed (another user who could plant one must not choose the file).
     pub fn open(path: &Path) -> io::Result<FileDataDevice> {
-        let file = OpenOptions::new().read(true).write(true).open(path)?;
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(path)?;
         let size = device_size(&file)?;
         Ok(FileDataDevice::with_file(file, path, size))
     }
 
-    /// Create (or truncate) a sparse file of `size_bytes`.
+    /// Create a new sparse file of `size_bytes`, private to its owner (mode 0600). Fails if
+    /// anything, a file or a symbolic link, is already at `path`: nothing is truncated.
     pub fn create(path: &Path, size_bytes: u64) -> io::Result<FileDataDevice> {
+        use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
             .open(path)?;
         file.set_len(size_bytes)?;
         Ok(FileDataDevice::with_file(file, path, size_bytes))

@@ -5,7 +5,7 @@
 //! Order of work (each phase is reported to the progress callback):
 //!
 //! ```text
-//!   superblock        checksum (fatal); magic, version, blocknr, flags (warnings)
+//!   superblock        checksum and magic (fatal); version, blocknr, flags (warnings)
 //!   details tree      live superblock, then the metadata snapshot's
 //!   mapping tree      top level (keys == details keys), each volume's tree (mapped_blocks,
 //!                     data blocks < data nr_blocks), shared subtrees walked once
@@ -305,6 +305,14 @@ fn read_live_superblock(bm: &BlockManager, report: &mut Report) -> Option<RawSup
         .data_space_map
         .block_count
         .saturating_sub(sb.data_space_map.allocated_count);
+    // A wrong magic is no thin pool superblock at all: every open refuses it, so does check.
+    if sb.magic != MAGIC {
+        report.push(superblock_problem(
+            Severity::Fatal,
+            Rule::SuperblockField,
+            format!("magic is {}, expected {MAGIC}", sb.magic),
+        ));
+    }
     // What the kernel checks but thin_check does not: warnings only.
     let mut warn = |detail: String| {
         report.push(superblock_problem(
@@ -313,9 +321,6 @@ fn read_live_superblock(bm: &BlockManager, report: &mut Report) -> Option<RawSup
             detail,
         ))
     };
-    if sb.magic != MAGIC {
-        warn(format!("magic is {}, expected {MAGIC}", sb.magic));
-    }
     if sb.blocknr != 0 {
         warn(format!("blocknr is {}, expected 0", sb.blocknr));
     }

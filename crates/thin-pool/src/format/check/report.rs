@@ -3,7 +3,7 @@
 //!
 //! Severities follow thin_check: a fatal problem makes the metadata unusable; a non-fatal
 //! one (a metadata leak) still gives a non-zero exit unless `--ignore-non-fatal-errors`;
-//! a warning (our stricter checks, e.g. a wrong superblock magic, which the tools accept)
+//! a warning (our stricter checks, e.g. an unknown superblock version, which the tools accept)
 //! never changes the outcome.
 
 use crate::ids::VolumeId;
@@ -41,8 +41,8 @@ impl fmt::Display for Severity {
 pub enum Rule {
     /// §11.1: the superblock checksum.
     SuperblockChecksum,
-    /// A superblock field thin_check does not validate but the kernel does (magic, version,
-    /// blocknr, flags): a warning.
+    /// A superblock field thin_check does not validate but the kernel does: a wrong magic
+    /// (fatal: no thin pool superblock), version, blocknr or flags (warnings).
     SuperblockField,
     /// §11.2: the metadata snapshot superblock (checksum, location).
     MetadataSnapshot,
