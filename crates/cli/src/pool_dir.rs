@@ -214,7 +214,10 @@ impl PoolDir {
             let name = entry
                 .with_context(|| format!("cannot list {}", self.path.display()))?
                 .file_name();
-            if name.to_str().is_some_and(|n| n.starts_with("catalog-")) {
+            if name
+                .to_str()
+                .is_some_and(|n| n.starts_with("catalog-") && n.ends_with(".json"))
+            {
                 names.push(name);
             }
         }

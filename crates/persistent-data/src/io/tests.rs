@@ -46,6 +46,25 @@ fn file_device_conforms() {
 }
 
 #[test]
+fn file_device_create_is_private_and_refuses_links() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = std::env::temp_dir().join(format!("pd-io-link-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let victim = dir.join("victim");
+    std::fs::write(&victim, b"keep").unwrap();
+    let link = dir.join("metadata");
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    assert!(FileDevice::create(&link, 8).is_err());
+    assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+    let path = dir.join("fresh");
+    drop(FileDevice::create(&path, 8).unwrap());
+    let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn memory_device_round_trips_bytes() {
     let device = MemoryDevice::new(3);
     let block = [0xabu8; BLOCK_SIZE];

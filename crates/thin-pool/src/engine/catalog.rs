@@ -74,10 +74,10 @@ impl Catalog {
 /// name cannot hide (spaces only), disguise itself (right-to-left override, look-alike
 /// letters) or pass for an option.
 pub fn validate_name(name: &str) -> Result<()> {
+    // The caller's message names the volume (escaped); this one says what is wrong.
     let refuse = |why: String| {
         Err(Error::Invalid(format!(
-            "volume name {}: {why} (names: {NAME_RULE})",
-            quoted(name)
+            "the volume name {why} (names: {NAME_RULE})"
         )))
     };
     if name.is_empty() {
@@ -87,7 +87,12 @@ pub fn validate_name(name: &str) -> Result<()> {
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || "+_.-".contains(*c)))
     {
-        return refuse(format!("contains {}", c.escape_unicode()));
+        let shown = match c {
+            ' ' => "a space".to_string(),
+            c if c.is_ascii_graphic() => format!("'{c}'"),
+            c => c.escape_unicode().to_string(),
+        };
+        return refuse(format!("contains {shown}"));
     }
     // Only ASCII is left: bytes are characters.
     if name.len() > NAME_LENGTH_MAX {

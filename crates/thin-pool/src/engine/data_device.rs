@@ -436,9 +436,35 @@ mod tests {
     #[test]
     fn file_data_device_conforms() {
         let dir = std::env::temp_dir().join(format!("tp-data-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let device = FileDataDevice::create(&dir.join("data"), 8 * 65536).unwrap();
         conformance(&device);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn data_files_are_private_and_never_reached_through_links() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("tp-data-link-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = dir.join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        let link = dir.join("data");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        assert!(FileDataDevice::create(&link, 65536).is_err());
+        assert!(FileDataDevice::open(&link).is_err());
+        // An existing file is not truncated either.
+        assert!(FileDataDevice::create(&victim, 65536).is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        let fresh = FileDataDevice::create(&dir.join("fresh"), 65536).unwrap();
+        let mode = std::fs::metadata(dir.join("fresh"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        drop(fresh);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }
