@@ -5,8 +5,19 @@
 //! mapping.
 //!
 //! The default pool directory is created on first use, with one volume named `disk`, so that
-//! `thinpool serve` works on a fresh machine. SIGINT or SIGTERM stop the server: listeners
-//! close, connections finish their requests, and the pool commits before the process exits.
+//! `thinpool serve` works on a fresh machine.
+//!
+//! Who can reach the volumes: the Unix sockets are 0600, so only their owner (and root). TCP
+//! has no authentication: on loopback every local user can read and write every volume (a
+//! warning says so at start); a non-loopback address is refused before binding unless
+//! `--insecure` is given.
+//!
+//! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
+//! the control socket closes (idle clients are cut, running requests get a few seconds), the
+//! NBD listeners close and connections finish their requests (cut off after a grace period),
+//! then the pool commits; each step says what it closed, and the last line says whether the
+//! pool committed, could not (read-only), or failed to. A second signal, or a shutdown longer
+//! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
 
 use anyhow::{bail, Context};
 use std::io::Write;
@@ -20,7 +31,7 @@ use std::time::Duration;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use thin_pool::Pool;
+use thin_pool::{Pool, PoolMode};
 
 use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
@@ -33,6 +44,12 @@ pub const NBD_PORT: u16 = 10809;
 const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 /// How long shutdown waits for NBD clients to finish before cutting them off.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Longest shutdown, commit included, before the process exits regardless. The steps are
+/// bounded on their own (control socket 5 s, NBD accept 2 s plus twice the grace), so this
+/// only fires if the final commit hangs in I/O.
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(60);
+/// Exit status when shutdown was cut short (second signal or deadline).
+const EXIT_FORCED: i32 = 2;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -43,9 +60,14 @@ pub struct Args {
     #[arg(long = "socket", value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Also listen on TCP: `PORT`, `ADDR:PORT` or `ADDR` (port 10809); a bare port binds
-    /// 127.0.0.1 only.
+    /// 127.0.0.1 only. NBD over TCP has no authentication: every local user (and, on a
+    /// non-loopback address, every host that reaches it) can read and write every volume.
     #[arg(long = "tcp", value_name = "ADDR:PORT")]
     tcp: Option<String>,
+    /// Allow `--tcp` on a non-loopback address without TLS, so that anyone who can reach it
+    /// can read and write every volume.
+    #[arg(long = "insecure", requires = "tcp")]
+    insecure: bool,
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
     #[arg(long = "raw-export", value_name = "NAME=FILE")]
     raw_export: Vec<String>,
@@ -87,7 +109,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             RawFileExport::open(name, Path::new(file))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // Checked before anything is bound: a refused address is never opened.
     let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    let tcp_exposure = tcp
+        .map(|address| tcp_exposure(address, args.insecure))
+        .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
     remove_stale_socket(&nbd_socket)?;
@@ -123,25 +149,163 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
+    if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
+        eprintln!("thinpool: warning: {}", exposure.warning(bound));
+    }
     print_banner(&dir, &pool, &nbd_socket, &control_socket, tcp_bound)?;
 
     let signal = signals.forever().next().unwrap_or(SIGTERM);
-    let name = if signal == SIGINT {
+    eprintln!("thinpool: {}: stopping", signal_name(signal));
+    start_shutdown_watchdog(signals)?;
+    let control_report = control.shutdown();
+    eprintln!(
+        "thinpool: control socket closed ({} client{} disconnected{})",
+        control_report.clients_closed,
+        plural(control_report.clients_closed),
+        if control_report.requests_unfinished > 0 {
+            format!(
+                "; {} request{} still running after {} s",
+                control_report.requests_unfinished,
+                plural(control_report.requests_unfinished),
+                crate::control::STOP_WAIT.as_secs()
+            )
+        } else {
+            String::new()
+        }
+    );
+    let nbd_connections = server.connection_count();
+    server.shutdown();
+    eprintln!(
+        "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
+        plural(nbd_connections)
+    );
+    drop(target);
+    let close = pool.close();
+    let status = pool.status();
+    match close {
+        Ok(()) => match status.mode {
+            PoolMode::Write | PoolMode::OutOfDataSpace => {
+                eprintln!(
+                    "thinpool: stopped; pool committed at transaction {}",
+                    status.transaction_id
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+            mode => {
+                eprintln!(
+                    "thinpool: stopped; {}: nothing committed (the pool stays at transaction {})",
+                    uncommittable(mode, status.needs_check),
+                    status.transaction_id
+                );
+                Ok(ExitCode::SUCCESS)
+            }
+        },
+        Err(error) => {
+            eprintln!(
+                "thinpool: stopped; commit failed: {error}; the pool stays at transaction {}",
+                status.transaction_id
+            );
+            Ok(ExitCode::FAILURE)
+        }
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    if signal == SIGINT {
         "SIGINT"
     } else {
         "SIGTERM"
-    };
-    eprintln!("thinpool: {name}: stopping");
-    control.shutdown();
-    server.shutdown();
-    drop(target);
-    pool.close()
-        .with_context(|| format!("cannot commit the pool in {}", dir.path.display()))?;
-    eprintln!(
-        "thinpool: stopped; pool committed at transaction {}",
-        pool.status().transaction_id
-    );
-    Ok(ExitCode::SUCCESS)
+    }
+}
+
+fn plural(count: usize) -> &'static str {
+    if count == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+/// Why a pool in `mode` takes no commit.
+fn uncommittable(mode: PoolMode, needs_check: bool) -> &'static str {
+    match mode {
+        PoolMode::ReadOnly if needs_check => "pool read-only (needs_check)",
+        PoolMode::ReadOnly => "pool read-only",
+        PoolMode::OutOfMetadataSpace => "pool out of metadata space",
+        PoolMode::Fail => "pool failed",
+        PoolMode::Write | PoolMode::OutOfDataSpace => "pool writable",
+    }
+}
+
+/// Bounds shutdown as a whole: after [`SHUTDOWN_DEADLINE`], or at a second SIGINT/SIGTERM,
+/// the process exits at once, as a crash would (the pool keeps its last commit; the commit
+/// protocol makes that safe at any point). Each step of shutdown is bounded on its own; this
+/// covers what is not, such as a data device that stops answering during the final commit.
+fn start_shutdown_watchdog(mut signals: Signals) -> anyhow::Result<()> {
+    std::thread::Builder::new()
+        .name("shutdown-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                eprintln!(
+                    "thinpool: {} again: exiting now; the pool keeps its last commit",
+                    signal_name(signal)
+                );
+                std::process::exit(EXIT_FORCED);
+            }
+        })
+        .context("cannot start the signal thread")?;
+    std::thread::Builder::new()
+        .name("shutdown-deadline".into())
+        .spawn(move || {
+            std::thread::sleep(SHUTDOWN_DEADLINE);
+            eprintln!(
+                "thinpool: shutdown did not finish within {} s: exiting now; the pool keeps its last commit",
+                SHUTDOWN_DEADLINE.as_secs()
+            );
+            std::process::exit(EXIT_FORCED);
+        })
+        .context("cannot start the shutdown deadline thread")?;
+    Ok(())
+}
+
+/// Who can reach the volumes through a TCP listener without TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TcpExposure {
+    /// Bound to a loopback address: every local user.
+    LocalUsers,
+    /// Bound to another address, allowed with `--insecure`: every host that reaches it.
+    Network,
+}
+
+impl TcpExposure {
+    fn warning(self, bound: SocketAddr) -> String {
+        match self {
+            TcpExposure::LocalUsers => format!(
+                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write every volume (the Unix socket is private to its owner)"
+            ),
+            TcpExposure::Network => format!(
+                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write every volume"
+            ),
+        }
+    }
+}
+
+/// Decides whether a TCP listener on `address` may be opened, before it is bound. Without TLS
+/// (not implemented yet; `--tls-cert`/`--tls-key` will add a third case here), only loopback
+/// addresses are allowed unless `insecure`; the wildcard addresses (0.0.0.0, ::) are not
+/// loopback.
+fn tcp_exposure(address: SocketAddr, insecure: bool) -> anyhow::Result<TcpExposure> {
+    if address.ip().to_canonical().is_loopback() {
+        return Ok(TcpExposure::LocalUsers);
+    }
+    if insecure {
+        return Ok(TcpExposure::Network);
+    }
+    bail!(
+        "--tcp {address}: refusing to serve every volume without TLS or authentication on a non-loopback address; \
+         use a loopback address (127.0.0.1, ::1), or add --insecure if every host that reaches {} may read and write every volume",
+        address.ip()
+    )
 }
 
 /// Creates the default pool with its `disk` volume.
@@ -335,6 +499,19 @@ mod tests {
             parse_tcp_address("127.0.0.2").unwrap(),
             "127.0.0.2:10809".parse().unwrap()
         );
+    }
+
+    #[test]
+    fn tcp_off_loopback_needs_insecure() {
+        let exposure = |text: &str, insecure| tcp_exposure(text.parse().unwrap(), insecure);
+        for loopback in ["127.0.0.1:1", "127.1.2.3:1", "[::1]:1", "[::ffff:127.0.0.1]:1"] {
+            assert_eq!(exposure(loopback, false).unwrap(), TcpExposure::LocalUsers);
+        }
+        for open in ["0.0.0.0:1", "[::]:1", "192.0.2.1:1", "[2001:db8::1]:1"] {
+            let error = exposure(open, false).unwrap_err().to_string();
+            assert!(error.contains("--insecure"), "{open}: {error}");
+            assert_eq!(exposure(open, true).unwrap(), TcpExposure::Network);
+        }
     }
 
     #[test]
