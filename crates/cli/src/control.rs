@@ -899,8 +899,8 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
 fn parse_request(line: &[u8]) -> Result<Request, String> {
     let value: serde_json::Value =
         serde_json::from_slice(line).map_err(|error| format!("bad request: {error}"))?;
-    let request: Request = serde_json::from_value(value.clone())
-        .map_err(|error| format!("bad request: {error}"))?;
+    let request: Request =
+        serde_json::from_value(value.clone()).map_err(|error| format!("bad request: {error}"))?;
     let known = serde_json::to_value(&request).map_err(|error| format!("bad request: {error}"))?;
     if let (Some(sent), Some(known)) = (value.as_object(), known.as_object()) {
         if let Some(unknown) = sent.keys().find(|key| !known.contains_key(*key)) {

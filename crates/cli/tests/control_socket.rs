@@ -346,7 +346,10 @@ fn idle_control_connections_neither_block_management_nor_stay() {
             std::thread::sleep(Duration::from_millis(500));
         }
     });
-    for (who, stream) in [("silent", &mut silent), ("trickling", &mut trickler.try_clone().unwrap())] {
+    for (who, stream) in [
+        ("silent", &mut silent),
+        ("trickling", &mut trickler.try_clone().unwrap()),
+    ] {
         let mut reader = BufReader::new(stream.try_clone().unwrap());
         let mut answer = String::new();
         reader.read_line(&mut answer).unwrap();
@@ -356,7 +359,11 @@ fn idle_control_connections_neither_block_management_nor_stay() {
         let message = answer["error"]["message"].as_str().unwrap();
         assert!(message.contains("no complete request"), "{who}: {message}");
         let mut rest = String::new();
-        assert_eq!(reader.read_line(&mut rest).unwrap_or(0), 0, "{who}: still open");
+        assert_eq!(
+            reader.read_line(&mut rest).unwrap_or(0),
+            0,
+            "{who}: still open"
+        );
     }
     trickling.join().unwrap();
     drop(idle);

@@ -1,7 +1,7 @@
 //! Goal: `thinpool serve` stops within a bounded time on SIGTERM whatever state its sockets are
 //! in, commits the pool, and says what it closed and what happened to the pool; TCP without
 //! TLS warns that every local user can read and write every volume, and a non-loopback address
-//! is refused unless `--insecure`.
+//! is refused unless `--insecure`; `--tcp-export` limits what TCP serves.
 //!
 //! Regressions (issue 10): SIGTERM never completed once `control.sock` was removed (shutdown
 //! joined an accept thread that only a connection to that file could wake) and the pool was
@@ -38,7 +38,10 @@ impl TempDir {
         use std::os::unix::fs::DirBuilderExt;
         let path = std::env::temp_dir().join(format!("tp-stop-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
-        std::fs::DirBuilder::new().mode(0o700).create(&path).unwrap();
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&path)
+            .unwrap();
         TempDir(path)
     }
 }
@@ -223,12 +226,22 @@ const CMD_WRITE: u16 = 1;
 fn greet(stream: &mut (impl Read + Write)) {
     let mut greeting = [0u8; 18];
     stream.read_exact(&mut greeting).unwrap();
-    assert_eq!(u64::from_be_bytes(greeting[..8].try_into().unwrap()), NBDMAGIC);
+    assert_eq!(
+        u64::from_be_bytes(greeting[..8].try_into().unwrap()),
+        NBDMAGIC
+    );
     stream.write_all(&3u32.to_be_bytes()).unwrap();
 }
 
 /// Negotiates `export` with NBD_OPT_GO: the connection is then in transmission.
 fn go(stream: &mut (impl Read + Write), export: &str) {
+    if let Err(reply_type) = try_go(stream, export) {
+        panic!("export {export:?} refused with {reply_type:#x}");
+    }
+}
+
+/// As [`go`]; `Err` with the reply type if the server refuses the export.
+fn try_go(stream: &mut (impl Read + Write), export: &str) -> Result<(), u32> {
     greet(stream);
     let mut option = Vec::new();
     option.extend_from_slice(&IHAVEOPT.to_be_bytes());
@@ -245,9 +258,11 @@ fn go(stream: &mut (impl Read + Write), export: &str) {
         let length = u32::from_be_bytes(header[16..20].try_into().unwrap()) as usize;
         let mut payload = vec![0u8; length];
         stream.read_exact(&mut payload).unwrap();
-        assert_eq!(reply_type & 0x8000_0000, 0, "export {export:?} refused");
+        if reply_type & 0x8000_0000 != 0 {
+            return Err(reply_type);
+        }
         if reply_type == REP_ACK {
-            return;
+            return Ok(());
         }
     }
 }
@@ -265,7 +280,11 @@ fn write_unflushed(stream: &mut (impl Read + Write), offset: u64, data: &[u8]) {
     stream.write_all(&request).unwrap();
     let mut reply = [0u8; 16];
     stream.read_exact(&mut reply).unwrap();
-    assert_eq!(u32::from_be_bytes(reply[4..8].try_into().unwrap()), 0, "write failed");
+    assert_eq!(
+        u32::from_be_bytes(reply[4..8].try_into().unwrap()),
+        0,
+        "write failed"
+    );
 }
 
 fn timeouts<S>(stream: S, set: impl Fn(&S, Option<Duration>) -> std::io::Result<()>) -> S {
@@ -292,8 +311,14 @@ fn sigterm_with_control_and_nbd_sockets_removed_commits_and_exits() {
     let (status, stderr, took) = server.terminate();
     eprintln!("stopped in {took:?}:\n{stderr}");
     assert!(status.success(), "{status}\n{stderr}");
-    assert!(stderr.contains("control socket closed (0 clients disconnected)"), "{stderr}");
-    assert!(stderr.contains("NBD listeners closed (1 connection closed)"), "{stderr}");
+    assert!(
+        stderr.contains("control socket closed (0 clients disconnected)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("NBD listeners closed (1 connection closed)"),
+        "{stderr}"
+    );
     let committed = committed_at(&stderr);
     assert_eq!(transaction_id(&pool), committed);
     check_metadata(&temp.0);
@@ -351,8 +376,14 @@ fn sigterm_with_idle_nbd_and_control_connections_closes_them_all() {
     let (status, stderr, took) = server.terminate();
     eprintln!("stopped in {took:?}:\n{stderr}");
     assert!(status.success(), "{status}\n{stderr}");
-    assert!(stderr.contains("control socket closed (4 clients disconnected)"), "{stderr}");
-    assert!(stderr.contains("NBD listeners closed (5 connections closed)"), "{stderr}");
+    assert!(
+        stderr.contains("control socket closed (4 clients disconnected)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("NBD listeners closed (5 connections closed)"),
+        "{stderr}"
+    );
     assert_eq!(transaction_id(&pool), committed_at(&stderr));
     check_metadata(&temp.0);
     // Every held connection sees its end.
@@ -441,4 +472,63 @@ fn tcp_on_a_non_loopback_address_is_refused_without_insecure() {
         let (status, _, _) = server.terminate();
         assert!(status.success());
     }
+}
+
+#[test]
+fn tcp_export_limits_what_tcp_serves_and_the_unix_socket_serves_all() {
+    let temp = TempDir::new("tcp-export");
+    let pool = new_pool(&temp.0);
+    thinpool_ok(&[
+        "volume", "create", "secret", "--size", "16M", "--pool", &pool,
+    ]);
+    let mut server = Server::start(
+        &[
+            "--pool",
+            &pool,
+            "--tcp",
+            "127.0.0.1:0",
+            "--tcp-export",
+            "vm",
+        ],
+        temp.0.join("stderr"),
+    );
+    let stderr = server.stderr();
+    assert!(
+        stderr.contains("every local user can read and write the exports vm "),
+        "{stderr}"
+    );
+    let tcp = server.tcp();
+    let connect = || {
+        timeouts(
+            TcpStream::connect(&tcp).unwrap(),
+            TcpStream::set_read_timeout,
+        )
+    };
+    assert_eq!(try_go(&mut connect(), "vm"), Ok(()));
+    // NBD_REP_ERR_UNKNOWN, as for a name that does not exist.
+    assert_eq!(try_go(&mut connect(), "secret"), Err(0x8000_0006));
+    assert_eq!(try_go(&mut connect(), "nothing"), Err(0x8000_0006));
+    let unix = || {
+        timeouts(
+            UnixStream::connect(temp.0.join("nbd.sock")).unwrap(),
+            UnixStream::set_read_timeout,
+        )
+    };
+    assert_eq!(try_go(&mut unix(), "secret"), Ok(()));
+    // NBD_OPT_LIST over TCP names only the allowed export.
+    let listing = Command::new("timeout")
+        .args(["30", "nbdinfo", "--list", "--json", &format!("nbd://{tcp}")])
+        .output()
+        .expect("nbdinfo (libnbd-bin) is installed");
+    assert!(listing.status.success(), "{listing:?}");
+    let listing: serde_json::Value = serde_json::from_slice(&listing.stdout).unwrap();
+    let names: Vec<&str> = listing["exports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|export| export["export-name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["vm"]);
+    let (status, _, _) = server.terminate();
+    assert!(status.success());
 }

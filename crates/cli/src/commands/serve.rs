@@ -10,7 +10,8 @@
 //! Who can reach the volumes: the Unix sockets are 0600, so only their owner (and root). TCP
 //! has no authentication: on loopback every local user can read and write every volume (a
 //! warning says so at start); a non-loopback address is refused before binding unless
-//! `--insecure` is given.
+//! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
+//! are separate NBD servers, each with its own connection limits).
 //!
 //! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
 //! the control socket closes (idle clients are cut, running requests get a few seconds), the
@@ -20,6 +21,7 @@
 //! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
 
 use anyhow::{bail, Context};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
@@ -37,6 +39,7 @@ use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
 use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
+use nbd::{Export, ExportListing, ExportRegistry};
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -68,6 +71,10 @@ pub struct Args {
     /// can read and write every volume.
     #[arg(long = "insecure", requires = "tcp")]
     insecure: bool,
+    /// Serve only export NAME on TCP (repeatable; a volume or raw export name, existing or
+    /// not yet). Without it, TCP serves every export; the Unix socket always does.
+    #[arg(long = "tcp-export", value_name = "NAME", requires = "tcp")]
+    tcp_export: Vec<String>,
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
     #[arg(long = "raw-export", value_name = "NAME=FILE")]
     raw_export: Vec<String>,
@@ -136,23 +143,47 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Signals are caught from here on, so a stop request during start-up is not lost.
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
-    let mut server = nbd::Server::new(registry, config);
+    // The Unix socket and TCP are separate servers, so that each serves its own exports
+    // (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections.
+    let mut servers = Vec::new();
+    let mut server = nbd::Server::new(
+        Arc::clone(&registry) as Arc<dyn ExportRegistry>,
+        config.clone(),
+    );
     server
         .listen_unix(&nbd_socket)
         .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
+    servers.push(server);
+    let tcp_exports = (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone());
     let tcp_bound = match tcp {
-        Some(address) => Some(
-            server
+        Some(address) => {
+            let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
+                None => Arc::clone(&registry) as _,
+            };
+            let mut server = nbd::Server::new(tcp_registry, config);
+            let bound = server
                 .listen_tcp(address)
-                .with_context(|| format!("cannot listen on TCP {address}"))?,
-        ),
+                .with_context(|| format!("cannot listen on TCP {address}"))?;
+            servers.push(server);
+            Some(bound)
+        }
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
-        eprintln!("thinpool: warning: {}", exposure.warning(bound));
+        eprintln!(
+            "thinpool: warning: {}",
+            exposure.warning(bound, tcp_exports.as_deref())
+        );
     }
-    print_banner(&dir, &pool, &nbd_socket, &control_socket, tcp_bound)?;
+    print_banner(
+        &dir,
+        &pool,
+        &nbd_socket,
+        &control_socket,
+        tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
+    )?;
 
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     eprintln!("thinpool: {}: stopping", signal_name(signal));
@@ -173,8 +204,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             String::new()
         }
     );
-    let nbd_connections = server.connection_count();
-    server.shutdown();
+    let nbd_connections: usize = servers.iter().map(nbd::Server::connection_count).sum();
+    // Ask every server first, so their grace periods run at the same time.
+    for server in &servers {
+        server.shutdown_handle().request();
+    }
+    for server in servers {
+        server.shutdown();
+    }
     eprintln!(
         "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
         plural(nbd_connections)
@@ -278,15 +315,56 @@ enum TcpExposure {
 }
 
 impl TcpExposure {
-    fn warning(self, bound: SocketAddr) -> String {
+    /// The start-up warning; `exports` is the `--tcp-export` list, if any.
+    fn warning(self, bound: SocketAddr, exports: Option<&[String]>) -> String {
+        let what = match exports {
+            Some(names) => format!("the exports {}", names.join(", ")),
+            None => "every volume".to_string(),
+        };
         match self {
             TcpExposure::LocalUsers => format!(
-                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write every volume (the Unix socket is private to its owner)"
+                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write {what} (the Unix socket is private to its owner)"
             ),
             TcpExposure::Network => format!(
-                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write every volume"
+                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write {what}"
             ),
         }
+    }
+}
+
+/// The exports of another registry whose names are on a list (`--tcp-export`): others are
+/// neither listed nor opened, exactly as if they did not exist.
+struct AllowList {
+    inner: Arc<dyn ExportRegistry>,
+    names: BTreeSet<String>,
+}
+
+impl AllowList {
+    fn new(inner: Arc<dyn ExportRegistry>, names: &[String]) -> Self {
+        AllowList {
+            inner,
+            names: names.iter().cloned().collect(),
+        }
+    }
+}
+
+impl ExportRegistry for AllowList {
+    fn list(&self) -> Vec<ExportListing> {
+        let mut listing = self.inner.list();
+        listing.retain(|export| self.names.contains(&export.name));
+        listing
+    }
+
+    fn open(&self, name: &str) -> nbd::Result<Option<Arc<dyn Export>>> {
+        // A name off the list is not even opened (opening a volume counts as a user of it).
+        if !name.is_empty() && !self.names.contains(name) {
+            return Ok(None);
+        }
+        // The empty name means the default export, allowed only if its own name is listed.
+        Ok(self
+            .inner
+            .open(name)?
+            .filter(|export| self.names.contains(export.name())))
     }
 }
 
@@ -387,7 +465,7 @@ fn print_banner(
     pool: &Pool,
     nbd_socket: &Path,
     control_socket: &Path,
-    tcp: Option<SocketAddr>,
+    tcp: Option<(SocketAddr, Option<&[String]>)>,
 ) -> anyhow::Result<()> {
     let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let pool_path = absolute(&dir.path);
@@ -420,8 +498,11 @@ fn print_banner(
         }
     )?;
     writeln!(out, "  NBD socket:     {}", socket.display())?;
-    if let Some(address) = tcp {
+    if let Some((address, exports)) = tcp {
         writeln!(out, "  NBD TCP:        {address}")?;
+        if let Some(names) = exports {
+            writeln!(out, "  TCP exports:    {}", names.join(", "))?;
+        }
     }
     writeln!(
         out,
@@ -436,7 +517,11 @@ fn print_banner(
         "  mkdir -p /tmp/{0} && nbdfuse /tmp/{0} '{unix_uri}'",
         uri_escape(&example)
     )?;
-    if let Some(address) = tcp {
+    if let Some((address, exports)) = tcp {
+        let example = match exports {
+            Some(names) if !names.contains(&example) => names[0].clone(),
+            _ => example.clone(),
+        };
         let host = match address {
             SocketAddr::V6(v6) => format!("[{}]", v6.ip()),
             SocketAddr::V4(v4) => v4.ip().to_string(),
@@ -504,7 +589,12 @@ mod tests {
     #[test]
     fn tcp_off_loopback_needs_insecure() {
         let exposure = |text: &str, insecure| tcp_exposure(text.parse().unwrap(), insecure);
-        for loopback in ["127.0.0.1:1", "127.1.2.3:1", "[::1]:1", "[::ffff:127.0.0.1]:1"] {
+        for loopback in [
+            "127.0.0.1:1",
+            "127.1.2.3:1",
+            "[::1]:1",
+            "[::ffff:127.0.0.1]:1",
+        ] {
             assert_eq!(exposure(loopback, false).unwrap(), TcpExposure::LocalUsers);
         }
         for open in ["0.0.0.0:1", "[::]:1", "192.0.2.1:1", "[2001:db8::1]:1"] {
