@@ -558,10 +558,17 @@ impl Shared {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Marks connection `id` idle (waiting for a request) or busy.
-    fn set_idle(&self, id: u64, idle: bool) {
-        if let Some(connection) = self.lock_connections().get_mut(&id) {
-            connection.idle_since = idle.then(Instant::now);
+    /// Marks connection `id` idle (waiting for a request) or busy; false if it is no longer
+    /// in the table (it was evicted while idle, so a request it just read must not run: its
+    /// client would never get the answer). A busy connection is never evicted, so once this
+    /// returned true for busy, the request runs on a connection that stays.
+    fn set_idle(&self, id: u64, idle: bool) -> bool {
+        match self.lock_connections().get_mut(&id) {
+            Some(connection) => {
+                connection.idle_since = idle.then(Instant::now);
+                true
+            }
+            None => false,
         }
     }
 }
@@ -849,7 +856,9 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
         buffer: Vec::new(),
     };
     loop {
-        shared.set_idle(id, true);
+        if !shared.set_idle(id, true) {
+            return;
+        }
         let line = match reader.next_line(REQUEST_TIMEOUT) {
             Ok(line) => line,
             Err(NoRequest::Closed) => return,
@@ -878,7 +887,9 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        shared.set_idle(id, false);
+        if !shared.set_idle(id, false) {
+            return;
+        }
         let result = match parse_request(&line) {
             Ok(_) if shared.stopping.load(Ordering::SeqCst) => {
                 Err(OpError::new(libc::ESHUTDOWN, "the server is stopping"))

@@ -188,6 +188,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     eprintln!("thinpool: {}: stopping", signal_name(signal));
     start_shutdown_watchdog(signals)?;
+    drop(target);
+    Ok(shut_down(control, servers, &pool))
+}
+
+/// Closes the control socket, then the NBD servers, then commits the pool, saying what each
+/// step did. Every step is bounded (see the module notes).
+fn shut_down(control: ControlServer, servers: Vec<nbd::Server>, pool: &Pool) -> ExitCode {
     let control_report = control.shutdown();
     eprintln!(
         "thinpool: control socket closed ({} client{} disconnected{})",
@@ -216,7 +223,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
         plural(nbd_connections)
     );
-    drop(target);
     let close = pool.close();
     let status = pool.status();
     match close {
@@ -226,7 +232,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     "thinpool: stopped; pool committed at transaction {}",
                     status.transaction_id
                 );
-                Ok(ExitCode::SUCCESS)
+                ExitCode::SUCCESS
             }
             mode => {
                 eprintln!(
@@ -234,7 +240,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     uncommittable(mode, status.needs_check),
                     status.transaction_id
                 );
-                Ok(ExitCode::SUCCESS)
+                ExitCode::SUCCESS
             }
         },
         Err(error) => {
@@ -242,7 +248,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 "thinpool: stopped; commit failed: {error}; the pool stays at transaction {}",
                 status.transaction_id
             );
-            Ok(ExitCode::FAILURE)
+            ExitCode::FAILURE
         }
     }
 }
