@@ -17,19 +17,33 @@
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
 //! ```
 //!
+//! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
+//! not have is refused with EINVAL (the connection goes on).
+//!
 //! Limits: a request line is at most [`REQUEST_BYTES_MAX`] bytes (longer ones get an error and
-//! the connection is closed); at most [`CONNECTIONS_MAX`] clients at once; an idle client is
-//! dropped after [`IDLE_TIMEOUT`].
+//! the connection is closed); each request must arrive whole within [`REQUEST_TIMEOUT`] of the
+//! previous answer (or of connecting), else the client gets ETIMEDOUT and is closed; at most
+//! [`CONNECTIONS_MAX`] clients at once, each on its own thread, and a new client at the cap
+//! takes the place of the one idle the longest, so idle clients cannot lock management out
+//! (only [`CONNECTIONS_MAX`] requests being carried out at once make a new client get EBUSY).
+//! Management is serialized by the engine, not by this server.
+//!
+//! Shutdown ([`ControlServer::shutdown`]) is bounded: the accept loop polls a stop flag every
+//! [`ACCEPT_POLL_INTERVAL`] (it is never left waiting for a wake-up connection, which could
+//! not reach it if the socket file was removed), connections are cut, and requests being
+//! carried out get at most [`STOP_WAIT`].
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
@@ -41,10 +55,13 @@ use crate::pool_dir::{percent, PoolDir, StoredOptions};
 pub const REQUEST_BYTES_MAX: usize = 64 * 1024;
 /// Longest response line the client reads (a listing of many volumes).
 pub const RESPONSE_BYTES_MAX: usize = 64 * 1024 * 1024;
-/// Control clients served at once; more are answered with an error and closed.
+/// Control clients served at once (one thread each); see the module notes for what happens
+/// to one more.
 pub const CONNECTIONS_MAX: usize = 16;
-/// How long a control client may stay silent before the server drops it.
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the server waits for a whole request line before it drops the client.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the server waits for a client to take an answer.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the client waits for an answer (a snapshot or resize commits the pool).
 const CLIENT_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -522,13 +539,56 @@ fn read_line(reader: &mut impl BufRead, limit: usize) -> std::io::Result<Line> {
 struct Shared {
     target: Arc<Target>,
     stopping: AtomicBool,
-    connections: Mutex<HashMap<u64, UnixStream>>,
+    connections: Mutex<HashMap<u64, Connection>>,
+    connection_ended: Condvar,
     next_connection: AtomicU64,
+}
+
+/// What the server knows of one control connection: a handle to cut it, and whether it is
+/// waiting for a request (idle, since when) or carrying one out.
+struct Connection {
+    stream: UnixStream,
+    idle_since: Option<Instant>,
+}
+
+impl Shared {
+    fn lock_connections(&self) -> MutexGuard<'_, HashMap<u64, Connection>> {
+        self.connections
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Marks connection `id` idle (waiting for a request) or busy; false if it is no longer
+    /// in the table (it was evicted while idle, so a request it just read must not run: its
+    /// client would never get the answer). A busy connection is never evicted, so once this
+    /// returned true for busy, the request runs on a connection that stays.
+    fn set_idle(&self, id: u64, idle: bool) -> bool {
+        match self.lock_connections().get_mut(&id) {
+            Some(connection) => {
+                connection.idle_since = idle.then(Instant::now);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// What [`ControlServer::shutdown`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ControlStopReport {
+    /// Control connections that were open and were closed.
+    pub clients_closed: usize,
+    /// Connections still carrying out a request when the wait ended (they are left to finish
+    /// on their own threads; the engine serializes them with the final commit).
+    pub requests_unfinished: usize,
 }
 
 /// The control socket server; [`ControlServer::shutdown`] stops it and removes the socket.
 pub struct ControlServer {
     path: PathBuf,
+    /// Device and inode of the socket file bound, so that shutdown removes only our own file
+    /// (not one another server put there after ours was removed).
+    socket_identity: Option<(u64, u64)>,
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
 }
@@ -540,48 +600,89 @@ impl ControlServer {
             .with_context(|| format!("cannot bind control socket {}", path.display()))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
             .with_context(|| format!("cannot chmod 0600 {}", path.display()))?;
+        let socket_identity = std::fs::symlink_metadata(path)
+            .ok()
+            .map(|metadata| (metadata.dev(), metadata.ino()));
+        listener
+            .set_nonblocking(true)
+            .context("cannot make the control socket non-blocking")?;
         let shared = Arc::new(Shared {
             target,
             stopping: AtomicBool::new(false),
             connections: Mutex::new(HashMap::new()),
+            connection_ended: Condvar::new(),
             next_connection: AtomicU64::new(0),
         });
         let accept_shared = Arc::clone(&shared);
         let accept = std::thread::Builder::new()
             .name("control-accept".into())
-            .spawn(move || accept_loop(listener, accept_shared))
+            .spawn(move || accept_loop(&listener, &accept_shared))
             .context("cannot start the control thread")?;
         Ok(ControlServer {
             path: path.to_path_buf(),
+            socket_identity,
             shared,
             accept: Some(accept),
         })
     }
 
-    /// Stops accepting, cuts every control connection, and removes the socket file. A request
-    /// already running finishes (the engine runs it to its commit).
-    pub fn shutdown(mut self) {
-        self.stop();
+    /// Stops accepting, cuts every control connection, waits (at most [`STOP_WAIT`]) for
+    /// requests being carried out, and removes the socket file if it is still ours. Returns
+    /// within a bounded time whatever state the socket is in (even if its file was removed:
+    /// the accept loop polls a stop flag rather than waiting to be woken by a connection).
+    pub fn shutdown(mut self) -> ControlStopReport {
+        self.stop()
     }
 
-    fn stop(&mut self) {
+    fn stop(&mut self) -> ControlStopReport {
         let Some(accept) = self.accept.take() else {
-            return;
+            return ControlStopReport {
+                clients_closed: 0,
+                requests_unfinished: 0,
+            };
         };
         self.shared.stopping.store(true, Ordering::SeqCst);
-        // Wake the accept loop; it sees the flag and returns.
-        drop(UnixStream::connect(&self.path));
-        let _ = accept.join();
-        for stream in self
-            .shared
-            .connections
-            .lock()
-            .expect("control connections lock")
-            .values()
-        {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
+        let deadline = Instant::now() + STOP_WAIT;
+        while !accept.is_finished() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
         }
-        let _ = std::fs::remove_file(&self.path);
+        if accept.is_finished() {
+            let _ = accept.join();
+        }
+        let clients_closed = {
+            let connections = self.shared.lock_connections();
+            for connection in connections.values() {
+                // Idle clients see EOF at once; a request being carried out finishes (its
+                // answer is lost) and its thread then ends.
+                let _ = connection.stream.shutdown(std::net::Shutdown::Both);
+            }
+            connections.len()
+        };
+        let mut connections = self.shared.lock_connections();
+        while !connections.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            connections = self
+                .shared
+                .connection_ended
+                .wait_timeout(connections, deadline - now)
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+        let requests_unfinished = connections.len();
+        drop(connections);
+        let still_ours = std::fs::symlink_metadata(&self.path)
+            .ok()
+            .map(|metadata| (metadata.dev(), metadata.ino()));
+        if still_ours.is_some() && still_ours == self.socket_identity {
+            let _ = std::fs::remove_file(&self.path);
+        }
+        ControlStopReport {
+            clients_closed,
+            requests_unfinished,
+        }
     }
 }
 
@@ -591,47 +692,89 @@ impl Drop for ControlServer {
     }
 }
 
-fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
-    for stream in listener.incoming() {
-        if shared.stopping.load(Ordering::SeqCst) {
-            return;
-        }
-        let Ok(mut stream) = stream else {
-            std::thread::sleep(Duration::from_millis(50));
-            continue;
-        };
-        let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
-        {
-            let mut connections = shared.connections.lock().expect("control connections lock");
-            if connections.len() >= CONNECTIONS_MAX {
-                let busy: Response =
-                    Err(OpError::new(libc::EBUSY, "too many control connections")).into();
-                let _ = send(&mut stream, &busy);
+/// How often the accept loop looks at the stop flag while no client connects.
+const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
+/// Longest wait at shutdown for the accept loop and for requests being carried out.
+pub const STOP_WAIT: Duration = Duration::from_secs(5);
+
+fn accept_loop(listener: &UnixListener, shared: &Arc<Shared>) {
+    let interval = Timespec::try_from(ACCEPT_POLL_INTERVAL).expect("poll interval fits");
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let mut fds = [PollFd::new(listener, PollFlags::IN)];
+        match poll(&mut fds, Some(&interval)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+            Ok(_) => {}
+            Err(_) => {
+                std::thread::sleep(ACCEPT_POLL_INTERVAL);
                 continue;
             }
-            let Ok(clone) = stream.try_clone() else {
-                continue;
-            };
-            connections.insert(id, clone);
         }
-        let connection_shared = Arc::clone(&shared);
-        let spawned = std::thread::Builder::new()
-            .name(format!("control-{id}"))
-            .spawn(move || {
-                serve_connection(stream, &connection_shared);
-                connection_shared
-                    .connections
-                    .lock()
-                    .expect("control connections lock")
-                    .remove(&id);
-            });
-        if spawned.is_err() {
-            shared
-                .connections
-                .lock()
-                .expect("control connections lock")
-                .remove(&id);
+        match listener.accept() {
+            Ok((stream, _)) => admit(stream, shared),
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+            // EMFILE and the like: pause rather than spin.
+            Err(_) => std::thread::sleep(ACCEPT_POLL_INTERVAL),
         }
+    }
+}
+
+/// Starts a thread for a new connection. At the cap, the connection idle the longest is
+/// closed to make room, so idle clients can never lock management out; only when every
+/// connection is carrying out a request is the new one refused with EBUSY.
+fn admit(mut stream: UnixStream, shared: &Arc<Shared>) {
+    // Accepted sockets do not inherit the listener's O_NONBLOCK on Linux; make sure anyway.
+    if stream.set_nonblocking(false).is_err() {
+        return;
+    }
+    let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
+    {
+        let mut connections = shared.lock_connections();
+        if connections.len() >= CONNECTIONS_MAX {
+            let oldest_idle = connections
+                .iter()
+                .filter_map(|(id, connection)| connection.idle_since.map(|since| (since, *id)))
+                .min();
+            match oldest_idle {
+                Some((_, evicted)) => {
+                    if let Some(connection) = connections.remove(&evicted) {
+                        let _ = connection.stream.shutdown(std::net::Shutdown::Both);
+                    }
+                }
+                None => {
+                    drop(connections);
+                    let busy: Response = Err(OpError::new(
+                        libc::EBUSY,
+                        format!("{CONNECTIONS_MAX} control requests are being carried out"),
+                    ))
+                    .into();
+                    let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
+                    let _ = send(&mut stream, &busy);
+                    return;
+                }
+            }
+        }
+        let Ok(handle) = stream.try_clone() else {
+            return;
+        };
+        connections.insert(
+            id,
+            Connection {
+                stream: handle,
+                idle_since: Some(Instant::now()),
+            },
+        );
+    }
+    let connection_shared = Arc::clone(shared);
+    let spawned = std::thread::Builder::new()
+        .name(format!("control-{id}"))
+        .spawn(move || {
+            serve_connection(stream, id, &connection_shared);
+            connection_shared.lock_connections().remove(&id);
+            connection_shared.connection_ended.notify_all();
+        });
+    if spawned.is_err() {
+        shared.lock_connections().remove(&id);
+        shared.connection_ended.notify_all();
     }
 }
 
@@ -641,21 +784,97 @@ fn send(stream: &mut UnixStream, response: &Response) -> std::io::Result<()> {
     stream.write_all(&line)
 }
 
-fn serve_connection(stream: UnixStream, shared: &Shared) {
-    if stream.set_read_timeout(Some(IDLE_TIMEOUT)).is_err()
-        || stream.set_write_timeout(Some(IDLE_TIMEOUT)).is_err()
-    {
+/// Reads request lines from a connection, each within [`REQUEST_TIMEOUT`] in total (not per
+/// read, so a client trickling bytes is cut as surely as a silent one).
+struct RequestReader {
+    stream: UnixStream,
+    buffer: Vec<u8>,
+}
+
+/// Why no request line came.
+enum NoRequest {
+    /// The client closed the connection (or it was cut).
+    Closed,
+    /// [`REQUEST_TIMEOUT`] passed without a whole line.
+    TimedOut,
+    /// A line longer than [`REQUEST_BYTES_MAX`].
+    TooLong,
+}
+
+impl RequestReader {
+    fn next_line(&mut self, timeout: Duration) -> Result<Vec<u8>, NoRequest> {
+        let deadline = Instant::now() + timeout;
+        let mut scanned = 0;
+        loop {
+            if let Some(position) = self.buffer[scanned..].iter().position(|&b| b == b'\n') {
+                let end = scanned + position;
+                let mut line: Vec<u8> = self.buffer.drain(..=end).collect();
+                line.pop();
+                return Ok(line);
+            }
+            scanned = self.buffer.len();
+            if self.buffer.len() > REQUEST_BYTES_MAX {
+                return Err(NoRequest::TooLong);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(NoRequest::TimedOut);
+            }
+            if self.stream.set_read_timeout(Some(left)).is_err() {
+                return Err(NoRequest::Closed);
+            }
+            let mut chunk = [0u8; 4096];
+            match self.stream.read(&mut chunk) {
+                // A last line without its newline still counts.
+                Ok(0) if self.buffer.is_empty() => return Err(NoRequest::Closed),
+                Ok(0) => return Ok(std::mem::take(&mut self.buffer)),
+                Ok(count) => self.buffer.extend_from_slice(&chunk[..count]),
+                Err(error)
+                    if matches!(
+                        error.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(NoRequest::TimedOut)
+                }
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => return Err(NoRequest::Closed),
+            }
+        }
+    }
+}
+
+fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
+    if stream.set_write_timeout(Some(WRITE_TIMEOUT)).is_err() {
         return;
     }
     let Ok(mut writer) = stream.try_clone() else {
         return;
     };
-    let mut reader = BufReader::new(stream);
+    let mut reader = RequestReader {
+        stream,
+        buffer: Vec::new(),
+    };
     loop {
-        let line = match read_line(&mut reader, REQUEST_BYTES_MAX) {
-            Ok(Line::Complete(line)) => line,
-            Ok(Line::End) | Err(_) => return,
-            Ok(Line::TooLong) => {
+        if !shared.set_idle(id, true) {
+            return;
+        }
+        let line = match reader.next_line(REQUEST_TIMEOUT) {
+            Ok(line) => line,
+            Err(NoRequest::Closed) => return,
+            Err(NoRequest::TimedOut) => {
+                let refusal: Response = Err(OpError::new(
+                    libc::ETIMEDOUT,
+                    format!(
+                        "no complete request within {} s: closing",
+                        REQUEST_TIMEOUT.as_secs()
+                    ),
+                ))
+                .into();
+                let _ = send(&mut writer, &refusal);
+                return;
+            }
+            Err(NoRequest::TooLong) => {
                 let refusal: Response = Err(OpError::new(
                     libc::EOVERFLOW,
                     format!("request longer than {REQUEST_BYTES_MAX} bytes"),
@@ -668,18 +887,41 @@ fn serve_connection(stream: UnixStream, shared: &Shared) {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        let result = match serde_json::from_slice::<Request>(&line) {
-            Ok(request) if shared.stopping.load(Ordering::SeqCst) => {
-                let _ = request;
+        if !shared.set_idle(id, false) {
+            return;
+        }
+        let result = match parse_request(&line) {
+            Ok(_) if shared.stopping.load(Ordering::SeqCst) => {
                 Err(OpError::new(libc::ESHUTDOWN, "the server is stopping"))
             }
             Ok(request) => shared.target.execute(&request),
-            Err(error) => Err(OpError::new(libc::EINVAL, format!("bad request: {error}"))),
+            Err(message) => Err(OpError::new(libc::EINVAL, message)),
         };
         if send(&mut writer, &result.into()).is_err() {
             return;
         }
     }
+}
+
+/// Parses one request line, refusing fields the request does not have. `deny_unknown_fields`
+/// on [`Request`] covers the variants with fields, but serde lets a unit variant of an
+/// internally tagged enum (`list`, `status`) accept any map; so the keys sent are also checked
+/// against the request's own wire form.
+fn parse_request(line: &[u8]) -> Result<Request, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(line).map_err(|error| format!("bad request: {error}"))?;
+    let request: Request =
+        serde_json::from_value(value.clone()).map_err(|error| format!("bad request: {error}"))?;
+    let known = serde_json::to_value(&request).map_err(|error| format!("bad request: {error}"))?;
+    if let (Some(sent), Some(known)) = (value.as_object(), known.as_object()) {
+        if let Some(unknown) = sent.keys().find(|key| !known.contains_key(*key)) {
+            return Err(format!(
+                "bad request: unknown field {unknown:?} for op {:?}",
+                known.get("op").and_then(|op| op.as_str()).unwrap_or("?")
+            ));
+        }
+    }
+    Ok(request)
 }
 
 #[cfg(test)]
@@ -709,6 +951,58 @@ mod tests {
             }
         );
         assert!(serde_json::from_str::<Request>(r#"{"op":"format_disk"}"#).is_err());
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_for_every_op() {
+        for line in [
+            r#"{"op":"list","x":1}"#,
+            r#"{"op":"status","x":1}"#,
+            r#"{"op":"delete_volume","name":"a","force":true}"#,
+            r#"{"op":"grow_data","size_bytes":1,"x":1}"#,
+        ] {
+            let error = parse_request(line.as_bytes()).unwrap_err();
+            assert!(error.contains("unknown field"), "{line}: {error}");
+        }
+        assert_eq!(parse_request(br#"{"op":"list"}"#), Ok(Request::List));
+        assert_eq!(
+            parse_request(br#"{"op":"snapshot","origin":"a","name":"b"}"#),
+            Ok(Request::Snapshot {
+                origin: "a".into(),
+                name: "b".into(),
+                read_only: false
+            })
+        );
+    }
+
+    #[test]
+    fn request_lines_are_bounded_in_length_and_time() {
+        let (client, server) = UnixStream::pair().unwrap();
+        let mut reader = RequestReader {
+            stream: server,
+            buffer: Vec::new(),
+        };
+        (&client).write_all(b"{\"op\":\"list\"}\n{\"op\"").unwrap();
+        let line = reader.next_line(Duration::from_secs(5)).ok().unwrap();
+        assert_eq!(line, br#"{"op":"list"}"#);
+        assert!(matches!(
+            reader.next_line(Duration::from_millis(50)),
+            Err(NoRequest::TimedOut)
+        ));
+        (&client).write_all(&vec![b'x'; REQUEST_BYTES_MAX]).unwrap();
+        assert!(matches!(
+            reader.next_line(Duration::from_secs(5)),
+            Err(NoRequest::TooLong)
+        ));
+        drop(client);
+        let mut closed = RequestReader {
+            stream: UnixStream::pair().unwrap().1,
+            buffer: Vec::new(),
+        };
+        assert!(matches!(
+            closed.next_line(Duration::from_secs(5)),
+            Err(NoRequest::Closed)
+        ));
     }
 
     #[test]

@@ -5,10 +5,23 @@
 //! mapping.
 //!
 //! The default pool directory is created on first use, with one volume named `disk`, so that
-//! `thinpool serve` works on a fresh machine. SIGINT or SIGTERM stop the server: listeners
-//! close, connections finish their requests, and the pool commits before the process exits.
+//! `thinpool serve` works on a fresh machine.
+//!
+//! Who can reach the volumes: the Unix sockets are 0600, so only their owner (and root). TCP
+//! has no authentication: on loopback every local user can read and write every volume (a
+//! warning says so at start); a non-loopback address is refused before binding unless
+//! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
+//! are separate NBD servers, each with its own connection limits).
+//!
+//! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
+//! the control socket closes (idle clients are cut, running requests get a few seconds), the
+//! NBD listeners close and connections finish their requests (cut off after a grace period),
+//! then the pool commits; each step says what it closed, and the last line says whether the
+//! pool committed, could not (read-only), or failed to. A second signal, or a shutdown longer
+//! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
 
 use anyhow::{bail, Context};
+use std::collections::BTreeSet;
 use std::io::Write;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::os::unix::fs::FileTypeExt;
@@ -20,12 +33,13 @@ use std::time::Duration;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use thin_pool::Pool;
+use thin_pool::{Pool, PoolMode};
 
 use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
 use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
+use nbd::{Export, ExportListing, ExportRegistry};
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -33,6 +47,12 @@ pub const NBD_PORT: u16 = 10809;
 const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 /// How long shutdown waits for NBD clients to finish before cutting them off.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+/// Longest shutdown, commit included, before the process exits regardless. The steps are
+/// bounded on their own (control socket 5 s, NBD accept 2 s plus twice the grace), so this
+/// only fires if the final commit hangs in I/O.
+const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(60);
+/// Exit status when shutdown was cut short (second signal or deadline).
+const EXIT_FORCED: i32 = 2;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -43,9 +63,18 @@ pub struct Args {
     #[arg(long = "socket", value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Also listen on TCP: `PORT`, `ADDR:PORT` or `ADDR` (port 10809); a bare port binds
-    /// 127.0.0.1 only.
+    /// 127.0.0.1 only. NBD over TCP has no authentication: every local user (and, on a
+    /// non-loopback address, every host that reaches it) can read and write every volume.
     #[arg(long = "tcp", value_name = "ADDR:PORT")]
     tcp: Option<String>,
+    /// Allow `--tcp` on a non-loopback address without TLS, so that anyone who can reach it
+    /// can read and write every volume.
+    #[arg(long = "insecure", requires = "tcp")]
+    insecure: bool,
+    /// Serve only export NAME on TCP (repeatable; a volume or raw export name, existing or
+    /// not yet). Without it, TCP serves every export; the Unix socket always does.
+    #[arg(long = "tcp-export", value_name = "NAME", requires = "tcp")]
+    tcp_export: Vec<String>,
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
     #[arg(long = "raw-export", value_name = "NAME=FILE")]
     raw_export: Vec<String>,
@@ -89,7 +118,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             RawFileExport::open(name, Path::new(file))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    // Checked before anything is bound: a refused address is never opened.
     let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    let tcp_exposure = tcp
+        .map(|address| tcp_exposure(address, args.insecure))
+        .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
     remove_stale_socket(&nbd_socket)?;
@@ -112,38 +145,253 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Signals are caught from here on, so a stop request during start-up is not lost.
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
-    let mut server = nbd::Server::new(registry, config);
+    // The Unix socket and TCP are separate servers, so that each serves its own exports
+    // (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections.
+    let mut servers = Vec::new();
+    let mut server = nbd::Server::new(
+        Arc::clone(&registry) as Arc<dyn ExportRegistry>,
+        config.clone(),
+    );
     server
         .listen_unix(&nbd_socket)
         .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
+    servers.push(server);
+    let tcp_exports = (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone());
     let tcp_bound = match tcp {
-        Some(address) => Some(
-            server
+        Some(address) => {
+            let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
+                None => Arc::clone(&registry) as _,
+            };
+            let mut server = nbd::Server::new(tcp_registry, config);
+            let bound = server
                 .listen_tcp(address)
-                .with_context(|| format!("cannot listen on TCP {address}"))?,
-        ),
+                .with_context(|| format!("cannot listen on TCP {address}"))?;
+            servers.push(server);
+            Some(bound)
+        }
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
-    print_banner(&dir, &pool, &nbd_socket, &control_socket, tcp_bound)?;
+    if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
+        eprintln!(
+            "thinpool: warning: {}",
+            exposure.warning(bound, tcp_exports.as_deref())
+        );
+    }
+    print_banner(
+        &dir,
+        &pool,
+        &nbd_socket,
+        &control_socket,
+        tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
+    )?;
 
     let signal = signals.forever().next().unwrap_or(SIGTERM);
-    let name = if signal == SIGINT {
+    eprintln!("thinpool: {}: stopping", signal_name(signal));
+    start_shutdown_watchdog(signals)?;
+    drop(target);
+    Ok(shut_down(control, servers, &pool))
+}
+
+/// Closes the control socket, then the NBD servers, then commits the pool, saying what each
+/// step did. Every step is bounded (see the module notes).
+fn shut_down(control: ControlServer, servers: Vec<nbd::Server>, pool: &Pool) -> ExitCode {
+    let control_report = control.shutdown();
+    eprintln!(
+        "thinpool: control socket closed ({} client{} disconnected{})",
+        control_report.clients_closed,
+        plural(control_report.clients_closed),
+        if control_report.requests_unfinished > 0 {
+            format!(
+                "; {} request{} still running after {} s",
+                control_report.requests_unfinished,
+                plural(control_report.requests_unfinished),
+                crate::control::STOP_WAIT.as_secs()
+            )
+        } else {
+            String::new()
+        }
+    );
+    let nbd_connections: usize = servers.iter().map(nbd::Server::connection_count).sum();
+    // Ask every server first, so their grace periods run at the same time.
+    for server in &servers {
+        server.shutdown_handle().request();
+    }
+    for server in servers {
+        server.shutdown();
+    }
+    eprintln!(
+        "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
+        plural(nbd_connections)
+    );
+    let close = pool.close();
+    let status = pool.status();
+    match close {
+        Ok(()) => match status.mode {
+            PoolMode::Write | PoolMode::OutOfDataSpace => {
+                eprintln!(
+                    "thinpool: stopped; pool committed at transaction {}",
+                    status.transaction_id
+                );
+                ExitCode::SUCCESS
+            }
+            mode => {
+                eprintln!(
+                    "thinpool: stopped; {}: nothing committed (the pool stays at transaction {})",
+                    uncommittable(mode, status.needs_check),
+                    status.transaction_id
+                );
+                ExitCode::SUCCESS
+            }
+        },
+        Err(error) => {
+            eprintln!(
+                "thinpool: stopped; commit failed: {error}; the pool stays at transaction {}",
+                status.transaction_id
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn signal_name(signal: i32) -> &'static str {
+    if signal == SIGINT {
         "SIGINT"
     } else {
         "SIGTERM"
-    };
-    eprintln!("thinpool: {name}: stopping");
-    control.shutdown();
-    server.shutdown();
-    drop(target);
-    pool.close()
-        .with_context(|| format!("cannot commit the pool in {}", dir.path.display()))?;
-    eprintln!(
-        "thinpool: stopped; pool committed at transaction {}",
-        pool.status().transaction_id
-    );
-    Ok(ExitCode::SUCCESS)
+    }
+}
+
+fn plural(count: usize) -> &'static str {
+    if count == 1 {
+        ""
+    } else {
+        "s"
+    }
+}
+
+/// Why a pool in `mode` takes no commit.
+fn uncommittable(mode: PoolMode, needs_check: bool) -> &'static str {
+    match mode {
+        PoolMode::ReadOnly if needs_check => "pool read-only (needs_check)",
+        PoolMode::ReadOnly => "pool read-only",
+        PoolMode::OutOfMetadataSpace => "pool out of metadata space",
+        PoolMode::Fail => "pool failed",
+        PoolMode::Write | PoolMode::OutOfDataSpace => "pool writable",
+    }
+}
+
+/// Bounds shutdown as a whole: after [`SHUTDOWN_DEADLINE`], or at a second SIGINT/SIGTERM,
+/// the process exits at once, as a crash would (the pool keeps its last commit; the commit
+/// protocol makes that safe at any point). Each step of shutdown is bounded on its own; this
+/// covers what is not, such as a data device that stops answering during the final commit.
+fn start_shutdown_watchdog(mut signals: Signals) -> anyhow::Result<()> {
+    std::thread::Builder::new()
+        .name("shutdown-signals".into())
+        .spawn(move || {
+            if let Some(signal) = signals.forever().next() {
+                eprintln!(
+                    "thinpool: {} again: exiting now; the pool keeps its last commit",
+                    signal_name(signal)
+                );
+                std::process::exit(EXIT_FORCED);
+            }
+        })
+        .context("cannot start the signal thread")?;
+    std::thread::Builder::new()
+        .name("shutdown-deadline".into())
+        .spawn(move || {
+            std::thread::sleep(SHUTDOWN_DEADLINE);
+            eprintln!(
+                "thinpool: shutdown did not finish within {} s: exiting now; the pool keeps its last commit",
+                SHUTDOWN_DEADLINE.as_secs()
+            );
+            std::process::exit(EXIT_FORCED);
+        })
+        .context("cannot start the shutdown deadline thread")?;
+    Ok(())
+}
+
+/// Who can reach the volumes through a TCP listener without TLS.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TcpExposure {
+    /// Bound to a loopback address: every local user.
+    LocalUsers,
+    /// Bound to another address, allowed with `--insecure`: every host that reaches it.
+    Network,
+}
+
+impl TcpExposure {
+    /// The start-up warning; `exports` is the `--tcp-export` list, if any.
+    fn warning(self, bound: SocketAddr, exports: Option<&[String]>) -> String {
+        let what = match exports {
+            Some(names) => format!("the exports {}", names.join(", ")),
+            None => "every volume".to_string(),
+        };
+        match self {
+            TcpExposure::LocalUsers => format!(
+                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write {what} (the Unix socket is private to its owner)"
+            ),
+            TcpExposure::Network => format!(
+                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write {what}"
+            ),
+        }
+    }
+}
+
+/// The exports of another registry whose names are on a list (`--tcp-export`): others are
+/// neither listed nor opened, exactly as if they did not exist.
+struct AllowList {
+    inner: Arc<dyn ExportRegistry>,
+    names: BTreeSet<String>,
+}
+
+impl AllowList {
+    fn new(inner: Arc<dyn ExportRegistry>, names: &[String]) -> Self {
+        AllowList {
+            inner,
+            names: names.iter().cloned().collect(),
+        }
+    }
+}
+
+impl ExportRegistry for AllowList {
+    fn list(&self) -> Vec<ExportListing> {
+        let mut listing = self.inner.list();
+        listing.retain(|export| self.names.contains(&export.name));
+        listing
+    }
+
+    fn open(&self, name: &str) -> nbd::Result<Option<Arc<dyn Export>>> {
+        // A name off the list is not even opened (opening a volume counts as a user of it).
+        if !name.is_empty() && !self.names.contains(name) {
+            return Ok(None);
+        }
+        // The empty name means the default export, allowed only if its own name is listed.
+        Ok(self
+            .inner
+            .open(name)?
+            .filter(|export| self.names.contains(export.name())))
+    }
+}
+
+/// Decides whether a TCP listener on `address` may be opened, before it is bound. Without TLS
+/// (not implemented yet; `--tls-cert`/`--tls-key` will add a third case here), only loopback
+/// addresses are allowed unless `insecure`; the wildcard addresses (0.0.0.0, ::) are not
+/// loopback.
+fn tcp_exposure(address: SocketAddr, insecure: bool) -> anyhow::Result<TcpExposure> {
+    if address.ip().to_canonical().is_loopback() {
+        return Ok(TcpExposure::LocalUsers);
+    }
+    if insecure {
+        return Ok(TcpExposure::Network);
+    }
+    bail!(
+        "--tcp {address}: refusing to serve every volume without TLS or authentication on a non-loopback address; \
+         use a loopback address (127.0.0.1, ::1), or add --insecure if every host that reaches {} may read and write every volume",
+        address.ip()
+    )
 }
 
 /// Creates the default pool with its `disk` volume.
@@ -232,7 +480,7 @@ fn print_banner(
     pool: &Pool,
     nbd_socket: &Path,
     control_socket: &Path,
-    tcp: Option<SocketAddr>,
+    tcp: Option<(SocketAddr, Option<&[String]>)>,
 ) -> anyhow::Result<()> {
     let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let pool_path = absolute(&dir.path);
@@ -265,8 +513,11 @@ fn print_banner(
         }
     )?;
     writeln!(out, "  NBD socket:     {}", socket.display())?;
-    if let Some(address) = tcp {
+    if let Some((address, exports)) = tcp {
         writeln!(out, "  NBD TCP:        {address}")?;
+        if let Some(names) = exports {
+            writeln!(out, "  TCP exports:    {}", names.join(", "))?;
+        }
     }
     writeln!(
         out,
@@ -281,7 +532,11 @@ fn print_banner(
         "  mkdir -p /tmp/{0} && nbdfuse /tmp/{0} '{unix_uri}'",
         uri_escape(&example)
     )?;
-    if let Some(address) = tcp {
+    if let Some((address, exports)) = tcp {
+        let example = match exports {
+            Some(names) if !names.contains(&example) => names[0].clone(),
+            _ => example.clone(),
+        };
         let host = match address {
             SocketAddr::V6(v6) => format!("[{}]", v6.ip()),
             SocketAddr::V4(v4) => v4.ip().to_string(),
@@ -344,6 +599,24 @@ mod tests {
             parse_tcp_address("127.0.0.2").unwrap(),
             "127.0.0.2:10809".parse().unwrap()
         );
+    }
+
+    #[test]
+    fn tcp_off_loopback_needs_insecure() {
+        let exposure = |text: &str, insecure| tcp_exposure(text.parse().unwrap(), insecure);
+        for loopback in [
+            "127.0.0.1:1",
+            "127.1.2.3:1",
+            "[::1]:1",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert_eq!(exposure(loopback, false).unwrap(), TcpExposure::LocalUsers);
+        }
+        for open in ["0.0.0.0:1", "[::]:1", "192.0.2.1:1", "[2001:db8::1]:1"] {
+            let error = exposure(open, false).unwrap_err().to_string();
+            assert!(error.contains("--insecure"), "{open}: {error}");
+            assert_eq!(exposure(open, true).unwrap(), TcpExposure::Network);
+        }
     }
 
     #[test]
