@@ -32,6 +32,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
+use nbd::sync::lock;
 use serde::{Deserialize, Serialize};
 use thin_pool::{Pool, PoolStatus, VolumeInfo};
 
@@ -229,8 +230,10 @@ impl OpError {
 }
 
 impl From<thin_pool::Error> for OpError {
+    /// The engine's errno ([`thin_pool::Error::errno`], the one the NBD adapter uses too) and
+    /// its message with every cause.
     fn from(error: thin_pool::Error) -> Self {
-        OpError::new(error.errno(), error.to_string())
+        OpError::new(error.errno(), error.report().to_string())
     }
 }
 
@@ -242,19 +245,33 @@ impl std::fmt::Display for OpError {
 
 impl std::error::Error for OpError {}
 
+/// The symbolic name of an errno: those the engine and this module give, and those a device
+/// commonly fails with (an I/O error keeps the device's errno).
 fn errno_name(errno: i32) -> &'static str {
     match errno {
         libc::EPERM => "EPERM",
         libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
         libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
         libc::EBUSY => "EBUSY",
         libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
         libc::EINVAL => "EINVAL",
+        libc::EFBIG => "EFBIG",
         libc::ENOSPC => "ENOSPC",
         libc::EROFS => "EROFS",
         libc::ENODATA => "ENODATA",
-        libc::EOVERFLOW => "EOVERFLOW",
         libc::EPROTO => "EPROTO",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ENOTSUP => "ENOTSUP",
+        libc::ESHUTDOWN => "ESHUTDOWN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::EDQUOT => "EDQUOT",
         _ => "EUNKNOWN",
     }
 }
@@ -398,14 +415,15 @@ impl Target {
     }
 
     /// A regular data file is extended here (the engine only rereads the size); a block
-    /// device must already be large enough.
+    /// device must already be large enough. Failures are the engine's I/O errors, so they get
+    /// its errno mapping (a host ENOSPC stays ENOSPC).
     fn extend_data_file(&self, size_bytes: u64) -> Result<(), OpError> {
         let path = &self.data_path;
-        let io = |what: &str, error: std::io::Error| {
-            OpError::new(
-                error.raw_os_error().unwrap_or(libc::EIO),
-                format!("{what} {}: {error}", path.display()),
-            )
+        let io = |what: &str, source: std::io::Error| {
+            OpError::from(thin_pool::Error::Io {
+                what: format!("{what} {}", path.display()),
+                source,
+            })
         };
         let metadata = std::fs::metadata(path).map_err(|e| io("cannot stat", e))?;
         if metadata.is_file() && metadata.len() < size_bytes {
@@ -522,6 +540,8 @@ fn read_line(reader: &mut impl BufRead, limit: usize) -> std::io::Result<Line> {
 struct Shared {
     target: Arc<Target>,
     stopping: AtomicBool,
+    /// Open control connections; changed only by single inserts and removes, so a poisoned
+    /// lock is recovered ([`nbd::sync`] states the policy).
     connections: Mutex<HashMap<u64, UnixStream>>,
     next_connection: AtomicU64,
 }
@@ -572,13 +592,7 @@ impl ControlServer {
         // Wake the accept loop; it sees the flag and returns.
         drop(UnixStream::connect(&self.path));
         let _ = accept.join();
-        for stream in self
-            .shared
-            .connections
-            .lock()
-            .expect("control connections lock")
-            .values()
-        {
+        for stream in lock(&self.shared.connections).values() {
             let _ = stream.shutdown(std::net::Shutdown::Both);
         }
         let _ = std::fs::remove_file(&self.path);
@@ -602,7 +616,7 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
         };
         let id = shared.next_connection.fetch_add(1, Ordering::SeqCst);
         {
-            let mut connections = shared.connections.lock().expect("control connections lock");
+            let mut connections = lock(&shared.connections);
             if connections.len() >= CONNECTIONS_MAX {
                 let busy: Response =
                     Err(OpError::new(libc::EBUSY, "too many control connections")).into();
@@ -619,18 +633,10 @@ fn accept_loop(listener: UnixListener, shared: Arc<Shared>) {
             .name(format!("control-{id}"))
             .spawn(move || {
                 serve_connection(stream, &connection_shared);
-                connection_shared
-                    .connections
-                    .lock()
-                    .expect("control connections lock")
-                    .remove(&id);
+                lock(&connection_shared.connections).remove(&id);
             });
         if spawned.is_err() {
-            shared
-                .connections
-                .lock()
-                .expect("control connections lock")
-                .remove(&id);
+            lock(&shared.connections).remove(&id);
         }
     }
 }
