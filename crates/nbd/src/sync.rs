@@ -5,7 +5,7 @@
 //! is reported where it happens (the thread's panic message; a connection thread's panic ends
 //! that connection only). What the other threads should do depends on what the lock protects:
 //!
-//! - **Recover the guard** ([`lock`], [`read`], [`write`], [`wait`], [`wait_timeout`]) where
+//! - **Recover the guard** ([`lock`], [`read`], [`write()`], [`wait`], [`wait_timeout`]) where
 //!   every change made under the lock is one step that cannot be seen half-done: tables of
 //!   connections and listeners (one insert or remove), the export map, a budget's counters
 //!   (checked by assertions before they change), a memory export's blocks. Recovering keeps
