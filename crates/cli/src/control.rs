@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use anyhow::{bail, Context};
+use nbd::sync::lock;
 use serde::{Deserialize, Serialize};
 use thin_pool::{Pool, PoolStatus, VolumeInfo};
 
@@ -246,8 +247,10 @@ impl OpError {
 }
 
 impl From<thin_pool::Error> for OpError {
+    /// The engine's errno ([`thin_pool::Error::errno`], the one the NBD adapter uses too) and
+    /// its message with every cause.
     fn from(error: thin_pool::Error) -> Self {
-        OpError::new(error.errno(), error.to_string())
+        OpError::new(error.errno(), error.report().to_string())
     }
 }
 
@@ -259,19 +262,33 @@ impl std::fmt::Display for OpError {
 
 impl std::error::Error for OpError {}
 
+/// The symbolic name of an errno: those the engine and this module give, and those a device
+/// commonly fails with (an I/O error keeps the device's errno).
 fn errno_name(errno: i32) -> &'static str {
     match errno {
         libc::EPERM => "EPERM",
         libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
         libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
         libc::EBUSY => "EBUSY",
         libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
         libc::EINVAL => "EINVAL",
+        libc::EFBIG => "EFBIG",
         libc::ENOSPC => "ENOSPC",
         libc::EROFS => "EROFS",
         libc::ENODATA => "ENODATA",
-        libc::EOVERFLOW => "EOVERFLOW",
         libc::EPROTO => "EPROTO",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ENOTSUP => "ENOTSUP",
+        libc::ESHUTDOWN => "ESHUTDOWN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::EDQUOT => "EDQUOT",
         _ => "EUNKNOWN",
     }
 }
@@ -415,14 +432,15 @@ impl Target {
     }
 
     /// A regular data file is extended here (the engine only rereads the size); a block
-    /// device must already be large enough.
+    /// device must already be large enough. Failures are the engine's I/O errors, so they get
+    /// its errno mapping (a host ENOSPC stays ENOSPC).
     fn extend_data_file(&self, size_bytes: u64) -> Result<(), OpError> {
         let path = &self.data_path;
-        let io = |what: &str, error: std::io::Error| {
-            OpError::new(
-                error.raw_os_error().unwrap_or(libc::EIO),
-                format!("{what} {}: {error}", path.display()),
-            )
+        let io = |what: &str, source: std::io::Error| {
+            OpError::from(thin_pool::Error::Io {
+                what: format!("{what} {}", path.display()),
+                source,
+            })
         };
         let metadata = std::fs::metadata(path).map_err(|e| io("cannot stat", e))?;
         if metadata.is_file() && metadata.len() < size_bytes {
@@ -552,10 +570,10 @@ struct Connection {
 }
 
 impl Shared {
+    /// The connection table changes only by single inserts, removes and flag updates, so a
+    /// poisoned lock is recovered ([`nbd::sync`] states the policy).
     fn lock_connections(&self) -> MutexGuard<'_, HashMap<u64, Connection>> {
-        self.connections
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.connections)
     }
 
     /// Marks connection `id` idle (waiting for a request) or busy; false if it is no longer
@@ -664,12 +682,9 @@ impl ControlServer {
             if now >= deadline {
                 break;
             }
-            connections = self
-                .shared
-                .connection_ended
-                .wait_timeout(connections, deadline - now)
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .0;
+            connections =
+                nbd::sync::wait_timeout(&self.shared.connection_ended, connections, deadline - now)
+                    .0;
         }
         let requests_unfinished = connections.len();
         drop(connections);

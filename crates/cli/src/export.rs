@@ -7,7 +7,7 @@
 //! Invariants: every NBD connection that opens a thin volume holds its own
 //! [`thin_pool::Volume`] handle until it ends, so the engine refuses to delete a volume while a
 //! client has it open; the registry itself holds no handle. [`nbd_error`] is the only place
-//! that turns an engine error into an NBD error kind.
+//! that turns an engine error into an NBD error.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -29,17 +29,11 @@ pub const DEFAULT_VOLUME: &str = "disk";
 /// whole huge volume.
 const BLOCK_STATUS_BLOCKS_MAX: u64 = 1 << 16;
 
-/// Maps an engine error to the NBD error the client sees. The one such mapping in the binary:
-/// EIO, ENOSPC, EINVAL, EPERM (read-only volume or pool), EOVERFLOW; anything else is EIO.
+/// Turns an engine error into the NBD error the client sees: the engine's errno
+/// ([`thin_pool::Error::errno`], the same one the control socket reports), classified by the
+/// nbd crate's one errno table ([`ErrorKind::from_errno`]). The engine error stays the source.
 pub fn nbd_error(error: thin_pool::Error, what: String) -> NbdError {
-    let kind = match error.errno() {
-        libc::ENOSPC => ErrorKind::NoSpace,
-        libc::EINVAL => ErrorKind::InvalidArgument,
-        libc::EPERM | libc::EROFS => ErrorKind::PermissionDenied,
-        libc::EOVERFLOW => ErrorKind::Overflow,
-        _ => ErrorKind::Io,
-    };
-    NbdError::export_with_source(kind, what, error)
+    NbdError::export_with_source(ErrorKind::from_errno(error.errno()), what, error)
 }
 
 /// A thin volume served over NBD; holds the volume open for as long as the connection lives.
@@ -369,5 +363,190 @@ impl ExportRegistry for PoolRegistry {
             .map(|info| describe(&info))
             .unwrap_or_default();
         Ok(Some(Arc::new(VolumeExport::new(volume, name, description))))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::OpError;
+    use persistent_data::MemoryDevice;
+    use std::io;
+    use thin_pool::engine::catalog::MemoryCatalog;
+    use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+    use thin_pool::PoolOptions;
+
+    const BLOCK: u64 = 64 * 1024;
+
+    /// A data device on a host file system that is full: reads work, anything that would
+    /// allocate fails with the host's ENOSPC.
+    struct FullDataDevice(MemoryDataDevice);
+
+    fn no_space() -> io::Result<()> {
+        Err(io::Error::from_raw_os_error(libc::ENOSPC))
+    }
+
+    impl DataDevice for FullDataDevice {
+        fn size_bytes(&self) -> u64 {
+            self.0.size_bytes()
+        }
+        fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {
+            self.0.read_at(offset, buf)
+        }
+        fn write_at(&self, _offset: u64, _data: &[u8]) -> io::Result<()> {
+            no_space()
+        }
+        fn zero(&self, _offset: u64, _len: u64) -> io::Result<()> {
+            no_space()
+        }
+        fn discard(&self, offset: u64, len: u64) -> io::Result<()> {
+            self.0.discard(offset, len)
+        }
+        fn copy(&self, _from: u64, _to: u64, _len: u64) -> io::Result<()> {
+            no_space()
+        }
+        fn flush(&self) -> io::Result<()> {
+            self.0.flush()
+        }
+        fn counters(&self) -> &DataCounters {
+            self.0.counters()
+        }
+    }
+
+    #[test]
+    fn host_enospc_on_the_data_device_reaches_the_client_as_nbd_enospc() {
+        let pool = Pool::format_parts(
+            Arc::new(MemoryDevice::new(256)),
+            Arc::new(FullDataDevice(MemoryDataDevice::new(16 * BLOCK))),
+            Box::new(MemoryCatalog::default()),
+            BLOCK,
+            PoolOptions {
+                commit_interval: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        pool.create_volume("v", 4 * BLOCK).unwrap();
+        let export = VolumeExport::new(pool.volume("v").unwrap(), "v".into(), String::new());
+        for data in [vec![7u8; 4096], vec![7u8; BLOCK as usize]] {
+            let error = export.write_at(BLOCK, &data, false).unwrap_err();
+            assert_eq!(error.kind(), ErrorKind::NoSpace, "{}", error.report());
+            assert_eq!(
+                nbd::nbd_error_code(&error),
+                nbd::protocol::errno::ENOSPC,
+                "{}",
+                error.report()
+            );
+        }
+        pool.close().unwrap();
+    }
+
+    /// Engine errors of every kind, each with the errno and name the control socket must
+    /// report and the error an NBD client must see.
+    fn cases() -> Vec<(thin_pool::Error, i32, &'static str, u32)> {
+        use nbd::protocol::errno as wire;
+        let io = |errno| thin_pool::Error::Io {
+            what: "writing the data device".into(),
+            source: io::Error::from_raw_os_error(errno),
+        };
+        vec![
+            (
+                thin_pool::Error::OutOfDataSpace { block_count: 8 },
+                libc::ENOSPC,
+                "ENOSPC",
+                wire::ENOSPC,
+            ),
+            (io(libc::ENOSPC), libc::ENOSPC, "ENOSPC", wire::ENOSPC),
+            (io(libc::EIO), libc::EIO, "EIO", wire::EIO),
+            (io(libc::EACCES), libc::EACCES, "EACCES", wire::EPERM),
+            (
+                thin_pool::Error::Invalid("size 0".into()),
+                libc::EINVAL,
+                "EINVAL",
+                wire::EINVAL,
+            ),
+            (
+                thin_pool::Error::ReadOnly { needs_check: false },
+                libc::EROFS,
+                "EROFS",
+                wire::EPERM,
+            ),
+            (
+                thin_pool::Error::ReadOnly { needs_check: true },
+                libc::EIO,
+                "EIO",
+                wire::EIO,
+            ),
+            (
+                thin_pool::Error::Corrupt("mapping root 99 beyond 64 blocks".into()),
+                libc::EIO,
+                "EIO",
+                wire::EIO,
+            ),
+            (
+                thin_pool::Error::Internal("op applied twice".into()),
+                libc::EIO,
+                "EIO",
+                wire::EIO,
+            ),
+            (
+                thin_pool::Error::Busy("volume \"v\" is open".into()),
+                libc::EBUSY,
+                "EBUSY",
+                wire::EIO,
+            ),
+            (
+                thin_pool::Error::NameExists("v".into()),
+                libc::EEXIST,
+                "EEXIST",
+                wire::EIO,
+            ),
+            (
+                thin_pool::Error::NoSuchVolume("v".into()),
+                libc::ENOENT,
+                "ENOENT",
+                wire::EIO,
+            ),
+        ]
+    }
+
+    #[test]
+    fn control_socket_and_nbd_report_the_same_errno() {
+        // Errnos the NBD protocol itself defines; any of these must reach the client unchanged.
+        let nbd_defined = [
+            libc::EPERM,
+            libc::EIO,
+            libc::ENOMEM,
+            libc::EINVAL,
+            libc::ENOSPC,
+            libc::EOVERFLOW,
+            libc::ENOTSUP,
+            libc::ESHUTDOWN,
+        ];
+        for (index, (error, errno, code, nbd_code)) in cases().into_iter().enumerate() {
+            let described = format!("{error:?}");
+            assert_eq!(error.errno(), errno, "{described}");
+            // The same error again, for the control socket (thin_pool::Error is not Clone).
+            let again = cases().swap_remove(index).0;
+            let json = serde_json::to_value(OpError::from(again)).unwrap();
+            assert_eq!(json["errno"], errno, "{described}: {json}");
+            assert_eq!(json["code"], code, "{described}: {json}");
+            let nbd = nbd_error(error, "write at 0".into());
+            assert_eq!(nbd::nbd_error_code(&nbd), nbd_code, "{described}");
+            if nbd_defined.contains(&errno) {
+                assert_eq!(nbd_code as i32, errno, "{described}");
+            }
+        }
+    }
+
+    #[test]
+    fn control_messages_name_each_cause_once() {
+        let cause = io::Error::from_raw_os_error(libc::ENOSPC).to_string();
+        let error = OpError::from(thin_pool::Error::Io {
+            what: "extending /pool/data".into(),
+            source: io::Error::from_raw_os_error(libc::ENOSPC),
+        });
+        assert_eq!(error.message, format!("extending /pool/data: {cause}"));
+        assert_eq!(error.code, "ENOSPC");
     }
 }

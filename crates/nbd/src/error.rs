@@ -1,11 +1,18 @@
 //! The crate's one error type, and the one place that turns errors into NBD error codes.
 //!
-//! [`Error`] covers three sources: the socket ([`Error::Io`]), a peer that breaks the
-//! protocol ([`Error::Protocol`], [`Error::TooLong`], [`Error::BadMagic`]) and an export that
-//! refuses or fails an operation ([`Error::Export`]). Every error has an [`ErrorKind`], an
+//! [`Error`] covers four sources: the socket ([`Error::Io`]), a peer that breaks the
+//! protocol ([`Error::Protocol`], [`Error::TooLong`], [`Error::BadMagic`]), an export that
+//! refuses or fails an operation ([`Error::Export`]) and the server's own bugs
+//! ([`Error::Internal`]). Every error has an [`ErrorKind`], an
 //! errno-like classification, and [`nbd_error_code`] is the only function that maps a kind to
 //! the error value sent on the wire. Invariant: no other code in the crate chooses an NBD error
 //! number for an export failure.
+//!
+//! An export whose own errors carry a Linux errno (the binary's thin volumes do) classifies
+//! them with [`ErrorKind::from_errno`], the one table from errno to what the client sees, so
+//! the crate never needs to know the export's error type.
+//!
+//! Messages never repeat their source; [`Error::report`] prints the error with its causes.
 
 use std::io;
 
@@ -29,6 +36,24 @@ pub enum ErrorKind {
     OutOfMemory,
     /// The server or export is shutting down (`NBD_ESHUTDOWN`).
     Shutdown,
+}
+
+impl ErrorKind {
+    /// Classifies a Linux errno as the client will see it; anything without a closer NBD
+    /// error is an I/O failure (the wire protocol knows only EPERM, EIO, ENOMEM, EINVAL,
+    /// ENOSPC, EOVERFLOW, ENOTSUP and ESHUTDOWN).
+    pub fn from_errno(errno: i32) -> ErrorKind {
+        match errno {
+            libc::ENOSPC | libc::EDQUOT | libc::EFBIG => ErrorKind::NoSpace,
+            libc::EPERM | libc::EROFS | libc::EACCES => ErrorKind::PermissionDenied,
+            libc::EINVAL => ErrorKind::InvalidArgument,
+            libc::EOVERFLOW => ErrorKind::Overflow,
+            libc::ENOTSUP => ErrorKind::NotSupported,
+            libc::ENOMEM => ErrorKind::OutOfMemory,
+            libc::ESHUTDOWN => ErrorKind::Shutdown,
+            _ => ErrorKind::Io,
+        }
+    }
 }
 
 /// Errors of the `nbd` crate, including those an [`crate::Export`] reports.
@@ -61,6 +86,9 @@ pub enum Error {
         /// Which rule, with the offending values.
         detail: String,
     },
+    /// A broken invariant in the server itself (a bug), e.g. a serving thread that panicked.
+    #[error("internal error: {0}")]
+    Internal(String),
     /// A magic number did not match.
     #[error("bad {what} magic: expected {expected:#x}, got {actual:#x}")]
     BadMagic {
@@ -127,21 +155,36 @@ impl Error {
             Error::Export { kind, .. } => *kind,
             Error::Protocol { .. } | Error::BadMagic { .. } => ErrorKind::InvalidArgument,
             Error::TooLong { .. } => ErrorKind::Overflow,
+            Error::Internal(_) => ErrorKind::Io,
         }
+    }
+
+    /// The error followed by each of its causes, for logs and events.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
     }
 }
 
-/// Classifies an OS error by its errno; anything unrecognised counts as an I/O failure.
+/// Classifies an OS error by its errno; one without an errno counts as an I/O failure.
 fn kind_of_io_error(error: &io::Error) -> ErrorKind {
-    match error.raw_os_error() {
-        Some(libc::ENOSPC) | Some(libc::EDQUOT) | Some(libc::EFBIG) => ErrorKind::NoSpace,
-        Some(libc::EPERM) | Some(libc::EROFS) | Some(libc::EACCES) => ErrorKind::PermissionDenied,
-        Some(libc::EINVAL) => ErrorKind::InvalidArgument,
-        Some(libc::EOVERFLOW) => ErrorKind::Overflow,
-        Some(libc::ENOTSUP) => ErrorKind::NotSupported,
-        Some(libc::ENOMEM) => ErrorKind::OutOfMemory,
-        Some(libc::ESHUTDOWN) => ErrorKind::Shutdown,
-        _ => ErrorKind::Io,
+    error
+        .raw_os_error()
+        .map_or(ErrorKind::Io, ErrorKind::from_errno)
+}
+
+/// Displays an error and its causes, outermost first, joined by ": ". Since no message
+/// repeats its source, each cause appears once.
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(error) = cause {
+            write!(f, ": {error}")?;
+            cause = error.source();
+        }
+        Ok(())
     }
 }
 
@@ -173,6 +216,56 @@ mod tests {
         assert_eq!(nbd_error_code(&no_space), 28);
         let other = Error::io("write", io::Error::other("boom"));
         assert_eq!(nbd_error_code(&other), 5);
+    }
+
+    #[test]
+    fn errnos_map_to_the_nbd_error_of_the_same_meaning() {
+        let cases = [
+            (libc::EPERM, 1),
+            (libc::EROFS, 1),
+            (libc::EACCES, 1),
+            (libc::EIO, 5),
+            (libc::ENOMEM, 12),
+            (libc::EINVAL, 22),
+            (libc::ENOSPC, 28),
+            (libc::EDQUOT, 28),
+            (libc::EFBIG, 28),
+            (libc::EOVERFLOW, 75),
+            (libc::ENOTSUP, 95),
+            (libc::ESHUTDOWN, 108),
+            // No NBD error of their own: the client sees an I/O error.
+            (libc::EEXIST, 5),
+            (libc::EBUSY, 5),
+            (libc::ENOENT, 5),
+            (libc::ENODATA, 5),
+            (0, 5),
+            (-1, 5),
+        ];
+        for (errno, code) in cases {
+            let kind = ErrorKind::from_errno(errno);
+            assert_eq!(
+                nbd_error_code(&Error::export(kind, "x")),
+                code,
+                "errno {errno}"
+            );
+            let io = Error::io("x", io::Error::from_raw_os_error(errno));
+            assert_eq!(nbd_error_code(&io), code, "os error {errno}");
+        }
+    }
+
+    #[test]
+    fn reports_name_each_cause_once() {
+        let cause = io::Error::from_raw_os_error(libc::EPERM);
+        let cause_text = cause.to_string();
+        let error = Error::export_with_source(ErrorKind::PermissionDenied, "write at 0", cause);
+        let report = error.report().to_string();
+        assert_eq!(report.matches(&cause_text).count(), 1, "{report}");
+        assert!(report.starts_with("write at 0"), "{report}");
+        let error = Error::io("read request", io::Error::from_raw_os_error(libc::EPERM));
+        assert_eq!(
+            error.report().to_string(),
+            format!("read request: {cause_text}")
+        );
     }
 
     #[test]

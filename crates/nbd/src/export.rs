@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::BLOCK_SIZE_MIN;
+use crate::sync;
 
 /// One run of equally-allocated bytes reported by [`Export::block_status`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -176,28 +177,23 @@ impl ExportMap {
     /// Adds (or replaces) an export under its own name.
     pub fn insert(&self, export: Arc<dyn Export>) {
         let name = export.name().to_owned();
-        self.exports
-            .write()
-            .expect("export map lock")
-            .insert(name, export);
+        sync::write(&self.exports).insert(name, export);
     }
 
     /// Removes an export; open connections keep serving their `Arc`.
     pub fn remove(&self, name: &str) -> Option<Arc<dyn Export>> {
-        self.exports.write().expect("export map lock").remove(name)
+        sync::write(&self.exports).remove(name)
     }
 
     /// Chooses which export the empty name opens.
     pub fn set_default(&self, name: Option<String>) {
-        *self.default_name.write().expect("export map lock") = name;
+        *sync::write(&self.default_name) = name;
     }
 }
 
 impl ExportRegistry for ExportMap {
     fn list(&self) -> Vec<ExportListing> {
-        self.exports
-            .read()
-            .expect("export map lock")
+        sync::read(&self.exports)
             .values()
             .map(|export| ExportListing {
                 name: export.name().to_owned(),
@@ -208,19 +204,14 @@ impl ExportRegistry for ExportMap {
 
     fn open(&self, name: &str) -> Result<Option<Arc<dyn Export>>> {
         let name = if name.is_empty() {
-            match self.default_name.read().expect("export map lock").clone() {
+            match sync::read(&self.default_name).clone() {
                 Some(default) => default,
                 None => return Ok(None),
             }
         } else {
             name.to_owned()
         };
-        Ok(self
-            .exports
-            .read()
-            .expect("export map lock")
-            .get(&name)
-            .cloned())
+        Ok(sync::read(&self.exports).get(&name).cloned())
     }
 }
 
@@ -304,7 +295,7 @@ impl MemoryExport {
 
     /// Makes every later data operation fail with `kind` (or stop failing, with `None`).
     pub fn set_fault(&self, kind: Option<ErrorKind>) {
-        *self.fault.lock().expect("fault lock") = kind;
+        *sync::lock(&self.fault) = kind;
         self.fault_set.store(kind.is_some(), Ordering::SeqCst);
     }
 
@@ -317,7 +308,7 @@ impl MemoryExport {
     pub fn allocated_block_count(&self) -> usize {
         self.blocks
             .iter()
-            .filter(|block| !matches!(*block.read().expect("block lock"), Block::Unmapped))
+            .filter(|block| !matches!(*sync::read(block), Block::Unmapped))
             .count()
     }
 
@@ -325,7 +316,7 @@ impl MemoryExport {
         if !self.fault_set.load(Ordering::SeqCst) {
             return Ok(());
         }
-        match *self.fault.lock().expect("fault lock") {
+        match *sync::lock(&self.fault) {
             Some(kind) => Err(Error::export(kind, format!("injected fault during {what}"))),
             None => Ok(()),
         }
@@ -413,7 +404,7 @@ impl Export for MemoryExport {
         self.check_range("read", offset, buffer.len() as u64)?;
         for (index, within, piece, at) in self.pieces(offset, buffer.len() as u64) {
             let target = &mut buffer[at as usize..at as usize + piece];
-            match &*self.blocks[index].read().expect("block lock") {
+            match &*sync::read(&self.blocks[index]) {
                 Block::Unmapped | Block::Zeroed => target.fill(0),
                 Block::Data(data) => target.copy_from_slice(&data[within..within + piece]),
             }
@@ -428,7 +419,7 @@ impl Export for MemoryExport {
         for (index, within, piece, at) in self.pieces(offset, data.len() as u64) {
             let source = &data[at as usize..at as usize + piece];
             let block_length = self.block_length(index);
-            let mut block = self.blocks[index].write().expect("block lock");
+            let mut block = sync::write(&self.blocks[index]);
             match &mut *block {
                 Block::Data(existing) => existing[within..within + piece].copy_from_slice(source),
                 _ if piece == block_length => *block = Block::Data(source.into()),
@@ -450,7 +441,7 @@ impl Export for MemoryExport {
             // Zeroing part of a block that holds data needs a real write: not fast.
             for (index, _, piece, _) in self.pieces(offset, length) {
                 let partial = piece != self.block_length(index);
-                let block = self.blocks[index].read().expect("block lock");
+                let block = sync::read(&self.blocks[index]);
                 if partial && matches!(*block, Block::Data(_)) {
                     return Err(Error::export(
                         ErrorKind::NotSupported,
@@ -461,7 +452,7 @@ impl Export for MemoryExport {
         }
         for (index, within, piece, _) in self.pieces(offset, length) {
             let whole = piece == self.block_length(index);
-            let mut block = self.blocks[index].write().expect("block lock");
+            let mut block = sync::write(&self.blocks[index]);
             match &mut *block {
                 _ if whole && options.may_trim => *block = Block::Unmapped,
                 _ if whole => *block = Block::Zeroed,
@@ -479,7 +470,7 @@ impl Export for MemoryExport {
         self.check_range("trim", offset, length)?;
         for (index, _, piece, _) in self.pieces(offset, length) {
             if piece == self.block_length(index) {
-                *self.blocks[index].write().expect("block lock") = Block::Unmapped;
+                *sync::write(&self.blocks[index]) = Block::Unmapped;
             }
         }
         Ok(())
@@ -501,7 +492,7 @@ impl Export for MemoryExport {
         self.check_range("block status", offset, length)?;
         let mut extents: Vec<Extent> = Vec::new();
         for (index, _, piece, _) in self.pieces(offset, length) {
-            let (hole, zero) = match *self.blocks[index].read().expect("block lock") {
+            let (hole, zero) = match *sync::read(&self.blocks[index]) {
                 Block::Unmapped => (true, true),
                 Block::Zeroed => (false, true),
                 Block::Data(_) => (false, false),

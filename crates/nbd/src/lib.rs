@@ -26,8 +26,9 @@ pub mod protocol;
 pub mod server;
 mod session;
 mod stream;
+pub mod sync;
 
-pub use error::{nbd_error_code, Error, ErrorKind, Result};
+pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
     Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, ZeroOptions,
 };

@@ -30,6 +30,7 @@ use crate::export::ExportRegistry;
 use crate::handshake::{self, Outcome};
 use crate::session::{self, Budget, Limits};
 use crate::stream::Stream;
+use crate::sync;
 
 /// Something that happened to a connection, for the embedding binary's logs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +54,7 @@ pub enum Event {
     Disconnected {
         /// Connection number.
         connection: u64,
-        /// The error that ended the connection, if any.
+        /// The error that ended the connection, if any, with its causes.
         error: Option<String>,
     },
 }
@@ -201,11 +202,7 @@ impl Server {
             .map_err(|e| Error::io(format!("bind unix socket {}", path.display()), e))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io(format!("chmod 0600 {}", path.display()), e))?;
-        self.shared
-            .listening
-            .lock()
-            .expect("listening lock")
-            .push(Listening::Unix(path.clone()));
+        sync::lock(&self.shared.listening).push(Listening::Unix(path.clone()));
         let shared = Arc::clone(&self.shared);
         let peer = path.display().to_string();
         let thread = std::thread::Builder::new()
@@ -232,11 +229,7 @@ impl Server {
         let bound = listener
             .local_addr()
             .map_err(|e| Error::io("tcp listener address", e))?;
-        self.shared
-            .listening
-            .lock()
-            .expect("listening lock")
-            .push(Listening::Tcp(bound));
+        sync::lock(&self.shared.listening).push(Listening::Tcp(bound));
         let shared = Arc::clone(&self.shared);
         let thread = std::thread::Builder::new()
             .name("nbd-accept-tcp".into())
@@ -272,11 +265,7 @@ impl Server {
 
     /// Connections currently open (in handshake or transmission).
     pub fn connection_count(&self) -> usize {
-        self.shared
-            .connections
-            .lock()
-            .expect("connections lock")
-            .len()
+        sync::lock(&self.shared.connections).len()
     }
 
     /// Stops accepting, lets in-flight requests finish, waits for every connection (cutting
@@ -304,17 +293,12 @@ impl Server {
         }
         let shared = &self.shared;
         if !shared.wait_for_connections(shared.config.shutdown_grace) {
-            for stream in shared
-                .connections
-                .lock()
-                .expect("connections lock")
-                .values()
-            {
+            for stream in sync::lock(&shared.connections).values() {
                 let _ = stream.shutdown(Shutdown::Both);
             }
             shared.wait_for_connections(shared.config.shutdown_grace);
         }
-        for listening in shared.listening.lock().expect("listening lock").iter() {
+        for listening in sync::lock(&shared.listening).iter() {
             if let Listening::Unix(path) = listening {
                 let _ = std::fs::remove_file(path);
             }
@@ -336,7 +320,7 @@ struct ConnectionGuard {
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
-        let mut connections = self.shared.connections.lock().expect("connections lock");
+        let mut connections = sync::lock(&self.shared.connections);
         connections.remove(&self.id);
         self.shared.connection_ended.notify_all();
     }
@@ -354,7 +338,7 @@ impl Shared {
             return;
         }
         // Wake each accept loop with a throwaway connection; it sees the flag and stops.
-        for listening in self.listening.lock().expect("listening lock").iter() {
+        for listening in sync::lock(&self.listening).iter() {
             match listening {
                 Listening::Unix(path) => drop(UnixStream::connect(path)),
                 Listening::Tcp(address) => {
@@ -369,7 +353,7 @@ impl Shared {
                 }
             }
         }
-        for stream in self.connections.lock().expect("connections lock").values() {
+        for stream in sync::lock(&self.connections).values() {
             let _ = stream.shutdown(Shutdown::Read);
         }
     }
@@ -377,17 +361,13 @@ impl Shared {
     /// Waits until no connection is left or `timeout` passes; true if none is left.
     fn wait_for_connections(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let mut connections = self.connections.lock().expect("connections lock");
+        let mut connections = sync::lock(&self.connections);
         while !connections.is_empty() {
             let now = Instant::now();
             if now >= deadline {
                 return false;
             }
-            connections = self
-                .connection_ended
-                .wait_timeout(connections, deadline - now)
-                .expect("connections lock")
-                .0;
+            connections = sync::wait_timeout(&self.connection_ended, connections, deadline - now).0;
         }
         true
     }
@@ -395,7 +375,7 @@ impl Shared {
     fn start_connection(self: &Arc<Self>, stream: Stream, peer: String) {
         let id = self.next_connection.fetch_add(1, Ordering::SeqCst);
         {
-            let mut connections = self.connections.lock().expect("connections lock");
+            let mut connections = sync::lock(&self.connections);
             if connections.len() >= self.config.connections_max {
                 return;
             }
@@ -419,7 +399,7 @@ impl Shared {
                 let result = shared.run_connection(id, stream);
                 shared.emit(Event::Disconnected {
                     connection: id,
-                    error: result.err().map(|error| error.to_string()),
+                    error: result.err().map(|error| error.report().to_string()),
                 });
                 drop(guard);
             });

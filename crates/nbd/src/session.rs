@@ -28,7 +28,7 @@
 use std::io::{self, IoSlice, Read};
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
 use crate::export::{Export, ZeroOptions};
@@ -39,6 +39,7 @@ use crate::protocol::{
     REPLY_FLAG_DONE,
 };
 use crate::stream::{write_all_vectored, Stream};
+use crate::sync;
 
 /// Size of each connection's input buffer: room for the headers of many queued requests in
 /// one `recv`. Bytes of a WRITE payload that land in it are copied out once.
@@ -91,13 +92,13 @@ impl Budget {
     }
 
     fn acquire(&self, bytes: u64) {
-        let mut used = self.used.lock().expect("budget lock");
+        let mut used = sync::lock(&self.used);
         // A single request larger than the byte budget still runs, alone.
         while used.requests >= self.requests_max
             || (used.requests > 0 && used.bytes + bytes > self.bytes_max)
         {
             used.waiters += 1;
-            used = self.released.wait(used).expect("budget lock");
+            used = sync::wait(&self.released, used);
             used.waiters -= 1;
         }
         used.requests += 1;
@@ -105,7 +106,7 @@ impl Budget {
     }
 
     fn release(&self, bytes: u64) {
-        let mut used = self.used.lock().expect("budget lock");
+        let mut used = sync::lock(&self.used);
         assert!(
             used.requests > 0,
             "budget released more requests than acquired"
@@ -341,7 +342,11 @@ pub(crate) fn serve(
         }
         connection.run_thread();
     });
-    let input = connection.input.into_inner().expect("input lock");
+    // Reached only if no thread panicked (the scope passes a panic on), so the input is whole.
+    let input = connection
+        .input
+        .into_inner()
+        .unwrap_or_else(PoisonError::into_inner);
     assert!(input.ended, "threads left before reading stopped");
     match input.error {
         Some(error) => Err(error),
@@ -384,7 +389,7 @@ impl Connection {
         loop {
             let mut input = match kept.take() {
                 Some(input) => input,
-                None => self.input.lock().expect("input lock"),
+                None => self.lock_input(),
             };
             let job = match self.next(&mut input, &mut scratch) {
                 Next::Run(job) => job,
@@ -407,6 +412,21 @@ impl Connection {
             }
             self.release(job.reserved_bytes);
             scratch.shrink();
+        }
+    }
+
+    /// The input, locked. A thread that panicked holding it may have left a request half-read,
+    /// so the stream is no longer framed: reading stops for every thread (see [`crate::sync`]).
+    fn lock_input(&self) -> MutexGuard<'_, Input> {
+        match self.input.lock() {
+            Ok(input) => input,
+            Err(poisoned) => {
+                let mut input = poisoned.into_inner();
+                input.stop(Err(Error::Internal(
+                    "a thread serving this connection panicked while reading".to_string(),
+                )));
+                input
+            }
         }
     }
 
@@ -682,7 +702,16 @@ impl Connection {
     /// Writes one reply with a single vectored write; a failure marks the connection broken
     /// and shuts the socket so the reader stops too.
     fn send(&self, buffers: &mut [IoSlice<'_>]) {
-        let mut writer = self.writer.lock().expect("writer lock");
+        let mut writer = match self.writer.lock() {
+            Ok(writer) => writer,
+            Err(poisoned) => {
+                // A thread panicked mid-reply: the stream may hold half a reply, so nothing
+                // more can be framed on it (see [`crate::sync`]).
+                self.broken.store(true, Ordering::SeqCst);
+                let _ = poisoned.into_inner().shutdown(Shutdown::Both);
+                return;
+            }
+        };
         if self.broken.load(Ordering::SeqCst) {
             return;
         }

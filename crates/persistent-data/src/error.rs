@@ -75,6 +75,32 @@ impl Error {
     /// Whether this error means the on-disk contents are damaged (as opposed to an I/O error
     /// or running out of space).
     pub fn is_corruption(&self) -> bool {
-        matches!(self, Error::Checksum { .. } | Error::Corrupt { .. })
+        self.kind() == ErrorKind::Corrupt
     }
+
+    /// Which kind of failure this is; callers above decide from it how to react (a corrupt
+    /// block makes a pool read-only with needs_check, an I/O error keeps the device's errno).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Checksum { .. } | Error::Corrupt { .. } => ErrorKind::Corrupt,
+            Error::OutOfMetadataSpace { .. } | Error::OutOfDataSpace { .. } => ErrorKind::NoSpace,
+            Error::Invalid(_) => ErrorKind::Invalid,
+        }
+    }
+}
+
+/// The kinds of [`Error`], one per way a caller must react.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The metadata device failed; the `io::Error` is the error's source.
+    Io,
+    /// What is on disk breaks a format rule or a checksum.
+    Corrupt,
+    /// No free block is left (metadata or data).
+    NoSpace,
+    /// The caller asked for something that can never succeed: a bug in the caller, or bad
+    /// input it passed on unchecked.
+    Invalid,
 }

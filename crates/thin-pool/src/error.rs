@@ -1,8 +1,18 @@
 //! The thin-pool crate's one error type. Variants carry the volume, block and numbers
 //! involved; out of data space and out of metadata space are separate because the pool
 //! reacts to them differently.
+//!
+//! Every error has an [`ErrorKind`] saying who must act: the caller (refused), whoever checks
+//! the metadata (corrupt), whoever looks after the device (I/O), or whoever fixes thinpool
+//! (internal). [`Error::errno`] is the one mapping from an error to a Linux errno; the NBD
+//! adapter and the control socket both use it, so a client sees the same failure either way.
+//!
+//! Messages are short and lowercase and never repeat their source: a variant that wraps an
+//! error keeps it as its `source()` and says only what was being done, so printing the chain
+//! (anyhow's `{:#}`, or [`Error::report`]) names each cause once.
 
 use crate::ids::{TransactionId, VolumeId};
+use persistent_data::error::ErrorKind as MetadataErrorKind;
 use std::io;
 
 /// Result with the crate's error.
@@ -12,11 +22,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// Metadata could not be read, written or understood.
-    #[error("metadata: {0}")]
-    Metadata(#[source] persistent_data::Error),
+    /// Metadata could not be read, written or understood (its message names the metadata
+    /// block, or says "metadata i/o error").
+    #[error(transparent)]
+    Metadata(persistent_data::Error),
     /// The metadata file or data device failed outside persistent-data.
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Io {
         /// What was being done, with the path.
         what: String,
@@ -107,47 +118,250 @@ impl From<persistent_data::Error> for Error {
     }
 }
 
+/// Who must act on an [`Error`]. Refusals leave the pool exactly as it was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The caller asked for something not allowed (bad argument, name taken, no such volume,
+    /// busy, read-only, out of space): EINVAL, EEXIST, ENOENT, ENODATA, EBUSY, EROFS, ENOSPC.
+    Refused,
+    /// What is on disk is wrong, or the pool stopped trusting it: the pool is read-only with
+    /// needs_check until the metadata is checked. EIO.
+    Corrupt,
+    /// A device failed; the errno is the device's own (a host ENOSPC stays ENOSPC), EIO when
+    /// the device gave none.
+    Io,
+    /// A broken internal invariant: a bug in thinpool. EIO.
+    Internal,
+}
+
 impl Error {
-    /// The errno a kernel would give for this error (for NBD replies and messages).
+    /// Who must act on this error.
+    pub fn kind(&self) -> ErrorKind {
+        self.class().0
+    }
+
+    /// The errno a kernel would give for this error: the one mapping, used for NBD replies
+    /// and control-socket answers alike.
     pub fn errno(&self) -> i32 {
+        self.class().1
+    }
+
+    /// The error followed by each of its causes, joined by ": ", for logs and messages that
+    /// are not printed through anyhow.
+    pub fn report(&self) -> Report<'_> {
+        Report(self)
+    }
+
+    /// The one table: each variant's kind and errno.
+    fn class(&self) -> (ErrorKind, i32) {
+        use ErrorKind::{Corrupt, Internal, Io, Refused};
         match self {
-            Error::Metadata(_) | Error::Io { .. } => libc_errno::EIO,
-            Error::VolumeExists(_) | Error::NameExists(_) => libc_errno::EEXIST,
-            Error::VolumeNotFound(_) => libc_errno::ENODATA,
-            Error::NoSuchVolume(_) => libc_errno::ENOENT,
+            Error::Metadata(persistent_data::Error::Io { source, .. })
+            | Error::Io { source, .. } => (Io, io_errno(source)),
+            Error::Metadata(error) => match error.kind() {
+                MetadataErrorKind::Corrupt => (Corrupt, libc::EIO),
+                MetadataErrorKind::NoSpace => (Refused, libc::ENOSPC),
+                // The pool passed persistent-data a request it should never make.
+                MetadataErrorKind::Invalid => (Internal, libc::EIO),
+                // Io is matched above; a kind added later counts as a bug until classified.
+                _ => (Internal, libc::EIO),
+            },
+            Error::VolumeExists(_) | Error::NameExists(_) => (Refused, libc::EEXIST),
+            // dm-thin answers a missing device id with ENODATA, a missing name with ENOENT.
+            Error::VolumeNotFound(_) => (Refused, libc::ENODATA),
+            Error::NoSuchVolume(_) => (Refused, libc::ENOENT),
             Error::BadVolumeId(_)
             | Error::TransactionMismatch { .. }
             | Error::NoMetadataSnap
-            | Error::Invalid(_) => libc_errno::EINVAL,
-            Error::Corrupt(_) | Error::Internal(_) => libc_errno::EIO,
+            | Error::Invalid(_) => (Refused, libc::EINVAL),
             Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
-                libc_errno::EBUSY
+                (Refused, libc::EBUSY)
             }
             // dm-thin fails I/O with EIO in read-only mode after a metadata error; a pool or
             // volume read-only by choice refuses writes with EROFS.
-            Error::ReadOnly { needs_check: true } => libc_errno::EIO,
-            Error::ReadOnly { needs_check: false } => libc_errno::EROFS,
-            Error::OutOfDataSpace { .. } | Error::OutOfMetadataSpace { .. } => libc_errno::ENOSPC,
+            Error::ReadOnly { needs_check: true } => (Corrupt, libc::EIO),
+            Error::ReadOnly { needs_check: false } => (Refused, libc::EROFS),
+            Error::OutOfDataSpace { .. } | Error::OutOfMetadataSpace { .. } => {
+                (Refused, libc::ENOSPC)
+            }
+            Error::Corrupt(_) => (Corrupt, libc::EIO),
+            Error::Internal(_) => (Internal, libc::EIO),
         }
     }
 }
 
-/// The errno values used (Linux numbering).
-pub mod libc_errno {
-    /// I/O error.
-    pub const EIO: i32 = 5;
-    /// Device or resource busy.
-    pub const EBUSY: i32 = 16;
-    /// Exists.
-    pub const EEXIST: i32 = 17;
-    /// Invalid argument.
-    pub const EINVAL: i32 = 22;
-    /// No space left.
-    pub const ENOSPC: i32 = 28;
-    /// Read-only.
-    pub const EROFS: i32 = 30;
-    /// No such file or directory.
-    pub const ENOENT: i32 = 2;
-    /// No data available.
-    pub const ENODATA: i32 = 61;
+/// The device's errno; EIO for an error that carries none (a short read, say).
+fn io_errno(error: &io::Error) -> i32 {
+    match error.raw_os_error() {
+        Some(errno) if errno > 0 => errno,
+        _ => libc::EIO,
+    }
+}
+
+/// Displays an error and its causes, outermost first, joined by ": ". Since no message
+/// repeats its source, each cause appears once.
+pub struct Report<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut cause = self.0.source();
+        while let Some(error) = cause {
+            write!(f, ": {error}")?;
+            cause = error.source();
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use persistent_data::MetadataBlock;
+
+    fn io(errno: i32) -> Error {
+        Error::Io {
+            what: "writing the data device".to_string(),
+            source: io::Error::from_raw_os_error(errno),
+        }
+    }
+
+    fn metadata_io(errno: i32) -> Error {
+        Error::Metadata(persistent_data::Error::Io {
+            operation: "write",
+            block: MetadataBlock(7),
+            source: io::Error::from_raw_os_error(errno),
+        })
+    }
+
+    #[test]
+    fn each_error_has_the_kind_and_errno_a_client_expects() {
+        use ErrorKind::{Corrupt, Internal, Io, Refused};
+        let cases = [
+            (Error::VolumeExists(VolumeId::new(1)), Refused, libc::EEXIST),
+            (Error::NameExists("a".into()), Refused, libc::EEXIST),
+            (
+                Error::VolumeNotFound(VolumeId::new(1)),
+                Refused,
+                libc::ENODATA,
+            ),
+            (Error::NoSuchVolume("a".into()), Refused, libc::ENOENT),
+            (Error::BadVolumeId(1 << 24), Refused, libc::EINVAL),
+            (
+                Error::TransactionMismatch {
+                    expected: TransactionId::new(1),
+                    actual: TransactionId::new(2),
+                },
+                Refused,
+                libc::EINVAL,
+            ),
+            (Error::NoMetadataSnap, Refused, libc::EINVAL),
+            (Error::Invalid("size 0".into()), Refused, libc::EINVAL),
+            (Error::MetadataSnapExists(5), Refused, libc::EBUSY),
+            (Error::Locked { path: "p".into() }, Refused, libc::EBUSY),
+            (
+                Error::Busy("volume \"a\" is open".into()),
+                Refused,
+                libc::EBUSY,
+            ),
+            (Error::ReadOnly { needs_check: false }, Refused, libc::EROFS),
+            (Error::ReadOnly { needs_check: true }, Corrupt, libc::EIO),
+            (
+                Error::OutOfDataSpace { block_count: 8 },
+                Refused,
+                libc::ENOSPC,
+            ),
+            (
+                Error::OutOfMetadataSpace { block_count: 8 },
+                Refused,
+                libc::ENOSPC,
+            ),
+            (
+                Error::Corrupt("mapping root 9 beyond 8 blocks".into()),
+                Corrupt,
+                libc::EIO,
+            ),
+            (
+                Error::Internal("op applied twice".into()),
+                Internal,
+                libc::EIO,
+            ),
+            (io(libc::ENOSPC), Io, libc::ENOSPC),
+            (io(libc::EIO), Io, libc::EIO),
+            (io(libc::EPERM), Io, libc::EPERM),
+            (metadata_io(libc::ENOSPC), Io, libc::ENOSPC),
+            (
+                Error::Io {
+                    what: "reading the data device".into(),
+                    source: io::ErrorKind::UnexpectedEof.into(),
+                },
+                Io,
+                libc::EIO,
+            ),
+            (
+                persistent_data::Error::corrupt(MetadataBlock(3), "keys out of order").into(),
+                Corrupt,
+                libc::EIO,
+            ),
+            (
+                Error::Metadata(persistent_data::Error::Checksum {
+                    block: MetadataBlock(3),
+                    kind: persistent_data::checksum::BlockKind::Superblock,
+                    stored: 1,
+                    computed: 2,
+                }),
+                Corrupt,
+                libc::EIO,
+            ),
+            (
+                persistent_data::Error::OutOfDataSpace { block_count: 8 }.into(),
+                Refused,
+                libc::ENOSPC,
+            ),
+            (
+                Error::Metadata(persistent_data::Error::OutOfMetadataSpace { block_count: 8 }),
+                Refused,
+                libc::ENOSPC,
+            ),
+            (
+                persistent_data::Error::Invalid("dropping a reference to free block 4".into())
+                    .into(),
+                Internal,
+                libc::EIO,
+            ),
+        ];
+        for (error, kind, errno) in cases {
+            assert_eq!(error.kind(), kind, "kind of {error:?}");
+            assert_eq!(error.errno(), errno, "errno of {error:?}");
+        }
+    }
+
+    #[test]
+    fn out_of_space_from_persistent_data_keeps_its_variant() {
+        let error: Error = persistent_data::Error::OutOfDataSpace { block_count: 8 }.into();
+        assert!(matches!(error, Error::OutOfDataSpace { block_count: 8 }));
+    }
+
+    #[test]
+    fn reports_name_each_cause_once() {
+        let cause = io::Error::from_raw_os_error(libc::EPERM).to_string();
+        for error in [io(libc::EPERM), metadata_io(libc::EPERM)] {
+            let report = error.report().to_string();
+            assert_eq!(report.matches(&cause).count(), 1, "{report}");
+            assert!(report.starts_with(&error.to_string()), "{report}");
+            assert!(!error.to_string().contains(&cause), "{error}");
+        }
+        assert_eq!(
+            metadata_io(libc::EPERM).report().to_string(),
+            format!("metadata i/o error: write of block 7: {cause}")
+        );
+        assert_eq!(
+            io(libc::ENOSPC).report().to_string(),
+            format!(
+                "writing the data device: {}",
+                io::Error::from_raw_os_error(libc::ENOSPC)
+            )
+        );
+    }
 }

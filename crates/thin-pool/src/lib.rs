@@ -2,9 +2,9 @@
 //!
 //! Two halves, and the second uses the first, never the reverse:
 //!
-//! - [`format`]: dm-thin's on-disk metadata (superblock, details, mapping trees) with its
+//! - [`format`](mod@format): dm-thin's on-disk metadata (superblock, details, mapping trees) with its
 //!   operations, and the offline tools (`check`, `dump`, `restore`, `metadata_size`);
-//! - [`engine`]: the pool open for I/O (volumes, index, commits, catalog, data device).
+//! - [`engine`](mod@engine): the pool open for I/O (volumes, index, commits, catalog, data device).
 //!
 //! `error` and `ids` are the vocabulary both share.
 #![forbid(unsafe_code)]

@@ -90,7 +90,7 @@ fn error_if_no_space_fails_at_once_then_growth_resumes() {
     let start = Instant::now();
     let e = v.write(8 * BLOCK, &block(1, 8, 1), false).unwrap_err();
     assert!(matches!(e, Error::OutOfDataSpace { .. }), "{e}");
-    assert_eq!(e.errno(), thin_pool::error::libc_errno::ENOSPC);
+    assert_eq!(e.errno(), libc::ENOSPC);
     assert!(
         start.elapsed() < Duration::from_secs(5),
         "error_if_no_space must not wait ({:?})",
