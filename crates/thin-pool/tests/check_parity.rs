@@ -19,7 +19,6 @@ use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::format::check::{check, CheckOptions, LeafOccupancy, Report, Rule};
-use thin_pool::format::metadata::read_superblock;
 use thin_pool::format::superblock::Superblock;
 use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
 
@@ -112,7 +111,7 @@ fn build(path: &Path) -> Layout {
     let bottom_root = md.volume_root(VolumeId(0)).unwrap().0;
     drop(md);
     let bm = persistent_data::block_manager::BlockManager::new(device, 64);
-    let superblock = read_superblock(&bm, MetadataBlock(0)).unwrap();
+    let superblock = Superblock::read(&bm, MetadataBlock(0)).unwrap();
     let root = read_block(path, bottom_root);
     let node = Node::parse(MetadataBlock(bottom_root), &root, 8).unwrap();
     assert!(!node.is_leaf(), "volume 0 needs an internal root");
@@ -167,7 +166,7 @@ fn cases(layout: &Layout) -> Vec<Case> {
     let leaf = layout.bottom_leaves[1];
     let root = layout.bottom_root;
     let sb = &layout.superblock;
-    let details_root = sb.device_details_root;
+    let details_root = sb.device_details_root.0;
     let free_block = sb.metadata_space_map.block_count - 1;
     let leaf_count_block = leaf;
     let overflowed = layout.overflowed;

@@ -25,6 +25,7 @@
 
 mod error;
 pub mod expand;
+mod gather;
 mod human;
 pub mod metadata;
 mod run;
