@@ -9,7 +9,7 @@ use persistent_data::checksum::BlockKind;
 use persistent_data::space_map::core::{bitmap_count, decode_field, ENTRIES_PER_BITMAP};
 use persistent_data::space_map::disk::decode_index_block;
 use persistent_data::space_map::{IndexEntry, SpaceMapRoot};
-use persistent_data::MetadataBlock;
+use persistent_data::{Block, MetadataBlock};
 use std::collections::HashMap;
 
 /// A space map as stored: where its bitmaps are and its overflow counts.
@@ -151,6 +151,17 @@ pub(super) fn read_metadata(
     })
 }
 
+/// What a comparison found, for the summary.
+#[derive(Default)]
+struct Tally {
+    /// Overflow entries met through a bitmap field of 3.
+    overflow_seen: usize,
+    /// Blocks whose stored count differs from the expected one.
+    bad_blocks: u64,
+    /// Of those, blocks expected to be free.
+    leaked_blocks: u64,
+}
+
 /// Compare a stored space map with the recomputed counts, bitmap by bitmap.
 pub(super) fn compare_counts(
     walker: &mut Walker<'_>,
@@ -158,9 +169,7 @@ pub(super) fn compare_counts(
     stored: &StoredSpaceMap,
     expected: &Counts,
 ) {
-    let mut overflow_seen = 0usize;
-    let mut bad_blocks = 0u64;
-    let mut leaked_blocks = 0u64;
+    let mut tally = Tally::default();
     for (index, location) in stored.bitmaps.iter().enumerate() {
         let Some(location) = *location else { continue };
         let Some(data) = walker.read(location, BlockKind::Bitmap, structure, None) else {
@@ -169,9 +178,7 @@ pub(super) fn compare_counts(
         let first = index as u64 * ENTRIES_PER_BITMAP;
         for entry in 0..ENTRIES_PER_BITMAP {
             let block = first + entry;
-            let at = 16 + (entry / 32) as usize * 8;
-            let word = u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
-            let field = (word >> ((entry % 32) * 2)) & 3;
+            let field = bitmap_entry(&data, entry);
             if block >= stored.block_count {
                 if field != 0 {
                     walker.problem(
@@ -189,23 +196,19 @@ pub(super) fn compare_counts(
                 continue;
             }
             let stored_count = if field == 3 {
-                match stored.overflow.get(&block) {
-                    Some(&count) => {
-                        overflow_seen += 1;
-                        count
-                    }
-                    None => {
-                        walker.problem(
-                            Severity::Fatal,
-                            structure,
-                            None,
-                            Some(location),
-                            Rule::OverflowMismatch,
-                            format!("bitmap says block {block} has 3 or more references, the overflow tree has no entry"),
-                        );
-                        continue;
-                    }
-                }
+                let Some(&count) = stored.overflow.get(&block) else {
+                    walker.problem(
+                        Severity::Fatal,
+                        structure,
+                        None,
+                        Some(location),
+                        Rule::OverflowMismatch,
+                        format!("bitmap says block {block} has 3 or more references, the overflow tree has no entry"),
+                    );
+                    continue;
+                };
+                tally.overflow_seen += 1;
+                count
             } else {
                 decode_field(field)
             };
@@ -214,78 +217,105 @@ pub(super) fn compare_counts(
             } else {
                 0
             };
-            if stored_count == expected_count {
-                continue;
+            if stored_count != expected_count {
+                tally.bad_blocks += 1;
+                if expected_count == 0 {
+                    tally.leaked_blocks += 1;
+                }
+                let problem =
+                    count_problem(structure, location, block, stored_count, expected_count);
+                walker.report.push(problem);
             }
-            bad_blocks += 1;
-            if expected_count == 0 {
-                leaked_blocks += 1;
-            }
-            let (severity, rule) = match structure {
-                Structure::DataSpaceMap => (Severity::Fatal, Rule::DataCount),
-                _ if expected_count == 0 => (Severity::NonFatal, Rule::MetadataLeak),
-                _ if stored_count > expected_count => (Severity::Fatal, Rule::MetadataOverCount),
-                _ => (Severity::Fatal, Rule::MetadataUnderCount),
-            };
-            let (block_field, data_block) = match structure {
-                Structure::DataSpaceMap => (Some(location), Some(block)),
-                _ => (Some(block), None),
-            };
-            walker.report.push(Problem {
-                severity,
-                structure,
-                volume: None,
-                block: block_field,
-                data_block,
-                rule,
-                detail: format!(
-                    "reference count is {stored_count}, expected {expected_count}{}",
-                    match rule {
-                        Rule::MetadataLeak => " (leaked)",
-                        _ => "",
-                    }
-                ),
-            });
         }
     }
-    if overflow_seen != stored.overflow.len() {
-        // Some overflow entry's bitmap field is not 3.
-        let mut orphans: Vec<u64> = stored
-            .overflow
-            .keys()
-            .copied()
-            .filter(|&block| {
-                let index = (block / ENTRIES_PER_BITMAP) as usize;
-                stored.bitmaps.get(index).is_some_and(Option::is_some)
-            })
-            .collect();
-        orphans.sort_unstable();
-        let mut reported = 0;
-        for block in orphans {
-            if let Some(field) = bitmap_field(walker, stored, block, structure) {
-                if field != 3 {
-                    reported += 1;
-                    walker.problem(
-                        Severity::Fatal,
-                        structure,
-                        None,
-                        Some(block),
-                        Rule::OverflowMismatch,
-                        format!(
-                            "overflow tree holds a count for block {block}, whose bitmap entry is {field}, not 3"
-                        ),
-                    );
-                }
-            }
-        }
-        debug_assert!(reported > 0 || walker.report.fatal_count > 0);
+    if tally.overflow_seen != stored.overflow.len() {
+        report_overflow_orphans(walker, structure, stored);
     }
     match structure {
-        Structure::DataSpaceMap => walker.report.summary.data_bad_count_blocks += bad_blocks,
-        _ => walker.report.summary.metadata_leaked_blocks += leaked_blocks,
+        Structure::DataSpaceMap => walker.report.summary.data_bad_count_blocks += tally.bad_blocks,
+        _ => walker.report.summary.metadata_leaked_blocks += tally.leaked_blocks,
     }
 }
 
+/// A stored count that differs from the expected one: a data block's is always fatal; a
+/// metadata block's is a leak (non-fatal) when no reference was found, fatal otherwise.
+fn count_problem(
+    structure: Structure,
+    bitmap: u64,
+    block: u64,
+    stored_count: u32,
+    expected_count: u32,
+) -> Problem {
+    let (severity, rule) = match structure {
+        Structure::DataSpaceMap => (Severity::Fatal, Rule::DataCount),
+        _ if expected_count == 0 => (Severity::NonFatal, Rule::MetadataLeak),
+        _ if stored_count > expected_count => (Severity::Fatal, Rule::MetadataOverCount),
+        _ => (Severity::Fatal, Rule::MetadataUnderCount),
+    };
+    let (block_field, data_block) = match structure {
+        Structure::DataSpaceMap => (Some(bitmap), Some(block)),
+        _ => (Some(block), None),
+    };
+    let leaked = if rule == Rule::MetadataLeak {
+        " (leaked)"
+    } else {
+        ""
+    };
+    Problem {
+        severity,
+        structure,
+        volume: None,
+        block: block_field,
+        data_block,
+        rule,
+        detail: format!("reference count is {stored_count}, expected {expected_count}{leaked}"),
+    }
+}
+
+/// Report the overflow entries whose bitmap field is not 3 (some exist: fewer entries were
+/// met through the bitmaps than the overflow tree holds).
+fn report_overflow_orphans(walker: &mut Walker<'_>, structure: Structure, stored: &StoredSpaceMap) {
+    let mut orphans: Vec<u64> = stored
+        .overflow
+        .keys()
+        .copied()
+        .filter(|&block| {
+            let index = (block / ENTRIES_PER_BITMAP) as usize;
+            stored.bitmaps.get(index).is_some_and(Option::is_some)
+        })
+        .collect();
+    orphans.sort_unstable();
+    let mut reported = 0;
+    for block in orphans {
+        let Some(field) = bitmap_field(walker, stored, block, structure) else {
+            continue;
+        };
+        if field != 3 {
+            reported += 1;
+            walker.problem(
+                Severity::Fatal,
+                structure,
+                None,
+                Some(block),
+                Rule::OverflowMismatch,
+                format!(
+                    "overflow tree holds a count for block {block}, whose bitmap entry is {field}, not 3"
+                ),
+            );
+        }
+    }
+    debug_assert!(reported > 0 || walker.report.fatal_count > 0);
+}
+
+/// The 2-bit field of entry `entry` of a bitmap block (after its 16-byte header).
+fn bitmap_entry(data: &Block, entry: u64) -> u64 {
+    debug_assert!(entry < ENTRIES_PER_BITMAP);
+    let at = 16 + (entry / 32) as usize * 8;
+    let word = u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
+    (word >> ((entry % 32) * 2)) & 3
+}
+
+/// The bitmap field of `block` in a stored map, reading its bitmap again.
 fn bitmap_field(
     walker: &mut Walker<'_>,
     stored: &StoredSpaceMap,
@@ -295,8 +325,5 @@ fn bitmap_field(
     let index = (block / ENTRIES_PER_BITMAP) as usize;
     let location = (*stored.bitmaps.get(index)?)?;
     let data = walker.read(location, BlockKind::Bitmap, structure, None)?;
-    let entry = block % ENTRIES_PER_BITMAP;
-    let at = 16 + (entry / 32) as usize * 8;
-    let word = u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"));
-    Some((word >> ((entry % 32) * 2)) & 3)
+    Some(bitmap_entry(&data, block % ENTRIES_PER_BITMAP))
 }
