@@ -163,10 +163,10 @@ pub fn check(
     let snapshot = superblock::read_snapshot(&mut walker, &sb);
     if options.metadata_snap {
         match snapshot {
-            Some(snap) => {
-                trees::check(&mut walker, &snap, options, None);
-            }
-            None if sb.metadata_snap.is_none() => walker.problem(
+            Some(snap) => trees::check(&mut walker, &snap, options, None),
+            // Held but unreadable: already reported.
+            None if sb.metadata_snap.is_some() => {}
+            None => walker.problem(
                 Severity::Fatal,
                 Structure::Superblock,
                 None,
@@ -174,7 +174,6 @@ pub fn check(
                 Rule::MetadataSnapshot,
                 "no metadata snapshot is held".to_string(),
             ),
-            None => {}
         }
         return walker.report;
     }
@@ -187,23 +186,6 @@ pub fn check(
     if options.skip_mappings {
         return walker.report;
     }
-    // Counts below a broken tree are unknown: comparing them would only add noise, so
-    // counts are compared only while no structural problem was found.
-    let data_sm = space_map::read_data(&mut walker, &sb.data_space_map);
-    let structural_fatal = walker.report.fatal_count;
-    if let (Some(stored), 0) = (data_sm, structural_fatal) {
-        space_map::compare_counts(&mut walker, Structure::DataSpaceMap, &stored, &data_counts);
-    }
-    let after_data = walker.report.fatal_count;
-    let metadata_sm = space_map::read_metadata(&mut walker, &sb.metadata_space_map);
-    if let (Some(stored), 0, true) = (
-        metadata_sm,
-        structural_fatal,
-        walker.report.fatal_count == after_data,
-    ) {
-        let expected = std::mem::replace(&mut walker.counts, Counts::new(0));
-        space_map::compare_counts(&mut walker, Structure::MetadataSpaceMap, &stored, &expected);
-        walker.counts = expected;
-    }
+    space_map::check(&mut walker, &sb, &data_counts);
     walker.report
 }

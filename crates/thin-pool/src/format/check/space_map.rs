@@ -4,6 +4,7 @@
 use super::report::{Problem, Rule, Severity, Structure};
 use super::tree::{Counts, TreeKind, Walker};
 use super::Phase;
+use crate::format::superblock::Superblock;
 use persistent_data::btree::Value;
 use persistent_data::checksum::BlockKind;
 use persistent_data::space_map::core::{bitmap_count, decode_field, ENTRIES_PER_BITMAP};
@@ -11,6 +12,29 @@ use persistent_data::space_map::disk::decode_index_block;
 use persistent_data::space_map::{IndexEntry, SpaceMapRoot};
 use persistent_data::{Block, MetadataBlock};
 use std::collections::HashMap;
+
+/// Read both space maps of the live superblock `sb` and compare their counts with the
+/// walk's: the data map's with `data_counts`, the metadata map's with the walker's.
+pub(super) fn check(walker: &mut Walker<'_>, sb: &Superblock, data_counts: &Counts) {
+    // Counts below a broken tree are unknown: comparing them would only add noise, so
+    // counts are compared only while no structural problem was found.
+    let data_sm = read_data(walker, &sb.data_space_map);
+    let structural_fatal = walker.report.fatal_count;
+    if let (Some(stored), 0) = (data_sm, structural_fatal) {
+        compare_counts(walker, Structure::DataSpaceMap, &stored, data_counts);
+    }
+    let after_data = walker.report.fatal_count;
+    let metadata_sm = read_metadata(walker, &sb.metadata_space_map);
+    if let (Some(stored), 0, true) = (
+        metadata_sm,
+        structural_fatal,
+        walker.report.fatal_count == after_data,
+    ) {
+        let expected = std::mem::replace(&mut walker.counts, Counts::new(0));
+        compare_counts(walker, Structure::MetadataSpaceMap, &stored, &expected);
+        walker.counts = expected;
+    }
+}
 
 /// A space map as stored: where its bitmaps are and its overflow counts.
 pub(super) struct StoredSpaceMap {

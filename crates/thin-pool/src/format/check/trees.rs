@@ -70,49 +70,66 @@ pub(super) fn check(
     if options.skip_mappings {
         return;
     }
-    let data_block_count = data_counts.as_ref().map_or(u64::MAX, |c| c.len());
     for (key, root) in roots {
-        let volume = volume_id(key);
-        if !walker.reference(root, Structure::MappingTopLevel, Some(volume), None) {
-            continue;
+        let mapped_blocks = details.get(&key).map(|d| d.mapped_blocks);
+        check_volume(
+            walker,
+            volume_id(key),
+            root,
+            mapped_blocks,
+            is_live,
+            data_counts.as_deref_mut(),
+        );
+    }
+}
+
+/// Walk the mapping tree of `volume` (root `root`), whose details say `mapped_blocks`
+/// (None: no details), counting its data references into `data_counts` (None: don't).
+fn check_volume(
+    walker: &mut Walker<'_>,
+    volume: VolumeId,
+    root: u64,
+    mapped_blocks: Option<u64>,
+    is_live: bool,
+    mut data_counts: Option<&mut Counts>,
+) {
+    if !walker.reference(root, Structure::MappingTopLevel, Some(volume), None) {
+        return;
+    }
+    let data_block_count = data_counts.as_ref().map_or(u64::MAX, |c| c.len());
+    let mut visit = |_: MetadataBlock, vb: u64, value: &[u8]| {
+        let data_block = BlockTime::unpack(u64::unpack(value)).data_block().get();
+        if data_block >= data_block_count {
+            return Some((
+                Rule::DataBlockOutOfRange,
+                format!(
+                    "virtual block {vb} maps to data block {data_block}, beyond the data space map's {data_block_count} blocks"
+                ),
+                Some(data_block),
+            ));
         }
-        let mut visit = |_: MetadataBlock, vb: u64, value: &[u8]| {
-            let data_block = BlockTime::unpack(u64::unpack(value)).data_block().get();
-            if data_block >= data_block_count {
-                return Some((
-                    Rule::DataBlockOutOfRange,
-                    format!(
-                        "virtual block {vb} maps to data block {data_block}, beyond the data space map's {data_block_count} blocks"
-                    ),
-                    Some(data_block),
-                ));
-            }
-            if let Some(counts) = data_counts.as_deref_mut() {
-                counts.inc(data_block);
-            }
-            None
-        };
-        let Some(mappings) = walker.walk(root, TreeKind::Bottom(volume), &mut visit) else {
-            continue;
-        };
-        if is_live {
-            walker.report.summary.mapping_count += mappings;
+        if let Some(counts) = data_counts.as_deref_mut() {
+            counts.inc(data_block);
         }
-        if let Some(d) = details.get(&key) {
-            if d.mapped_blocks != mappings {
-                walker.problem(
-                    Severity::Fatal,
-                    Structure::DetailsTree,
-                    Some(volume),
-                    Some(root),
-                    Rule::MappedBlocks,
-                    format!(
-                        "details say mapped_blocks {}, the volume's tree (root {root}) has {mappings} mappings",
-                        d.mapped_blocks
-                    ),
-                );
-            }
-        }
+        None
+    };
+    let Some(mappings) = walker.walk(root, TreeKind::Bottom(volume), &mut visit) else {
+        return;
+    };
+    if is_live {
+        walker.report.summary.mapping_count += mappings;
+    }
+    if let Some(mapped_blocks) = mapped_blocks.filter(|&m| m != mappings) {
+        walker.problem(
+            Severity::Fatal,
+            Structure::DetailsTree,
+            Some(volume),
+            Some(root),
+            Rule::MappedBlocks,
+            format!(
+                "details say mapped_blocks {mapped_blocks}, the volume's tree (root {root}) has {mappings} mappings"
+            ),
+        );
     }
 }
 
