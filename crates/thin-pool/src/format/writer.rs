@@ -155,3 +155,85 @@ pub fn build_volume_trees(
     let mapping_root = roots.complete(tm, &mut NoRefs)?;
     Ok((mapping_root, details_root))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use persistent_data::{btree, MemoryDevice};
+
+    fn new_pool(data_block_size_sectors: u32, data_block_count: u64) -> NewPool {
+        NewPool {
+            data_block_size_sectors,
+            data_block_count,
+            time: Time::new(2).unwrap(),
+            transaction_id: TransactionId::new(5),
+        }
+    }
+
+    #[test]
+    fn format_refuses_what_the_format_cannot_hold() {
+        let device = Arc::new(MemoryDevice::new(64));
+        let error = format(device.clone(), &new_pool(100, 10)).unwrap_err();
+        assert!(matches!(error, Error::Invalid(_)), "{error:?}");
+        let error = format(device, &new_pool(128, DATA_BLOCK_MAX + 2)).unwrap_err();
+        assert!(matches!(error, Error::Invalid(_)), "{error:?}");
+    }
+
+    #[test]
+    fn committed_volume_trees_read_back() {
+        let device = Arc::new(MemoryDevice::new(64));
+        let Formatted {
+            mut tm,
+            mut data_sm,
+            mut superblock,
+        } = format(device.clone(), &new_pool(128, 10)).unwrap();
+        let details = DeviceDetails {
+            mapped_blocks: 0,
+            transaction_id: 5,
+            creation_time: 2,
+            snapshotted_time: 2,
+        };
+        let mut volumes = Vec::new();
+        for id in [1u32, 4] {
+            let root = btree::create_empty::<u64>(&mut tm).unwrap();
+            let id = VolumeId::new(id);
+            volumes.push(VolumeEntry { id, root, details });
+        }
+        let (mapping_root, details_root) =
+            build_volume_trees(&mut tm, volumes.iter().copied()).unwrap();
+        commit(
+            &mut tm,
+            &mut data_sm,
+            &mut superblock,
+            mapping_root,
+            details_root,
+        )
+        .unwrap();
+        drop(tm);
+        let bm = BlockManager::new(device, 16);
+        let read = Superblock::read(&bm, MetadataBlock::SUPERBLOCK).unwrap();
+        assert_eq!(read, superblock);
+        assert_eq!((read.time, read.transaction_id), (2, 5));
+        for volume in &volumes {
+            let key = u64::from(volume.id.get());
+            let root = btree::lookup::<u64, _>(&bm, read.data_mapping_root, key).unwrap();
+            assert_eq!(root, Some(volume.root.0));
+            let found = btree::lookup::<DeviceDetails, _>(&bm, read.device_details_root, key);
+            assert_eq!(found.unwrap(), Some(details));
+        }
+    }
+
+    #[test]
+    fn volumes_out_of_order_are_an_internal_error() {
+        let device = Arc::new(MemoryDevice::new(64));
+        let mut metadata = format(device, &new_pool(128, 10)).unwrap();
+        let root = btree::create_empty::<u64>(&mut metadata.tm).unwrap();
+        let entry = |id| VolumeEntry {
+            id: VolumeId::new(id),
+            root,
+            details: DeviceDetails::default(),
+        };
+        let error = build_volume_trees(&mut metadata.tm, [entry(3), entry(3)]).unwrap_err();
+        assert!(matches!(error, Error::Internal(_)), "{error:?}");
+    }
+}

@@ -26,10 +26,12 @@
 //!
 //! Files: `superblock` (block 0 and the metadata snapshot's), `trees` (details and mapping
 //! trees of one superblock), `space_map` (stored counts against recomputed ones), `tree`
-//! (the btree walk all of them use), `report` (what is found).
+//! (the btree walk all of them use), `counts` (the recomputed reference counts), `report`
+//! (what is found).
 //!
 //! Callers: the `thinpool check` command, and tests that run it after every commit.
 
+mod counts;
 mod report;
 mod space_map;
 mod superblock;
@@ -38,12 +40,13 @@ mod trees;
 
 pub use report::{Problem, Report, Rule, Severity, Structure, Summary, PROBLEMS_MAX};
 
+use counts::Counts;
 use persistent_data::block_manager::BlockManager;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::BlockDevice;
 use std::fmt;
 use std::sync::Arc;
-use tree::{Counts, Walker};
+use tree::Walker;
 
 /// Blocks the checker's block manager caches (the walk reads each node once; the cache
 /// only serves re-reads of shared nodes).

@@ -1,8 +1,9 @@
 //! The space maps as stored (index, bitmaps, overflow tree), compared with the reference
 //! counts the walk recomputed (spec §7.8, §11.13-14).
 
+use super::counts::Counts;
 use super::report::{Problem, Rule, Severity, Structure};
-use super::tree::{Counts, TreeKind, Walker};
+use super::tree::{TreeKind, Walker};
 use super::Phase;
 use crate::format::superblock::Superblock;
 use persistent_data::btree::Value;

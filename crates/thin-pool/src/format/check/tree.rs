@@ -8,6 +8,7 @@
 //! so a shared volume tree's `mapped_blocks` can be compared without walking it again).
 //! The walk itself recurses at most [`MAX_DEPTH`] levels.
 
+use super::counts::Counts;
 use super::report::{Problem, Report, Rule, Severity, Structure};
 use super::{Phase, Progress};
 use crate::ids::VolumeId;
@@ -16,49 +17,6 @@ use persistent_data::btree::node::{self, Node, HEADER_SIZE};
 use persistent_data::btree::MAX_DEPTH;
 use persistent_data::checksum::BlockKind;
 use persistent_data::{Error as PdError, MetadataBlock, BLOCK_SIZE};
-use std::collections::HashMap;
-
-/// Reference counts for every block of a device: one byte each, counts of 255 and more in
-/// a map.
-#[derive(Debug)]
-pub(super) struct Counts {
-    small: Vec<u8>,
-    big: HashMap<u64, u32>,
-}
-
-impl Counts {
-    pub(super) fn new(block_count: u64) -> Counts {
-        Counts {
-            small: vec![0; usize::try_from(block_count).expect("block count fits memory")],
-            big: HashMap::new(),
-        }
-    }
-
-    pub(super) fn len(&self) -> u64 {
-        self.small.len() as u64
-    }
-
-    /// Add one reference to `block` (which must be below `len()`).
-    pub(super) fn inc(&mut self, block: u64) {
-        let slot = &mut self.small[block as usize];
-        if *slot < u8::MAX {
-            *slot += 1;
-            if *slot == u8::MAX {
-                self.big.insert(block, u32::from(u8::MAX));
-            }
-        } else {
-            let count = self.big.entry(block).or_insert(u32::from(u8::MAX));
-            *count = count.saturating_add(1);
-        }
-    }
-
-    pub(super) fn get(&self, block: u64) -> u32 {
-        match self.small[block as usize] {
-            u8::MAX => self.big.get(&block).copied().unwrap_or(u32::from(u8::MAX)),
-            small => u32::from(small),
-        }
-    }
-}
 
 /// The trees the checker walks, each with its leaf value size and rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

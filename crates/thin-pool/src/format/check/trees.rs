@@ -3,8 +3,9 @@
 //! (its size must be the details' `mapped_blocks`, its data blocks inside the data space
 //! map). Data references are counted for the space-map comparison.
 
+use super::counts::Counts;
 use super::report::{Rule, Severity, Structure};
-use super::tree::{Counts, TreeKind, Walker};
+use super::tree::{TreeKind, Walker};
 use super::{CheckOptions, Phase};
 use crate::format::details::DeviceDetails;
 use crate::format::superblock::Superblock;
