@@ -14,6 +14,10 @@
 //! - at `</superblock>` the details tree and the top level of the mapping tree are built,
 //!   the defs' own references released, and everything committed.
 //!
+//! Formatting, the data references of mapping values, building the details and top-level
+//! trees and committing are [`writer`]'s, shared with
+//! [`PoolMetadata`](crate::format::metadata::PoolMetadata).
+//!
 //! Reference counts follow spec §7.8: a leaf holds one data reference per mapping however
 //! many devices share it; a shared leaf has one metadata reference per parent.
 //!
@@ -122,11 +126,10 @@ impl Pool {
         details_root: MetadataBlock,
     ) -> crate::Result<()> {
         let metadata = &mut self.metadata;
-        let mut superblock = metadata.superblock.clone();
         writer::commit(
             &mut metadata.tm,
             &mut metadata.data_sm,
-            &mut superblock,
+            &mut metadata.superblock,
             mapping_root,
             details_root,
         )

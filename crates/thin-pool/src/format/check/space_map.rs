@@ -107,14 +107,8 @@ pub(super) fn read_data(walker: &mut Walker<'_>, root: &SpaceMapRoot) -> Option<
         for (i, entry) in entries.iter_mut().enumerate() {
             match *entry {
                 None => {
-                    walker.problem(
-                        Severity::Fatal,
-                        structure,
-                        None,
-                        Some(root.bitmap_root),
-                        Rule::SpaceMapIndex,
-                        format!("index has no entry for bitmap {i}"),
-                    );
+                    let detail = format!("index has no entry for bitmap {i}");
+                    index_problem(walker, structure, root, detail);
                     ok = false;
                 }
                 Some(location) => {
@@ -136,6 +130,24 @@ pub(super) fn read_data(walker: &mut Walker<'_>, root: &SpaceMapRoot) -> Option<
     }
 }
 
+/// A broken rule of the space map's index (reported against its root block).
+fn index_problem(
+    walker: &mut Walker<'_>,
+    structure: Structure,
+    root: &SpaceMapRoot,
+    detail: String,
+) {
+    let block = Some(root.bitmap_root);
+    walker.problem(
+        Severity::Fatal,
+        structure,
+        None,
+        block,
+        Rule::SpaceMapIndex,
+        detail,
+    );
+}
+
 pub(super) fn read_metadata(
     walker: &mut Walker<'_>,
     root: &SpaceMapRoot,
@@ -152,14 +164,8 @@ pub(super) fn read_metadata(
                 if entry.blocknr == 0
                     || !walker.reference(entry.blocknr, structure, None, Some(root.bitmap_root))
                 {
-                    walker.problem(
-                        Severity::Fatal,
-                        structure,
-                        None,
-                        Some(root.bitmap_root),
-                        Rule::SpaceMapIndex,
-                        format!("index entry {i} points at block {}", entry.blocknr),
-                    );
+                    let detail = format!("index entry {i} points at block {}", entry.blocknr);
+                    index_problem(walker, structure, root, detail);
                     found.push(None);
                 } else {
                     found.push(Some(entry.blocknr));

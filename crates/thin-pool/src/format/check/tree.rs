@@ -250,21 +250,17 @@ impl<'a> Walker<'a> {
         let first = node.key(0);
         let last = node.key(node.len() - 1);
         if let Some(lower) = lower.filter(|&lower| first < lower) {
-            self.problem(
-                Severity::Fatal,
-                kind.structure(),
-                kind.volume(),
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::ParentKey,
                 format!("first key {first} is below its parent's key {lower}"),
             );
         }
         if let Some(upper) = upper.filter(|&upper| last >= upper) {
-            self.problem(
-                Severity::Fatal,
-                kind.structure(),
-                kind.volume(),
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::ParentKey,
                 format!("key {last} is not below the parent's next key {upper}"),
             );
@@ -319,14 +315,7 @@ impl<'a> Walker<'a> {
         } else {
             return true;
         };
-        self.problem(
-            Severity::Fatal,
-            kind.structure(),
-            kind.volume(),
-            Some(block),
-            rule,
-            detail,
-        );
+        self.node_problem(block, kind, rule, detail);
         false
     }
 
@@ -339,17 +328,14 @@ impl<'a> Walker<'a> {
         depth: usize,
         visit: &mut ValueVisitor<'_>,
     ) -> Option<(u8, u64)> {
-        let (structure, volume) = (kind.structure(), kind.volume());
         let index = block as usize;
         match self.height[index] {
             UNVISITED => {}
             BROKEN => return None,
             IN_PROGRESS => {
-                self.problem(
-                    Severity::Fatal,
-                    structure,
-                    volume,
-                    Some(block),
+                self.node_problem(
+                    block,
+                    kind,
                     Rule::LeafDepth,
                     "node is its own ancestor (a cycle)".to_string(),
                 );
@@ -361,11 +347,9 @@ impl<'a> Walker<'a> {
             }
         }
         if depth >= MAX_DEPTH {
-            self.problem(
-                Severity::Fatal,
-                structure,
-                volume,
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::LeafDepth,
                 format!("tree deeper than {MAX_DEPTH} levels"),
             );
