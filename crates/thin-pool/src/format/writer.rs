@@ -37,9 +37,9 @@ impl RefCounter<u64> for DataRefs<'_> {
 /// What a new pool starts with.
 #[derive(Clone, Copy, Debug)]
 pub struct NewPool {
-    /// Data block size in 512-byte sectors (checked by [`format`]).
+    /// Data block size in 512-byte sectors (checked by [`format()`]).
     pub data_block_size_sectors: u32,
-    /// Data blocks in the pool (checked by [`format`]: at most 2^40).
+    /// Data blocks in the pool (checked by [`format()`]: at most 2^40).
     pub data_block_count: u64,
     /// The pool's snapshot epoch.
     pub time: Time,
