@@ -46,19 +46,20 @@ fn random_workloads_pass_after_every_commit() {
             let ids: Vec<u32> = model.keys().copied().collect();
             match op {
                 0 | 1 => {
-                    md.create_thin(VolumeId(next_id)).unwrap();
+                    md.create_thin(VolumeId::new(next_id)).unwrap();
                     model.insert(next_id, 0);
                     next_id += 1;
                 }
                 2 if !ids.is_empty() => {
                     let origin = ids[rng.gen_range(0..ids.len())];
-                    md.create_snap(VolumeId(next_id), VolumeId(origin)).unwrap();
+                    md.create_snap(VolumeId::new(next_id), VolumeId::new(origin))
+                        .unwrap();
                     model.insert(next_id, model[&origin]);
                     next_id += 1;
                 }
                 3 if ids.len() > 1 => {
                     let id = ids[rng.gen_range(0..ids.len())];
-                    md.delete(VolumeId(id)).unwrap();
+                    md.delete(VolumeId::new(id)).unwrap();
                     model.remove(&id);
                 }
                 4 if !ids.is_empty() => {
@@ -66,7 +67,11 @@ fn random_workloads_pass_after_every_commit() {
                     let begin = rng.gen_range(0..2000u64);
                     let end = begin + rng.gen_range(1..800u64);
                     let removed = md
-                        .remove_range(VolumeId(id), VirtualBlock(begin), VirtualBlock(end))
+                        .remove_range(
+                            VolumeId::new(id),
+                            VirtualBlock::new(begin),
+                            VirtualBlock::new(end),
+                        )
                         .unwrap();
                     *model.get_mut(&id).unwrap() -= removed;
                 }
@@ -83,7 +88,7 @@ fn random_workloads_pass_after_every_commit() {
                         let vb = rng.gen_range(0..3000u64);
                         let db = md.alloc_data_block().unwrap();
                         if md
-                            .insert(VolumeId(id), VirtualBlock(vb), db)
+                            .insert(VolumeId::new(id), VirtualBlock::new(vb), db)
                             .unwrap()
                             .is_none()
                         {

@@ -19,9 +19,8 @@ use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::format::check::{check, CheckOptions, LeafOccupancy, Report, Rule};
-use thin_pool::format::metadata::read_superblock;
 use thin_pool::format::superblock::Superblock;
-use thin_pool::{PoolMetadata, VirtualBlock, VolumeId};
+use thin_pool::{BlockTime, DataBlock, PoolMetadata, Time, VirtualBlock, VolumeId};
 
 const METADATA_BLOCKS: u64 = 2048;
 const DATA_BLOCKS: u64 = 20_000;
@@ -92,27 +91,29 @@ fn value_at(max: usize, value_size: usize, i: usize) -> usize {
 fn build(path: &Path) -> Layout {
     let device = Arc::new(FileDevice::create(path, METADATA_BLOCKS).unwrap());
     let mut md = PoolMetadata::format(device.clone(), 128, DATA_BLOCKS).unwrap();
-    md.create_thin(VolumeId(0)).unwrap();
+    md.create_thin(VolumeId::new(0)).unwrap();
     for vb in 0..3000u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(0), VirtualBlock(vb * 3), db).unwrap();
+        md.insert(VolumeId::new(0), VirtualBlock::new(vb * 3), db)
+            .unwrap();
     }
     md.commit().unwrap();
-    md.create_snap(VolumeId(1), VolumeId(0)).unwrap();
+    md.create_snap(VolumeId::new(1), VolumeId::new(0)).unwrap();
     md.commit().unwrap();
     for vb in 0..200u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(1), VirtualBlock(vb * 7), db).unwrap();
+        md.insert(VolumeId::new(1), VirtualBlock::new(vb * 7), db)
+            .unwrap();
     }
     md.commit().unwrap();
     for id in 2..5 {
-        md.create_snap(VolumeId(id), VolumeId(0)).unwrap();
+        md.create_snap(VolumeId::new(id), VolumeId::new(0)).unwrap();
     }
     md.commit().unwrap();
-    let bottom_root = md.volume_root(VolumeId(0)).unwrap().0;
+    let bottom_root = md.volume_root(VolumeId::new(0)).unwrap().0;
     drop(md);
     let bm = persistent_data::block_manager::BlockManager::new(device, 64);
-    let superblock = read_superblock(&bm, MetadataBlock(0)).unwrap();
+    let superblock = Superblock::read(&bm, MetadataBlock(0)).unwrap();
     let root = read_block(path, bottom_root);
     let node = Node::parse(MetadataBlock(bottom_root), &root, 8).unwrap();
     assert!(!node.is_leaf(), "volume 0 needs an internal root");
@@ -167,7 +168,7 @@ fn cases(layout: &Layout) -> Vec<Case> {
     let leaf = layout.bottom_leaves[1];
     let root = layout.bottom_root;
     let sb = &layout.superblock;
-    let details_root = sb.device_details_root;
+    let details_root = sb.device_details_root.0;
     let free_block = sb.metadata_space_map.block_count - 1;
     let leaf_count_block = leaf;
     let overflowed = layout.overflowed;
@@ -274,7 +275,8 @@ fn cases(layout: &Layout) -> Vec<Case> {
             move |p, _| {
                 patch(p, leaf, node(BlockKind::Node), |d| {
                     let at = value_at(252, 8, 3);
-                    put_u64(d, at, (DATA_BLOCKS + 5) << 24);
+                    let value = BlockTime::new(DataBlock::new(DATA_BLOCKS + 5), Time::default());
+                    put_u64(d, at, value.pack());
                 })
             },
         ),
@@ -302,7 +304,8 @@ fn cases(layout: &Layout) -> Vec<Case> {
         case("data count wrong", Rule::DataCount, None, move |p, l| {
             // The first mapping of volume 0's second leaf.
             let leaf_data = read_block(p, leaf);
-            let data_block = u64_at(&leaf_data, value_at(252, 8, 0)) >> 24;
+            let value = BlockTime::unpack(u64_at(&leaf_data, value_at(252, 8, 0)));
+            let data_block = value.data_block().get();
             assert!(data_block < ENTRIES_PER_BITMAP);
             patch(p, l.data_bitmap, node(BlockKind::Bitmap), |d| {
                 let count = decode_field(bitmap_field(d, data_block));

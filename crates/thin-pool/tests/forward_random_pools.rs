@@ -63,20 +63,21 @@ fn random_workload(rng: &mut StdRng, md: &mut PoolMetadata) -> Case {
         match rng.gen_range(0..100) {
             0..=11 if ids.len() < VOLUMES_MAX => {
                 let id = fresh_id(rng, &case.model);
-                md.create_thin(VolumeId(id)).unwrap();
+                md.create_thin(VolumeId::new(id)).unwrap();
                 case.model.insert(id, BTreeMap::new());
             }
             12..=25 if !ids.is_empty() && ids.len() < VOLUMES_MAX => {
                 let origin = pick(rng);
                 let id = fresh_id(rng, &case.model);
-                md.create_snap(VolumeId(id), VolumeId(origin)).unwrap();
+                md.create_snap(VolumeId::new(id), VolumeId::new(origin))
+                    .unwrap();
                 let copy = case.model[&origin].clone();
                 case.model.insert(id, copy);
                 case.snapshots.push((origin, id));
             }
             26..=30 if !ids.is_empty() => {
                 let id = pick(rng);
-                md.delete(VolumeId(id)).unwrap();
+                md.delete(VolumeId::new(id)).unwrap();
                 case.model.remove(&id);
             }
             31..=69 if !ids.is_empty() => {
@@ -90,7 +91,8 @@ fn random_workload(rng: &mut StdRng, md: &mut PoolMetadata) -> Case {
                 let time = md.time();
                 for vb in (start..start + length).step_by(stride) {
                     let db = md.alloc_data_block().unwrap();
-                    md.insert(VolumeId(id), VirtualBlock(vb), db).unwrap();
+                    md.insert(VolumeId::new(id), VirtualBlock::new(vb), db)
+                        .unwrap();
                     case.model.get_mut(&id).unwrap().insert(vb, (db.0, time));
                 }
             }
@@ -98,12 +100,17 @@ fn random_workload(rng: &mut StdRng, md: &mut PoolMetadata) -> Case {
                 let id = pick(rng);
                 let start = rng.gen_range(0..VIRTUAL_BLOCKS);
                 if rng.gen_bool(0.3) {
-                    md.remove(VolumeId(id), VirtualBlock(start)).unwrap();
+                    md.remove(VolumeId::new(id), VirtualBlock::new(start))
+                        .unwrap();
                     case.model.get_mut(&id).unwrap().remove(&start);
                 } else {
                     let end = start + rng.gen_range(1..400u64);
-                    md.remove_range(VolumeId(id), VirtualBlock(start), VirtualBlock(end))
-                        .unwrap();
+                    md.remove_range(
+                        VolumeId::new(id),
+                        VirtualBlock::new(start),
+                        VirtualBlock::new(end),
+                    )
+                    .unwrap();
                     case.model
                         .get_mut(&id)
                         .unwrap()

@@ -1,6 +1,7 @@
 //! Per-volume details, the values of the device-details tree (spec §6.2, 24 bytes):
 //! `mapped_blocks u64 | transaction_id u64 | creation_time u32 | snapshotted_time u32`.
 
+use crate::ids::{BlockTime, DataBlock, Time};
 use persistent_data::btree::Value;
 
 /// What the metadata records about one volume.
@@ -34,13 +35,16 @@ impl Value for DeviceDetails {
     }
 }
 
-/// Pack a mapping value: data block in bits 63..24, time in bits 23..0.
+/// Pack a mapping value, for `metadata.rs` until it uses [`BlockTime`] directly (the
+/// time is cut to its 24 bits, as the format stores it).
 pub fn pack_block_time(data_block: u64, time: u32) -> u64 {
-    debug_assert!(data_block <= crate::ids::DATA_BLOCK_MAX);
-    (data_block << 24) | u64::from(time & 0x00FF_FFFF)
+    let time = Time::new(time & Time::MAX.get()).expect("24 bits fit");
+    BlockTime::new(DataBlock::new(data_block), time).pack()
 }
 
-/// Unpack a mapping value into (data block, time).
+/// Unpack a mapping value into (data block, time), for `metadata.rs` until it uses
+/// [`BlockTime`] directly.
 pub fn unpack_block_time(value: u64) -> (u64, u32) {
-    (value >> 24, (value & 0x00FF_FFFF) as u32)
+    let value = BlockTime::unpack(value);
+    (value.data_block().get(), value.time().get())
 }

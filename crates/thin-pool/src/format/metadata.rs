@@ -16,12 +16,12 @@
 
 use crate::error::{Error, Result};
 use crate::format::details::{pack_block_time, unpack_block_time, DeviceDetails};
-use crate::format::superblock::{valid_data_block_size, Superblock, NEEDS_CHECK_FLAG, VERSION};
-use crate::ids::{DataBlock, TransactionId, VirtualBlock, VolumeId, DATA_BLOCK_MAX};
+use crate::format::superblock::{self, Superblock, NEEDS_CHECK_FLAG};
+use crate::format::writer::{self, DataRefs, NewPool};
+use crate::ids::{DataBlock, Time, TransactionId, VirtualBlock, VolumeId, DATA_BLOCK_MAX};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::{self, NoRefs, RefCounter};
-use persistent_data::checksum::BlockKind;
-use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
+use persistent_data::space_map::DataSpaceMap;
 use persistent_data::{BlockDevice, MetadataBlock, TransactionManager};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,18 +37,6 @@ pub struct Mapping {
     /// snapshotted after the mapping was made). Conservative: may be true after sharing
     /// was already broken.
     pub shared: bool,
-}
-
-/// Bottom-level values reference data blocks.
-pub(crate) struct DataRefs<'a>(pub &'a mut DataSpaceMap);
-
-impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
-        self.0.inc(unpack_block_time(*value).0)
-    }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
-        self.0.dec(unpack_block_time(*value).0).map(|_| ())
-    }
 }
 
 /// Top-level values while updating a volume's root: a copied top-level leaf takes a
@@ -129,12 +117,6 @@ fn check_volume_id(id: u64) -> Result<VolumeId> {
     Ok(VolumeId(id as u32))
 }
 
-/// Read and decode the superblock at `location` (block 0, or a metadata snapshot's).
-pub fn read_superblock(bm: &BlockManager, location: MetadataBlock) -> Result<Superblock> {
-    let data = bm.read(location, BlockKind::Superblock)?;
-    Ok(Superblock::decode(location, &data)?)
-}
-
 impl PoolMetadata {
     /// Format `device` as empty pool metadata for data blocks of `data_block_size_sectors`
     /// and a data device of `data_block_count` blocks, and commit it.
@@ -143,40 +125,19 @@ impl PoolMetadata {
         data_block_size_sectors: u32,
         data_block_count: u64,
     ) -> Result<PoolMetadata> {
-        if !valid_data_block_size(data_block_size_sectors) {
-            return Err(Error::Invalid(format!(
-                "data block size {data_block_size_sectors} sectors: must be a multiple of 128 (64 KiB) from 128 to 2097152 (1 GiB)"
-            )));
-        }
-        if data_block_count > DATA_BLOCK_MAX + 1 {
-            return Err(Error::Invalid(format!(
-                "{data_block_count} data blocks: at most 2^40"
-            )));
-        }
-        let metadata_blocks = device.block_count();
-        let bm = Arc::new(BlockManager::new(device, CACHE_BLOCKS_DEFAULT));
-        let mut tm = TransactionManager::format(bm, metadata_blocks)?;
-        let data_sm = DataSpaceMap::format(&mut tm, data_block_count)?;
+        let new_pool = NewPool {
+            data_block_size_sectors,
+            data_block_count,
+            time: Time::default(),
+            transaction_id: TransactionId::default(),
+        };
+        let writer::Formatted {
+            mut tm,
+            data_sm,
+            superblock,
+        } = writer::format(device, &new_pool)?;
         let mapping_root = btree::create_empty::<u64>(&mut tm)?;
         let details_root = btree::create_empty::<DeviceDetails>(&mut tm)?;
-        let superblock = Superblock {
-            flags: 0,
-            blocknr: 0,
-            uuid: [0; 16],
-            version: VERSION,
-            time: 0,
-            transaction_id: 0,
-            metadata_snap: 0,
-            data_space_map: SpaceMapRoot::default(),
-            metadata_space_map: SpaceMapRoot::default(),
-            data_mapping_root: mapping_root.0,
-            device_details_root: details_root.0,
-            data_block_size_sectors,
-            metadata_block_count: tm.space_map().block_count(),
-            compat_flags: 0,
-            compat_ro_flags: 0,
-            incompat_flags: 0,
-        };
         let mut metadata = PoolMetadata {
             tm,
             data_sm,
@@ -193,7 +154,7 @@ impl PoolMetadata {
     /// Open existing metadata on `device`.
     pub fn open(device: Arc<dyn BlockDevice>) -> Result<PoolMetadata> {
         let bm = Arc::new(BlockManager::new(device, CACHE_BLOCKS_DEFAULT));
-        let superblock = read_superblock(&bm, MetadataBlock::SUPERBLOCK)?;
+        let superblock = Superblock::read(&bm, MetadataBlock::SUPERBLOCK)?;
         if superblock.metadata_space_map.is_empty() {
             return Err(Error::Metadata(persistent_data::Error::corrupt(
                 MetadataBlock::SUPERBLOCK,
@@ -202,8 +163,8 @@ impl PoolMetadata {
         }
         let tm = TransactionManager::open(bm.clone(), &superblock.metadata_space_map)?;
         let data_sm = DataSpaceMap::open(&*bm, &superblock.data_space_map)?;
-        let mapping_root = MetadataBlock(superblock.data_mapping_root);
-        let details_root = MetadataBlock(superblock.device_details_root);
+        let mapping_root = superblock.data_mapping_root;
+        let details_root = superblock.device_details_root;
         let mut volumes = BTreeMap::new();
         btree::walk::<DeviceDetails, _>(&*bm, details_root, &mut |key, details| {
             let id = check_volume_id(key).map_err(|_| {
@@ -283,7 +244,7 @@ impl PoolMetadata {
 
     /// The metadata snapshot's superblock block, if one is held.
     pub fn metadata_snap(&self) -> Option<MetadataBlock> {
-        (self.superblock.metadata_snap != 0).then_some(MetadataBlock(self.superblock.metadata_snap))
+        self.superblock.metadata_snap
     }
 
     /// Whether anything changed since the last commit.
@@ -766,11 +727,13 @@ impl PoolMetadata {
             state.details_changed = false;
             state.touched = false;
         }
-        self.superblock.data_space_map = self.data_sm.commit(&mut self.tm)?;
-        self.superblock.metadata_space_map = self.tm.commit_space_map()?;
-        self.superblock.data_mapping_root = self.mapping_root.0;
-        self.superblock.device_details_root = self.details_root.0;
-        self.tm.commit(self.superblock.encode())?;
+        writer::commit(
+            &mut self.tm,
+            &mut self.data_sm,
+            &mut self.superblock,
+            self.mapping_root,
+            self.details_root,
+        )?;
         self.changed = false;
         Ok(())
     }
@@ -784,15 +747,11 @@ impl PoolMetadata {
         }
         self.commit()?;
         let location = self.tm.new_block()?;
-        let mut copy = self.superblock.clone();
-        copy.blocknr = location.0;
-        copy.metadata_snap = 0;
-        copy.data_space_map = SpaceMapRoot::default();
-        copy.metadata_space_map = SpaceMapRoot::default();
+        let copy = self.superblock.metadata_snapshot(location);
         self.tm.inc(self.mapping_root)?;
         self.tm.inc(self.details_root)?;
         self.tm.write_raw_superblock(location, copy.encode());
-        self.superblock.metadata_snap = location.0;
+        self.superblock.metadata_snap = Some(location);
         self.changed = true;
         self.commit()?;
         Ok(location)
@@ -802,19 +761,19 @@ impl PoolMetadata {
     pub fn release_metadata_snap(&mut self) -> Result<()> {
         self.check_writable()?;
         let location = self.metadata_snap().ok_or(Error::NoMetadataSnap)?;
-        let snap = read_superblock(self.tm.block_manager(), location)?;
+        let snap = Superblock::read(self.tm.block_manager(), location)?;
         btree::delete_tree::<u64, _>(
             &mut self.tm,
             &mut SubtreeDelete(&mut self.data_sm),
-            MetadataBlock(snap.data_mapping_root),
+            snap.data_mapping_root,
         )?;
         btree::delete_tree::<DeviceDetails, _>(
             &mut self.tm,
             &mut NoRefs,
-            MetadataBlock(snap.device_details_root),
+            snap.device_details_root,
         )?;
         self.tm.dec(location)?;
-        self.superblock.metadata_snap = 0;
+        self.superblock.metadata_snap = None;
         self.changed = true;
         self.commit()
     }
@@ -830,9 +789,7 @@ impl PoolMetadata {
                 what: "reading the superblock".to_string(),
                 source,
             })?;
-        let flags = u32::from_le_bytes(data[4..8].try_into().expect("4 bytes")) | NEEDS_CHECK_FLAG;
-        data[4..8].copy_from_slice(&flags.to_le_bytes());
-        persistent_data::checksum::stamp(&mut data, BlockKind::Superblock);
+        superblock::set_needs_check(&mut data);
         let io = |source| Error::Io {
             what: "writing the needs_check flag".to_string(),
             source,

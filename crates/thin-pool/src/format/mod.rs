@@ -5,8 +5,10 @@
 //! (`crate::engine`) uses [`metadata::PoolMetadata`]; the tools (`check`, `dump`, `restore`,
 //! `metadata_size`) use only this module and `persistent-data`.
 //!
-//! Order: `superblock` and `details` (codecs) → `metadata` (the one writer, dm-thin's
-//! operations) → `check`, `dump`, `restore`, `metadata_size` (the tools).
+//! Order: `superblock` and `details` (codecs) → `writer` (formatting, building the volume
+//! trees, committing: shared by both writers) → `metadata` (dm-thin's operations, one at a
+//! time) → `check`, `dump`, `restore`, `metadata_size` (the tools; `restore` writes through
+//! `writer` too).
 
 pub mod check;
 pub mod details;
@@ -15,3 +17,4 @@ pub mod metadata;
 pub mod metadata_size;
 pub mod restore;
 pub mod superblock;
+pub mod writer;

@@ -14,6 +14,10 @@
 //! - at `</superblock>` the details tree and the top level of the mapping tree are built,
 //!   the defs' own references released, and everything committed.
 //!
+//! Formatting, the data references of mapping values, building the details and top-level
+//! trees and committing are [`writer`]'s, shared with
+//! [`PoolMetadata`](crate::format::metadata::PoolMetadata).
+//!
 //! Reference counts follow spec §7.8: a leaf holds one data reference per mapping however
 //! many devices share it; a shared leaf has one metadata reference per parent.
 //!
@@ -23,17 +27,13 @@
 //! restored pool). What grows is per device (its root and details) and per def (its leaves).
 //! `mapped_blocks` is taken from the XML, as 1.x does.
 
-use crate::format::details::{pack_block_time, DeviceDetails};
+use crate::format::details::DeviceDetails;
 use crate::format::dump::{self, DeviceInfo, DumpVisitor, Mapping, SuperblockInfo};
-use crate::format::superblock::{valid_data_block_size, Superblock, VERSION};
-use crate::ids::DATA_BLOCK_MAX;
-use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
-use persistent_data::btree::builder::{
-    build_tree, release_nodes, NodeBuilder, NodeSummary, TreeBuilder,
-};
-use persistent_data::btree::{self, NoRefs, RefCounter};
-use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
-use persistent_data::{BlockDevice, MetadataBlock, TransactionManager};
+use crate::format::writer::{self, DataRefs, Formatted, NewPool, VolumeEntry};
+use crate::ids::{BlockTime, DataBlock, Time, TransactionId, VolumeId};
+use persistent_data::btree;
+use persistent_data::btree::builder::{build_tree, release_nodes, NodeBuilder, NodeSummary};
+use persistent_data::{BlockDevice, MetadataBlock};
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
 use std::sync::Arc;
@@ -109,27 +109,31 @@ pub fn restore<R: BufRead>(
     })
 }
 
-/// Bottom-level values reference data blocks.
-struct DataRefs<'a>(&'a mut DataSpaceMap);
-
-impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
-        self.0.inc(value >> 24)
-    }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
-        self.0.dec(value >> 24).map(|_| ())
-    }
-}
-
 /// State after `<superblock>`.
 struct Pool {
-    tm: TransactionManager,
-    data_sm: DataSpaceMap,
-    superblock: Superblock,
-    /// Empty trees the intermediate superblocks point at.
+    /// The metadata being written (its superblock holds the dump's settings).
+    metadata: Formatted,
     /// Empty trees for the superblock of intermediate commits, made at the first one (so
     /// that, as with thin_restore, the first blocks allocated hold mappings).
     placeholder_roots: Option<(MetadataBlock, MetadataBlock)>,
+}
+
+impl Pool {
+    /// Commit with these roots in the superblock.
+    fn commit(
+        &mut self,
+        mapping_root: MetadataBlock,
+        details_root: MetadataBlock,
+    ) -> crate::Result<()> {
+        let metadata = &mut self.metadata;
+        writer::commit(
+            &mut metadata.tm,
+            &mut metadata.data_sm,
+            &mut metadata.superblock,
+            mapping_root,
+            details_root,
+        )
+    }
 }
 
 /// The mappings being built: a def's or a device's.
@@ -146,7 +150,7 @@ pub struct Restorer {
     pool: Option<Pool>,
     section: Option<Section>,
     defs: HashMap<String, Vec<NodeSummary>>,
-    devices: BTreeMap<u32, (MetadataBlock, DeviceDetails)>,
+    devices: BTreeMap<VolumeId, (MetadataBlock, DeviceDetails)>,
     mapping_count: u64,
     summary: Option<RestoreSummary>,
 }
@@ -204,7 +208,7 @@ impl Restorer {
     fn end(&mut self) -> Result<(Section, Vec<NodeSummary>), dump::Error> {
         let mut section = self.section.take().expect("inside a section");
         let builder = std::mem::replace(&mut section.builder, NodeBuilder::leaves());
-        let pool = self.pool.as_mut().expect("events after <superblock>");
+        let pool = &mut self.pool().metadata;
         let nodes = builder
             .complete(&mut pool.tm, &mut DataRefs(&mut pool.data_sm))
             .map_err(visitor_error)?;
@@ -215,83 +219,47 @@ impl Restorer {
     fn maybe_commit(&mut self) -> Result<(), dump::Error> {
         let interval = self.options.commit_interval_blocks;
         let pool = self.pool();
-        if pool.tm.dirty_count() < interval {
+        if pool.metadata.tm.dirty_count() < interval {
             return Ok(());
         }
         let (mapping_root, details_root) = match pool.placeholder_roots {
             Some(roots) => roots,
             None => {
+                let tm = &mut pool.metadata.tm;
                 let roots = (
-                    btree::create_empty::<u64>(&mut pool.tm).map_err(visitor_error)?,
-                    btree::create_empty::<DeviceDetails>(&mut pool.tm).map_err(visitor_error)?,
+                    btree::create_empty::<u64>(tm).map_err(visitor_error)?,
+                    btree::create_empty::<DeviceDetails>(tm).map_err(visitor_error)?,
                 );
                 pool.placeholder_roots = Some(roots);
                 roots
             }
         };
-        let mut superblock = pool.superblock.clone();
-        superblock.data_mapping_root = mapping_root.0;
-        superblock.device_details_root = details_root.0;
-        commit(pool, superblock).map_err(visitor_error)
+        pool.commit(mapping_root, details_root)
+            .map_err(visitor_error)
     }
-}
-
-fn commit(pool: &mut Pool, mut superblock: Superblock) -> crate::Result<()> {
-    superblock.data_space_map = pool.data_sm.commit(&mut pool.tm)?;
-    superblock.metadata_space_map = pool.tm.commit_space_map()?;
-    pool.tm.commit(superblock.encode())?;
-    Ok(())
 }
 
 impl DumpVisitor for Restorer {
     fn superblock_begin(&mut self, info: &SuperblockInfo) -> Result<(), dump::Error> {
-        let data_block_size = self
-            .options
-            .data_block_size_sectors
-            .unwrap_or(info.data_block_size_sectors);
-        if !valid_data_block_size(data_block_size) {
-            return Err(invalid(format!(
-                "data block size {data_block_size} sectors: must be a multiple of 128 from 128 to 2097152"
-            )));
-        }
-        let data_block_count = self
-            .options
-            .data_block_count
-            .unwrap_or(info.data_block_count);
-        if data_block_count > DATA_BLOCK_MAX + 1 {
-            return Err(invalid(format!(
-                "{data_block_count} data blocks: at most 2^40"
-            )));
-        }
-        if info.time >= 1 << 24 {
-            return Err(invalid(format!("time {} does not fit 24 bits", info.time)));
-        }
-        let block_count = self.device.block_count();
-        let bm = Arc::new(BlockManager::new(self.device.clone(), CACHE_BLOCKS_DEFAULT));
-        let mut tm = TransactionManager::format(bm, block_count).map_err(visitor_error)?;
-        let data_sm = DataSpaceMap::format(&mut tm, data_block_count).map_err(visitor_error)?;
-        let superblock = Superblock {
-            flags: 0,
-            blocknr: 0,
-            uuid: [0; 16],
-            version: VERSION,
-            time: info.time,
-            transaction_id: self.options.transaction_id.unwrap_or(info.transaction),
-            metadata_snap: 0,
-            data_space_map: SpaceMapRoot::default(),
-            metadata_space_map: SpaceMapRoot::default(),
-            data_mapping_root: 0,
-            device_details_root: 0,
-            data_block_size_sectors: data_block_size,
-            metadata_block_count: tm.space_map().block_count(),
-            compat_flags: 0,
-            compat_ro_flags: 0,
-            incompat_flags: 0,
+        let time = Time::new(info.time)
+            .ok_or_else(|| invalid(format!("time {} does not fit 24 bits", info.time)))?;
+        let new_pool = NewPool {
+            data_block_size_sectors: self
+                .options
+                .data_block_size_sectors
+                .unwrap_or(info.data_block_size_sectors),
+            data_block_count: self
+                .options
+                .data_block_count
+                .unwrap_or(info.data_block_count),
+            time,
+            transaction_id: TransactionId::new(
+                self.options.transaction_id.unwrap_or(info.transaction),
+            ),
         };
+        let metadata = writer::format(self.device.clone(), &new_pool).map_err(visitor_error)?;
         self.pool = Some(Pool {
-            tm,
-            data_sm,
-            superblock,
+            metadata,
             placeholder_roots: None,
         });
         Ok(())
@@ -300,36 +268,34 @@ impl DumpVisitor for Restorer {
     fn superblock_end(&mut self) -> Result<(), dump::Error> {
         let devices = std::mem::take(&mut self.devices);
         let defs = std::mem::take(&mut self.defs);
-        let pool = self.pool.as_mut().expect("events after <superblock>");
-        let tm = &mut pool.tm;
-        let mut details = TreeBuilder::<DeviceDetails>::new();
-        let mut roots = TreeBuilder::<u64>::new();
-        for (&id, &(root, detail)) in &devices {
-            details
-                .push_value(tm, &mut NoRefs, u64::from(id), detail)
-                .map_err(visitor_error)?;
-            roots
-                .push_value(tm, &mut NoRefs, u64::from(id), root.0)
-                .map_err(visitor_error)?;
-        }
-        let details_root = details.complete(tm, &mut NoRefs).map_err(visitor_error)?;
-        let mapping_root = roots.complete(tm, &mut NoRefs).map_err(visitor_error)?;
+        let pool = self.pool();
+        let metadata = &mut pool.metadata;
+        let volumes =
+            devices
+                .iter()
+                .map(|(&id, &(root, details))| VolumeEntry { id, root, details });
+        let (mapping_root, details_root) =
+            writer::build_volume_trees(&mut metadata.tm, volumes).map_err(visitor_error)?;
         for nodes in defs.values() {
-            release_nodes::<u64, _>(tm, &mut DataRefs(&mut pool.data_sm), nodes)
-                .map_err(visitor_error)?;
+            release_nodes::<u64, _>(
+                &mut metadata.tm,
+                &mut DataRefs(&mut metadata.data_sm),
+                nodes,
+            )
+            .map_err(visitor_error)?;
         }
         if let Some((placeholder_mapping, placeholder_details)) = pool.placeholder_roots {
+            let tm = &mut pool.metadata.tm;
             tm.dec(placeholder_mapping).map_err(visitor_error)?;
             tm.dec(placeholder_details).map_err(visitor_error)?;
         }
-        let mut superblock = pool.superblock.clone();
-        superblock.data_mapping_root = mapping_root.0;
-        superblock.device_details_root = details_root.0;
-        commit(pool, superblock).map_err(visitor_error)?;
+        pool.commit(mapping_root, details_root)
+            .map_err(visitor_error)?;
+        let metadata_used_blocks = pool.metadata.tm.space_map().allocated_count();
         self.summary = Some(RestoreSummary {
             device_count: devices.len() as u64,
             mapping_count: self.mapping_count,
-            metadata_used_blocks: pool.tm.space_map().allocated_count(),
+            metadata_used_blocks,
         });
         Ok(())
     }
@@ -347,10 +313,10 @@ impl DumpVisitor for Restorer {
     }
 
     fn device_begin(&mut self, device: &DeviceInfo) -> Result<(), dump::Error> {
-        if self.devices.contains_key(&device.dev_id) {
+        if self.devices.contains_key(&VolumeId::new(device.dev_id)) {
             return Err(invalid(format!("device {} appears twice", device.dev_id)));
         }
-        if device.dev_id > crate::VolumeId::MAX.0 {
+        if VolumeId::new(device.dev_id) > VolumeId::MAX {
             return Err(invalid(format!(
                 "device id {} is out of range (0..=16777215)",
                 device.dev_id
@@ -363,38 +329,43 @@ impl DumpVisitor for Restorer {
     fn device_end(&mut self) -> Result<(), dump::Error> {
         let (section, nodes) = self.end()?;
         let info = section.device.expect("a device section");
-        let pool = self.pool();
-        let root = build_tree(&mut pool.tm, nodes).map_err(visitor_error)?;
+        let root = build_tree(&mut self.pool().metadata.tm, nodes).map_err(visitor_error)?;
         let details = DeviceDetails {
             mapped_blocks: info.mapped_block_count,
             transaction_id: info.transaction,
             creation_time: info.creation_time,
             snapshotted_time: info.snap_time,
         };
-        self.devices.insert(info.dev_id, (root, details));
+        self.devices
+            .insert(VolumeId::new(info.dev_id), (root, details));
         self.maybe_commit()
     }
 
     fn mapping(&mut self, mapping: &Mapping) -> Result<(), dump::Error> {
-        if mapping.time >= 1 << 24 {
-            return Err(invalid(format!(
+        let time = Time::new(mapping.time).ok_or_else(|| {
+            invalid(format!(
                 "mapping of virtual block {} has time {}, which does not fit 24 bits",
                 mapping.virtual_begin, mapping.time
-            )));
-        }
-        let pool = self.pool.as_mut().expect("events after <superblock>");
-        let data_last = mapping.data_last();
-        if data_last >= pool.data_sm.block_count() {
+            ))
+        })?;
+        let pool = &mut self
+            .pool
+            .as_mut()
+            .expect("events after <superblock>")
+            .metadata;
+        let data_block_count = pool.data_sm.block_count();
+        let data_last = mapping
+            .data_begin
+            .checked_add(mapping.length.saturating_sub(1));
+        if data_last.is_none_or(|last| last >= data_block_count) {
             return Err(invalid(format!(
-                "mapping of virtual block {} to data block {} is beyond the data device ({} blocks)",
-                mapping.virtual_begin,
-                data_last,
-                pool.data_sm.block_count()
+                "mapping of virtual block {} to data blocks from {} ({} blocks) is beyond the data device ({data_block_count} blocks)",
+                mapping.virtual_begin, mapping.data_begin, mapping.length
             )));
         }
         let section = self.section.as_mut().expect("mappings inside a section");
         for i in 0..mapping.length {
-            let value = pack_block_time(mapping.data_begin + i, mapping.time);
+            let value = BlockTime::new(DataBlock::new(mapping.data_begin + i), time).pack();
             section
                 .builder
                 .push_value(
@@ -416,7 +387,11 @@ impl DumpVisitor for Restorer {
             .defs
             .get(name)
             .ok_or_else(|| invalid(format!("<ref name={name:?}> names no <def>")))?;
-        let pool = self.pool.as_mut().expect("events after <superblock>");
+        let pool = &mut self
+            .pool
+            .as_mut()
+            .expect("events after <superblock>")
+            .metadata;
         let section = self.section.as_mut().expect("references inside a device");
         section
             .builder

@@ -8,6 +8,7 @@
 //! so a shared volume tree's `mapped_blocks` can be compared without walking it again).
 //! The walk itself recurses at most [`MAX_DEPTH`] levels.
 
+use super::counts::Counts;
 use super::report::{Problem, Report, Rule, Severity, Structure};
 use super::{Phase, Progress};
 use crate::ids::VolumeId;
@@ -16,49 +17,6 @@ use persistent_data::btree::node::{self, Node, HEADER_SIZE};
 use persistent_data::btree::MAX_DEPTH;
 use persistent_data::checksum::BlockKind;
 use persistent_data::{Error as PdError, MetadataBlock, BLOCK_SIZE};
-use std::collections::HashMap;
-
-/// Reference counts for every block of a device: one byte each, counts of 255 and more in
-/// a map.
-#[derive(Debug)]
-pub(super) struct Counts {
-    small: Vec<u8>,
-    big: HashMap<u64, u32>,
-}
-
-impl Counts {
-    pub(super) fn new(block_count: u64) -> Counts {
-        Counts {
-            small: vec![0; usize::try_from(block_count).expect("block count fits memory")],
-            big: HashMap::new(),
-        }
-    }
-
-    pub(super) fn len(&self) -> u64 {
-        self.small.len() as u64
-    }
-
-    /// Add one reference to `block` (which must be below `len()`).
-    pub(super) fn inc(&mut self, block: u64) {
-        let slot = &mut self.small[block as usize];
-        if *slot < u8::MAX {
-            *slot += 1;
-            if *slot == u8::MAX {
-                self.big.insert(block, u32::from(u8::MAX));
-            }
-        } else {
-            let count = self.big.entry(block).or_insert(u32::from(u8::MAX));
-            *count = count.saturating_add(1);
-        }
-    }
-
-    pub(super) fn get(&self, block: u64) -> u32 {
-        match self.small[block as usize] {
-            u8::MAX => self.big.get(&block).copied().unwrap_or(u32::from(u8::MAX)),
-            small => u32::from(small),
-        }
-    }
-}
 
 /// The trees the checker walks, each with its leaf value size and rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -292,21 +250,17 @@ impl<'a> Walker<'a> {
         let first = node.key(0);
         let last = node.key(node.len() - 1);
         if let Some(lower) = lower.filter(|&lower| first < lower) {
-            self.problem(
-                Severity::Fatal,
-                kind.structure(),
-                kind.volume(),
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::ParentKey,
                 format!("first key {first} is below its parent's key {lower}"),
             );
         }
         if let Some(upper) = upper.filter(|&upper| last >= upper) {
-            self.problem(
-                Severity::Fatal,
-                kind.structure(),
-                kind.volume(),
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::ParentKey,
                 format!("key {last} is not below the parent's next key {upper}"),
             );
@@ -361,14 +315,7 @@ impl<'a> Walker<'a> {
         } else {
             return true;
         };
-        self.problem(
-            Severity::Fatal,
-            kind.structure(),
-            kind.volume(),
-            Some(block),
-            rule,
-            detail,
-        );
+        self.node_problem(block, kind, rule, detail);
         false
     }
 
@@ -381,17 +328,14 @@ impl<'a> Walker<'a> {
         depth: usize,
         visit: &mut ValueVisitor<'_>,
     ) -> Option<(u8, u64)> {
-        let (structure, volume) = (kind.structure(), kind.volume());
         let index = block as usize;
         match self.height[index] {
             UNVISITED => {}
             BROKEN => return None,
             IN_PROGRESS => {
-                self.problem(
-                    Severity::Fatal,
-                    structure,
-                    volume,
-                    Some(block),
+                self.node_problem(
+                    block,
+                    kind,
                     Rule::LeafDepth,
                     "node is its own ancestor (a cycle)".to_string(),
                 );
@@ -403,11 +347,9 @@ impl<'a> Walker<'a> {
             }
         }
         if depth >= MAX_DEPTH {
-            self.problem(
-                Severity::Fatal,
-                structure,
-                volume,
-                Some(block),
+            self.node_problem(
+                block,
+                kind,
                 Rule::LeafDepth,
                 format!("tree deeper than {MAX_DEPTH} levels"),
             );
@@ -434,105 +376,139 @@ impl<'a> Walker<'a> {
         depth: usize,
         visit: &mut ValueVisitor<'_>,
     ) -> Option<(u8, u64)> {
-        let (structure, volume) = (kind.structure(), kind.volume());
-        let data = self.read(block, BlockKind::Node, structure, volume)?;
-        self.report.summary.node_count += 1;
-        if self
-            .report
-            .summary
-            .node_count
-            .is_multiple_of(PROGRESS_INTERVAL_NODES)
-        {
-            (self.progress)(Progress {
-                phase: self.phase,
-                done_blocks: self.report.summary.node_count,
-                total_blocks: self.total_blocks,
-            });
-        }
+        let data = self.read(block, BlockKind::Node, kind.structure(), kind.volume())?;
+        self.count_node();
         if !self.check_header(block, kind, &data) {
             return None;
         }
         let node = match Node::parse(MetadataBlock(block), &data, kind.value_size()) {
             Ok(node) => node,
             Err(error) => {
-                self.problem(
-                    Severity::Fatal,
-                    structure,
-                    volume,
-                    Some(block),
-                    Rule::EntryCount,
-                    error.to_string(),
-                );
+                let detail = error.to_string();
+                self.node_problem(block, kind, Rule::EntryCount, detail);
                 return None;
             }
         };
+        if !self.check_entries(block, kind, &node, lower, upper, depth) {
+            return None;
+        }
+        if node.is_leaf() {
+            self.visit_leaf(block, kind, &node, visit);
+            return Some((0, node.len() as u64));
+        }
+        // Copy the children out: the block's buffer is released before descending, so the
+        // walk holds at most one block per level.
+        let children: Vec<(u64, u64)> = (0..node.len())
+            .map(|i| (node.key(i), node.child(i).0))
+            .collect();
+        drop(data);
+        self.descend(block, kind, &children, upper, depth, visit)
+    }
+
+    /// One more node read: report progress every [`PROGRESS_INTERVAL_NODES`].
+    fn count_node(&mut self) {
+        let summary = &mut self.report.summary;
+        summary.node_count += 1;
+        if summary.node_count.is_multiple_of(PROGRESS_INTERVAL_NODES) {
+            (self.progress)(Progress {
+                phase: self.phase,
+                done_blocks: summary.node_count,
+                total_blocks: self.total_blocks,
+            });
+        }
+    }
+
+    fn node_problem(&mut self, block: u64, kind: TreeKind, rule: Rule, detail: String) {
+        let (structure, volume) = (kind.structure(), kind.volume());
+        self.problem(
+            Severity::Fatal,
+            structure,
+            volume,
+            Some(block),
+            rule,
+            detail,
+        );
+    }
+
+    /// The rules on a parsed node's entries: occupancy, an internal node not empty, keys
+    /// increasing and inside the parent's range. Returns whether the node can be walked
+    /// further (an occupancy or range problem is reported but does not stop the walk).
+    fn check_entries(
+        &mut self,
+        block: u64,
+        kind: TreeKind,
+        node: &Node<'_>,
+        lower: Option<u64>,
+        upper: Option<u64>,
+        depth: usize,
+    ) -> bool {
         let n = node.len();
         let occupancy_applies =
             !node.is_leaf() || self.bottom_leaf_occupancy || !matches!(kind, TreeKind::Bottom(_));
         if depth > 0 && occupancy_applies && n < node.max_entries() / 3 {
-            self.problem(
-                Severity::Fatal,
-                structure,
-                volume,
-                Some(block),
-                Rule::Occupancy,
-                format!(
-                    "non-root node has {n} entries, fewer than a third of {}",
-                    node.max_entries()
-                ),
+            let detail = format!(
+                "non-root node has {n} entries, fewer than a third of {}",
+                node.max_entries()
             );
+            self.node_problem(block, kind, Rule::Occupancy, detail);
         }
         if !node.is_leaf() && n == 0 {
-            self.problem(
-                Severity::Fatal,
-                structure,
-                volume,
-                Some(block),
-                Rule::EntryCount,
-                "internal node with no entries".to_string(),
-            );
-            return None;
+            let detail = "internal node with no entries".to_string();
+            self.node_problem(block, kind, Rule::EntryCount, detail);
+            return false;
         }
         if let Some(i) = (1..n).find(|&i| node.key(i) <= node.key(i - 1)) {
-            self.problem(
-                Severity::Fatal,
-                structure,
-                volume,
-                Some(block),
-                Rule::KeyOrder,
-                format!(
-                    "keys not strictly increasing: {} at entry {i} after {}",
-                    node.key(i),
-                    node.key(i - 1)
-                ),
+            let detail = format!(
+                "keys not strictly increasing: {} at entry {i} after {}",
+                node.key(i),
+                node.key(i - 1)
             );
-            return None;
+            self.node_problem(block, kind, Rule::KeyOrder, detail);
+            return false;
         }
         if n > 0 {
-            self.check_bounds(block, kind, &node, lower, upper);
+            self.check_bounds(block, kind, node, lower, upper);
         }
-        if node.is_leaf() {
-            for i in 0..n {
-                if let Some((rule, detail, data_block)) =
-                    visit(MetadataBlock(block), node.key(i), node.value_bytes(i))
-                {
-                    self.report.push(Problem {
-                        severity: Severity::Fatal,
-                        structure,
-                        volume,
-                        block: Some(block),
-                        data_block,
-                        rule,
-                        detail,
-                    });
-                }
+        true
+    }
+
+    /// Show every entry of a leaf to `visit`, reporting what it finds.
+    fn visit_leaf(
+        &mut self,
+        block: u64,
+        kind: TreeKind,
+        node: &Node<'_>,
+        visit: &mut ValueVisitor<'_>,
+    ) {
+        for i in 0..node.len() {
+            if let Some((rule, detail, data_block)) =
+                visit(MetadataBlock(block), node.key(i), node.value_bytes(i))
+            {
+                self.report.push(Problem {
+                    severity: Severity::Fatal,
+                    structure: kind.structure(),
+                    volume: kind.volume(),
+                    block: Some(block),
+                    data_block,
+                    rule,
+                    detail,
+                });
             }
-            return Some((0, n as u64));
         }
-        // Copy the children out: the block's buffer is released before descending, so the
-        // walk holds at most one block per level.
-        let children: Vec<(u64, u64)> = (0..n).map(|i| (node.key(i), node.child(i).0)).collect();
-        drop(data);
+    }
+
+    /// Walk the children (key, block) of internal node `block`; all must have the same
+    /// height. Returns (height of `block`, entries below it).
+    fn descend(
+        &mut self,
+        block: u64,
+        kind: TreeKind,
+        children: &[(u64, u64)],
+        upper: Option<u64>,
+        depth: usize,
+        visit: &mut ValueVisitor<'_>,
+    ) -> Option<(u8, u64)> {
+        let (structure, volume) = (kind.structure(), kind.volume());
         let mut height: Option<u8> = None;
         let mut entries = 0u64;
         for (i, &(key, child)) in children.iter().enumerate() {
@@ -548,16 +524,12 @@ impl<'a> Walker<'a> {
             entries += child_entries;
             match height {
                 None => height = Some(child_height),
-                Some(h) if h != child_height => self.problem(
-                    Severity::Fatal,
-                    structure,
-                    volume,
-                    Some(block),
-                    Rule::LeafDepth,
-                    format!(
+                Some(h) if h != child_height => {
+                    let detail = format!(
                         "child {child} has height {child_height}, its siblings have height {h}"
-                    ),
-                ),
+                    );
+                    self.node_problem(block, kind, Rule::LeafDepth, detail);
+                }
                 Some(_) => {}
             }
         }

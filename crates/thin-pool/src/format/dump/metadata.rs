@@ -33,15 +33,16 @@
 //!
 //! The 0.9.0 flavour prints every device fully expanded, without defs.
 
+use super::gather::Gatherer;
 use super::{DeviceInfo, DumpVisitor, Flavour, Mapping, RunBuilder, SuperblockInfo};
-use crate::format::details::{unpack_block_time, DeviceDetails};
-use crate::format::metadata::read_superblock;
+use crate::format::details::DeviceDetails;
 use crate::format::superblock::Superblock;
+use crate::ids::{BlockTime, VolumeId};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::{self, node::Node};
 use persistent_data::checksum::BlockKind;
 use persistent_data::{BlockDevice, BlockSource, MetadataBlock};
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 
 /// Errors from dumping metadata: the metadata could not be read, or the visitor failed.
@@ -102,16 +103,14 @@ pub fn dump(
     visitor: &mut dyn DumpVisitor,
 ) -> Result<(), ReadError> {
     let bm = BlockManager::new(device, CACHE_BLOCKS_DEFAULT);
-    let live = read_superblock(&bm, MetadataBlock::SUPERBLOCK)?;
+    let live = Superblock::read(&bm, MetadataBlock::SUPERBLOCK)?;
     let superblock = match options.source {
         Source::Live => live,
         Source::MetadataSnap(location) => {
-            let location = match location {
-                Some(block) => block,
-                None if live.metadata_snap == 0 => return Err(ReadError::NoMetadataSnap),
-                None => MetadataBlock(live.metadata_snap),
-            };
-            read_superblock(&bm, location)?
+            let location = location
+                .or(live.metadata_snap)
+                .ok_or(ReadError::NoMetadataSnap)?;
+            Superblock::read(&bm, location)?
         }
     };
     dump_superblock(&bm, &superblock, options, visitor)
@@ -173,33 +172,27 @@ fn read_devices<S: BlockSource + ?Sized>(
     options: &DumpOptions,
 ) -> Result<Vec<Device>, ReadError> {
     let mut details = Vec::new();
-    btree::walk::<DeviceDetails, _>(
-        source,
-        MetadataBlock(superblock.device_details_root),
-        &mut |key, d| {
-            details.push((key, d));
-            Ok(())
-        },
-    )?;
+    let details_root = superblock.device_details_root;
+    btree::walk::<DeviceDetails, _>(source, details_root, &mut |key, d| {
+        details.push((volume_id(details_root, key)?, d));
+        Ok(())
+    })?;
     let mut roots = Vec::new();
     if !options.skip_mappings {
-        btree::walk::<u64, _>(
-            source,
-            MetadataBlock(superblock.data_mapping_root),
-            &mut |key, root| {
-                roots.push((key, root));
-                Ok(())
-            },
-        )?;
+        let mapping_root = superblock.data_mapping_root;
+        btree::walk::<u64, _>(source, mapping_root, &mut |key, root| {
+            roots.push((volume_id(mapping_root, key)?, MetadataBlock(root)));
+            Ok(())
+        })?;
     }
-    let selected = |id: u64| {
+    let selected = |id: VolumeId| {
         options
             .dev_ids
             .as_ref()
-            .is_none_or(|ids| ids.iter().any(|&d| u64::from(d) == id))
+            .is_none_or(|ids| ids.contains(&id.get()))
     };
-    let to_info = |id: u64, d: &DeviceDetails| DeviceInfo {
-        dev_id: id as u32,
+    let to_info = |id: VolumeId, d: &DeviceDetails| DeviceInfo {
+        dev_id: id.get(),
         mapped_block_count: d.mapped_blocks,
         transaction: d.transaction_id,
         creation_time: d.creation_time,
@@ -222,9 +215,21 @@ fn read_devices<S: BlockSource + ?Sized>(
         .filter(|((id, _), _)| selected(*id))
         .map(|(&(id, root), (_, d))| Device {
             info: to_info(id, d),
-            root: MetadataBlock(root),
+            root,
         })
         .collect())
+}
+
+/// A key of the details tree or the mapping tree's top level, as a volume id; a key beyond
+/// what a volume id holds is corruption of the tree at `root`.
+fn volume_id(root: MetadataBlock, key: u64) -> persistent_data::Result<VolumeId> {
+    u32::try_from(key)
+        .ok()
+        .map(VolumeId::new)
+        .filter(|&id| id <= VolumeId::MAX)
+        .ok_or_else(|| {
+            persistent_data::Error::corrupt(root, format!("device id {key} is out of range"))
+        })
 }
 
 /// Emit every mapping of one tree as maximal runs (0.9.0 style).
@@ -236,7 +241,8 @@ fn emit_tree<S: BlockSource + ?Sized>(
     let mut runs = RunBuilder::new();
     let mut failed = None;
     btree::walk::<u64, _>(source, root, &mut |key, value| {
-        let (data, time) = unpack_block_time(value);
+        let value = BlockTime::unpack(value);
+        let (data, time) = (value.data_block().get(), value.time().get());
         if let Some(run) = runs.push(key, data, time) {
             if let Err(e) = visitor.mapping(&run) {
                 failed = Some(e);
@@ -355,7 +361,8 @@ fn emit_leaves<S: BlockSource + ?Sized>(
             }
             last_key = Some(key);
             let value = u64::from_le_bytes(node.value_bytes(i).try_into().expect("8 bytes"));
-            let (data_block, time) = unpack_block_time(value);
+            let value = BlockTime::unpack(value);
+            let (data_block, time) = (value.data_block().get(), value.time().get());
             if let Some(run) = push_run(&mut runs, key, data_block, time) {
                 visitor.mapping(&run)?;
             }
@@ -467,139 +474,4 @@ fn walk_internal<S: BlockSource + ?Sized>(
         walk_internal(source, MetadataBlock(child), depth - 1, seen, entries)?;
     }
     Ok(())
-}
-
-/// Step 2 of the module docs: splits leaf sequences into runs that always occur together.
-#[derive(Debug, Default)]
-struct Gatherer {
-    prev: Option<u64>,
-    heads: BTreeSet<u64>,
-    tails: HashSet<u64>,
-    successors: HashMap<u64, BTreeSet<u64>>,
-    predecessor: HashMap<u64, u64>,
-    shared: HashSet<u64>,
-}
-
-impl Gatherer {
-    fn mark_head(&mut self, block: u64) {
-        if !self.heads.insert(block) {
-            self.shared.insert(block);
-        }
-    }
-
-    fn new_seq(&mut self) {
-        if let Some(prev) = self.prev.take() {
-            self.tails.insert(prev);
-        }
-    }
-
-    fn next(&mut self, block: u64) {
-        match self.prev {
-            Some(prev) => {
-                let successors = self.successors.get_mut(&prev).expect("prev listed");
-                if !successors.insert(block) {
-                    self.shared.insert(block);
-                }
-                match self.predecessor.get(&block) {
-                    Some(&p) if p != prev => self.mark_head(block),
-                    Some(_) => {}
-                    None => {
-                        self.predecessor.insert(block, prev);
-                    }
-                }
-            }
-            None => self.mark_head(block),
-        }
-        self.successors.entry(block).or_default();
-        self.prev = Some(block);
-    }
-
-    /// The runs by first leaf, each with whether it is shared.
-    fn gather(mut self) -> Result<BTreeMap<u64, (Vec<u64>, bool)>, ReadError> {
-        self.new_seq();
-        let mut extra_tails = Vec::new();
-        for (&block, successors) in &self.successors {
-            let first = successors.first();
-            if successors.len() != 1 || first.is_some_and(|n| self.heads.contains(n)) {
-                extra_tails.push(block);
-            }
-        }
-        self.tails.extend(extra_tails);
-        let mut follow_tails = Vec::new();
-        for tail in &self.tails {
-            if let Some(successors) = self.successors.get(tail) {
-                follow_tails.extend(successors.iter().copied());
-            }
-        }
-        for block in follow_tails {
-            self.mark_head(block);
-        }
-        let mut runs = BTreeMap::new();
-        for &head in &self.heads {
-            let mut run = vec![head];
-            let mut block = head;
-            while !self.tails.contains(&block) {
-                if run.len() > self.successors.len() {
-                    return Err(persistent_data::Error::corrupt(
-                        MetadataBlock(head),
-                        "mapping leaves form a cycle",
-                    )
-                    .into());
-                }
-                block = *self.successors[&block]
-                    .first()
-                    .expect("a block with one successor is not a tail");
-                run.push(block);
-            }
-            runs.insert(head, (run, self.shared.contains(&head)));
-        }
-        Ok(runs)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn gather(seqs: &[&[u64]]) -> Vec<(Vec<u64>, bool)> {
-        let mut g = Gatherer::default();
-        for seq in seqs {
-            g.new_seq();
-            for &b in *seq {
-                g.next(b);
-            }
-        }
-        g.gather().unwrap().into_values().collect()
-    }
-
-    #[test]
-    fn gatherer_splits_sequences_into_atomic_runs() {
-        assert_eq!(gather(&[]), vec![]);
-        assert_eq!(gather(&[&[1, 2, 3]]), vec![(vec![1, 2, 3], false)]);
-        assert_eq!(
-            gather(&[&[1, 2], &[1, 2, 3]]),
-            vec![(vec![1, 2], true), (vec![3], false)]
-        );
-        assert_eq!(
-            gather(&[&[2, 3], &[1, 2, 3]]),
-            vec![(vec![1], false), (vec![2, 3], true)]
-        );
-        assert_eq!(
-            gather(&[&[1, 2, 3, 4], &[2, 3, 4, 5]]),
-            vec![(vec![1], false), (vec![2, 3, 4], true), (vec![5], false)]
-        );
-        assert_eq!(
-            gather(&[&[1, 2, 3, 4], &[2, 3, 4, 5, 6], &[3, 4], &[5, 6]]),
-            vec![
-                (vec![1], false),
-                (vec![2], true),
-                (vec![3, 4], true),
-                (vec![5, 6], true)
-            ]
-        );
-        assert_eq!(
-            gather(&[&[1, 2], &[2, 1]]),
-            vec![(vec![1], true), (vec![2], true)]
-        );
-    }
 }

@@ -25,6 +25,7 @@
 
 mod error;
 pub mod expand;
+mod gather;
 mod human;
 pub mod metadata;
 mod run;
@@ -49,7 +50,7 @@ pub enum Flavour {
 }
 
 /// Bit 0 of the superblock flags: the pool needs `thin_check` before it is used again.
-pub const NEEDS_CHECK_FLAG: u32 = 1;
+pub use crate::format::superblock::NEEDS_CHECK_FLAG;
 
 /// The superblock line of a dump (`<superblock ...>`).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
