@@ -33,11 +33,11 @@ fn qemu_io_patterns_and_exact_allocation_maps() {
     require_tool("qemu-io", "qemu-utils");
     require_tool("qemu-img", "qemu-utils");
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("serve-qemu");
+    let temp = ScratchDir::new("serve-qemu");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "vol", "16M");
-    let served = Served::start(&pool, &["--tcp", "0"]);
+    let served = serve(&pool, &["--tcp", "0"]);
     let uri = served.uri("vol");
     assert_eq!(nbdinfo_data_extents(&uri), vec![]);
 
@@ -86,16 +86,15 @@ fn qemu_io_patterns_and_exact_allocation_maps() {
 #[test]
 fn qemu_img_convert_to_and_from_a_volume() {
     require_tool("qemu-img", "qemu-utils");
-    let temp = TempDir::new("serve-convert");
+    let temp = ScratchDir::new("serve-convert");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "target", "32M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
 
     // A sparse source image: data at 0, 5 MiB and the last MiB.
     let source = temp.join("source.img");
-    let file = std::fs::File::create(&source).unwrap();
-    file.set_len(32 * MIB).unwrap();
+    let file = sized_file(&source, 32 * MIB);
     use std::os::unix::fs::FileExt;
     for (index, offset) in [0, 5 * MIB, 31 * MIB].into_iter().enumerate() {
         file.write_all_at(&pattern(index as u64 + 1, MIB as usize), offset)

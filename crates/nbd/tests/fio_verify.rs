@@ -14,7 +14,8 @@ use nbd::MemoryExport;
 #[test]
 fn fio_two_jobs_verify_crc32c() {
     require_tool("fio", "fio");
-    let seed = seed();
+    let report = seed_report();
+    let seed = report.seed();
     let server = TestServer::start(vec![Arc::new(MemoryExport::new("disk", 64 * MIB))]);
     let uri = format!("--uri={}", server.uri("disk"));
     let seed_arg = format!("--randseed={seed}");

@@ -119,7 +119,7 @@ fn qemu_img_convert_between_exports_and_to_a_file() {
         ],
         TIMEOUT,
     );
-    let file = server.dir.path.join("copy.raw");
+    let file = server.dir.join("copy.raw");
     let file = file.to_str().unwrap();
     run_ok(
         "qemu-img",

@@ -135,12 +135,18 @@ pub fn be64(bytes: &[u8]) -> u64 {
     u64::from_be_bytes(bytes[..8].try_into().expect("8 bytes"))
 }
 
-/// An option on the wire: IHAVEOPT, code, length, data.
-pub fn option_bytes(code: u32, data: &[u8]) -> Vec<u8> {
-    let mut bytes = Vec::with_capacity(16 + data.len());
+/// An option header: IHAVEOPT, code, and a data length that may lie.
+pub fn option_header(code: u32, length: u32) -> Vec<u8> {
+    let mut bytes = Vec::with_capacity(16);
     bytes.extend_from_slice(&IHAVEOPT.to_be_bytes());
     bytes.extend_from_slice(&code.to_be_bytes());
-    bytes.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    bytes.extend_from_slice(&length.to_be_bytes());
+    bytes
+}
+
+/// An option on the wire: its header and its data.
+pub fn option_bytes(code: u32, data: &[u8]) -> Vec<u8> {
+    let mut bytes = option_header(code, data.len() as u32);
     bytes.extend_from_slice(data);
     bytes
 }
@@ -390,16 +396,22 @@ impl Client {
         Ok(buffer)
     }
 
-    /// True if the server closed the connection (EOF or reset) within the read timeout;
-    /// bytes the server still sends before closing are skipped.
+    /// True if the server closed the connection (EOF, reset or another socket error) within
+    /// the read timeout, false if it is still open then; bytes the server still sends before
+    /// closing are skipped.
     pub fn is_closed(&mut self) -> bool {
-        let mut byte = [0u8; 1];
+        let mut buffer = [0u8; 4096];
         loop {
-            match self.stream.read(&mut byte) {
+            match self.stream.read(&mut buffer) {
                 Ok(0) => return true,
                 Ok(_) => continue,
-                Err(error) if error.kind() == io::ErrorKind::ConnectionReset => return true,
-                Err(error) => panic!("waiting for close: {error}"),
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+                Err(error) => {
+                    return !matches!(
+                        error.kind(),
+                        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                    )
+                }
             }
         }
     }

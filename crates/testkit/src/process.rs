@@ -181,14 +181,9 @@ impl ChildGuard {
         self.exited
     }
 
-    /// Sends SIGTERM and waits up to `timeout` for the process to exit: its status, or `None`
-    /// if it is still running (the guard still kills it when dropped).
-    pub fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        if let Some(status) = self.try_wait() {
-            return Some(status);
-        }
-        let pid = self.pid().to_string();
-        run_ok("kill", &["-TERM", &pid], Duration::from_secs(5));
+    /// Waits up to `timeout` for the process to exit on its own: its status, or `None` if it
+    /// is still running.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.try_wait() {
@@ -199,6 +194,17 @@ impl ChildGuard {
             }
             std::thread::sleep(POLL_INTERVAL);
         }
+    }
+
+    /// Sends SIGTERM and waits up to `timeout` for the process to exit: its status, or `None`
+    /// if it is still running (the guard still kills it when dropped).
+    pub fn terminate(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        if let Some(status) = self.try_wait() {
+            return Some(status);
+        }
+        let pid = self.pid().to_string();
+        run_ok("kill", &["-TERM", &pid], Duration::from_secs(5));
+        self.wait_exit(timeout)
     }
 
     /// SIGKILL and reap, as a crash.

@@ -281,9 +281,7 @@ fn our_check(path: &Path, context: &str) {
 }
 
 fn our_restore(xml: &Path, out: &Path) {
-    let file = std::fs::File::create(out).unwrap();
-    file.set_len(METADATA_SIZE_BYTES).unwrap();
-    drop(file);
+    testkit::sized_file(out, METADATA_SIZE_BYTES);
     let device = Arc::new(FileDevice::open(out, true).unwrap());
     let input = std::io::BufReader::new(std::fs::File::open(xml).unwrap());
     thin_pool::format::restore::restore(input, device, &Default::default()).unwrap();
