@@ -11,7 +11,7 @@ use nbd::{Config, ExportMap, MemoryExport, Server};
 #[allow(unused_imports)]
 pub use testkit::nbd_client::*;
 #[allow(unused_imports)]
-pub use testkit::process::{require_tool, run_ok, run_tool, ChildGuard};
+pub use testkit::process::{require_tool, run_ok, run_tool, wait_for, ChildGuard};
 #[allow(unused_imports)]
 pub use testkit::{pattern, seed_report, ScratchDir};
 
