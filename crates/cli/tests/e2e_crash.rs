@@ -111,13 +111,8 @@ fn writer(socket: &Path, volume: &str, flushed: Flushed, seed: u64, first_genera
 /// Whether a WRITE (or FLUSH, without payload) got a successful reply; false once the socket
 /// fails because the server was killed.
 fn succeeds(client: &mut Client, command: u16, offset: u64, payload: &[u8]) -> bool {
-    let length = payload.len() as u64;
-    matches!(
-        client
-            .try_request(command, 0, offset, length, payload)
-            .map(|reply| reply.error),
-        Ok(0)
-    )
+    let reply = client.try_request(command, offset, payload);
+    matches!(reply.map(|reply| reply.error), Ok(0))
 }
 
 fn verify(socket: &Path, volume: &str, flushed: &Flushed) -> u64 {

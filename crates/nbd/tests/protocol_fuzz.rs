@@ -325,20 +325,37 @@ fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
     }
 }
 
-/// How far one case got, decoded from the server's replies.
+/// How far one case (or, summed, the run) got, decoded from the server's replies.
 #[derive(Debug, Default)]
 struct Reach {
     /// Option code → final replies received.
     options: BTreeMap<u32, usize>,
-    /// The handshake ended in transmission (GO acknowledged or EXPORT_NAME answered).
-    transmission: bool,
+    /// Cases whose handshake ended in transmission (GO acknowledged or EXPORT_NAME
+    /// answered).
+    transmission: usize,
     /// Transmission replies completed, and those with error 0.
     answered: usize,
     succeeded: usize,
     /// Command (as sent) → replies completed.
     commands: BTreeMap<u16, usize>,
-    /// Decoding stopped before the end of the replies (a mutated length desynchronised it).
-    lost_sync: bool,
+    /// Cases where decoding stopped before the end of the replies (a mutated length
+    /// desynchronised it).
+    lost_sync: usize,
+}
+
+impl Reach {
+    fn add(&mut self, other: &Reach) {
+        for (&option, &count) in &other.options {
+            *self.options.entry(option).or_default() += count;
+        }
+        self.transmission += other.transmission;
+        self.answered += other.answered;
+        self.succeeded += other.succeeded;
+        for (&command, &count) in &other.commands {
+            *self.commands.entry(command).or_default() += count;
+        }
+        self.lost_sync += other.lost_sync;
+    }
 }
 
 /// Decodes the server's replies; fails the test on a malformed handshake reply.
@@ -398,7 +415,7 @@ fn decode(bytes: &[u8], session: &Session, context: &str) -> Reach {
         }
         break;
     }
-    reach.transmission = true;
+    reach.transmission = 1;
     let mode = if extended {
         Mode::Extended
     } else if structured {
@@ -420,7 +437,7 @@ fn decode_transmission(mut rest: &[u8], mode: Mode, session: &Session, reach: &m
             STRUCTURED_REPLY_MAGIC if mode == Mode::Structured => 20,
             EXTENDED_REPLY_MAGIC if mode == Mode::Extended => 32,
             _ => {
-                reach.lost_sync = true;
+                reach.lost_sync = 1;
                 return;
             }
         };
@@ -516,47 +533,29 @@ fn exchange(socket: &Path, bytes: Vec<u8>, context: &str) -> Vec<u8> {
 struct Totals {
     cases: usize,
     valid_cases: usize,
-    options: BTreeMap<u32, usize>,
-    transmission: usize,
-    answered: usize,
-    succeeded: usize,
-    commands: BTreeMap<u16, usize>,
-    lost_sync: usize,
     mutations: BTreeMap<&'static str, usize>,
+    reach: Reach,
 }
 
 impl Totals {
-    fn add(&mut self, reach: &Reach) {
-        self.cases += 1;
-        for &option in reach.options.keys() {
-            *self.options.entry(option).or_default() += 1;
-        }
-        self.transmission += usize::from(reach.transmission);
-        self.answered += reach.answered;
-        self.succeeded += reach.succeeded;
-        for (&command, &count) in &reach.commands {
-            *self.commands.entry(command).or_default() += count;
-        }
-        self.lost_sync += usize::from(reach.lost_sync);
-    }
-
     fn print(&self) {
+        let reach = &self.reach;
         eprintln!(
             "protocol fuzz: {} cases ({} left valid); {} reached transmission; {} replies to \
              requests ({} successful); decoding lost its place in {} cases",
             self.cases,
             self.valid_cases,
-            self.transmission,
-            self.answered,
-            self.succeeded,
-            self.lost_sync
+            reach.transmission,
+            reach.answered,
+            reach.succeeded,
+            reach.lost_sync
         );
         let mut options: BTreeMap<&str, usize> = BTreeMap::new();
-        for (&code, &count) in &self.options {
+        for (&code, &count) in &reach.options {
             *options.entry(option_name(code)).or_default() += count;
         }
-        eprintln!("  cases with a final reply, by option: {options:?}");
-        eprintln!("  replies by command (as sent): {:?}", self.commands);
+        eprintln!("  final option replies, by option: {options:?}");
+        eprintln!("  replies by command (as sent): {:?}", reach.commands);
         eprintln!("  mutations applied: {:?}", self.mutations);
     }
 }
@@ -613,17 +612,16 @@ fn mutated_valid_sessions_never_break_the_server() {
         let replies = exchange(&server.socket, bytes, &context);
         let reach = decode(&replies, &session, &context);
         if valid {
-            assert_eq!(
-                reach.transmission, session.transmits,
-                "{context}: {reach:?}"
-            );
-            assert!(!reach.lost_sync, "{context}: {reach:?}");
+            let transmits = usize::from(session.transmits);
+            assert_eq!(reach.transmission, transmits, "{context}: {reach:?}");
+            assert_eq!(reach.lost_sync, 0, "{context}: {reach:?}");
             assert_eq!(
                 reach.succeeded, session.answered_expected,
                 "{context}: every valid request succeeds: {reach:?}"
             );
         }
-        totals.add(&reach);
+        totals.cases += 1;
+        totals.reach.add(&reach);
     }
     totals.print();
     // Nothing left behind, and the server still serves.
@@ -636,9 +634,9 @@ fn mutated_valid_sessions_never_break_the_server() {
     if totals.cases >= 100 {
         // The point of starting from valid sessions: most cases get past the handshake.
         assert!(
-            totals.transmission * 2 > totals.cases,
+            totals.reach.transmission * 2 > totals.cases,
             "only {} of {} cases reached transmission",
-            totals.transmission,
+            totals.reach.transmission,
             totals.cases
         );
     }

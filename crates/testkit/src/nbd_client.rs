@@ -470,38 +470,31 @@ impl Client {
         length: u64,
         payload: &[u8],
     ) -> u64 {
-        self.try_send_request(command, flags, offset, length, payload)
-            .expect("send request")
-    }
-
-    fn try_send_request(
-        &mut self,
-        command: u16,
-        flags: u16,
-        offset: u64,
-        length: u64,
-        payload: &[u8],
-    ) -> io::Result<u64> {
-        let cookie = self.next_cookie;
-        self.next_cookie += 1;
+        let cookie = self.expect_reply(command, offset, length);
         let mut bytes = request_header(self.mode, command, flags, cookie, offset, length);
         bytes.extend_from_slice(payload);
+        self.send(&bytes);
+        cookie
+    }
+
+    /// A new cookie, and a reply awaited for it unless `command` is DISC.
+    fn expect_reply(&mut self, command: u16, offset: u64, length: u64) -> u64 {
+        let cookie = self.next_cookie;
+        self.next_cookie += 1;
         if command != CMD_DISC {
-            self.pending.insert(
+            let partial = Completed {
                 cookie,
-                Pending {
-                    command,
-                    offset,
-                    length,
-                    partial: Completed {
-                        cookie,
-                        ..Default::default()
-                    },
-                },
-            );
+                ..Default::default()
+            };
+            let pending = Pending {
+                command,
+                offset,
+                length,
+                partial,
+            };
+            self.pending.insert(cookie, pending);
         }
-        self.try_send(&bytes)?;
-        Ok(cookie)
+        cookie
     }
 
     /// Reads messages until some request is complete; validates framing as it goes.
@@ -595,21 +588,25 @@ impl Client {
         length: u64,
         payload: &[u8],
     ) -> Completed {
-        self.try_request(command, flags, offset, length, payload)
-            .expect("request exchange")
+        let cookie = self.send_request(command, flags, offset, length, payload);
+        let completed = self.read_completed();
+        assert_eq!(completed.cookie, cookie, "reply to another request");
+        completed
     }
 
-    /// Like [`Client::request`], but a failed socket is an `Err` (for tests that kill the
-    /// server mid-request).
+    /// A request with `payload` as its data (a WRITE) or none (FLUSH, ...), with no flags;
+    /// a failed socket is an `Err` (for tests that kill the server mid-request).
     pub fn try_request(
         &mut self,
         command: u16,
-        flags: u16,
         offset: u64,
-        length: u64,
         payload: &[u8],
     ) -> io::Result<Completed> {
-        let cookie = self.try_send_request(command, flags, offset, length, payload)?;
+        let length = payload.len() as u64;
+        let cookie = self.expect_reply(command, offset, length);
+        let mut bytes = request_header(self.mode, command, 0, cookie, offset, length);
+        bytes.extend_from_slice(payload);
+        self.try_send(&bytes)?;
         let completed = self.try_read_completed()?;
         assert_eq!(completed.cookie, cookie, "reply to another request");
         Ok(completed)
