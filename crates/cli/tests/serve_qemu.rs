@@ -103,34 +103,9 @@ fn qemu_img_convert_to_and_from_a_volume() {
     drop(file);
 
     let uri = served.uri("target");
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            source.to_str().unwrap(),
-            &uri,
-        ],
-        Duration::from_secs(120),
-    );
-    let compare = run_tool(
-        "qemu-img",
-        &[
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            source.to_str().unwrap(),
-            &uri,
-        ],
-        Duration::from_secs(120),
-    );
-    assert!(compare.status.success(), "{compare:?}");
+    let source_path = source.to_str().unwrap();
+    testkit::qemu_img::convert_into(source_path, &uri);
+    testkit::qemu_img::compare(source_path, &uri);
     // Only the data was provisioned.
     assert_eq!(
         nbdinfo_data_extents(&uri),
@@ -138,19 +113,7 @@ fn qemu_img_convert_to_and_from_a_volume() {
     );
 
     let back = temp.join("back.img");
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &uri,
-            back.to_str().unwrap(),
-        ],
-        Duration::from_secs(120),
-    );
+    testkit::qemu_img::convert_to_file(&uri, &back);
     assert_eq!(
         std::fs::read(&back).unwrap(),
         std::fs::read(&source).unwrap()

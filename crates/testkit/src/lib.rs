@@ -12,6 +12,7 @@
 //!   the `nbd` crate's codec), used by the `nbd` and `thinpool` tests.
 //! - [`process`]: external tools with timeouts, processes killed by PID when dropped, a
 //!   served pool (`thinpool serve`), polling with a deadline.
+//! - [`qemu_img`]: `qemu-img` map, convert and compare as a client of our servers.
 //!
 //! Nothing here is used outside `[dev-dependencies]`.
 #![forbid(unsafe_code)]
@@ -21,6 +22,7 @@ pub mod fault;
 pub mod fixtures;
 pub mod nbd_client;
 pub mod process;
+pub mod qemu_img;
 pub mod scratch;
 pub mod seed;
 pub mod tools;

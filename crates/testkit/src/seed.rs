@@ -119,6 +119,27 @@ fn cases_from(text: &str, default: u64) -> Option<u64> {
     Some(count.max(1))
 }
 
+/// Runs [`case_count`]`(default_cases)` independent cases on `threads` threads: case `index`
+/// gets seed `test seed + index`, so a failure (whose message should name the index and the
+/// case seed) replays alone with `THINPOOL_SEED=<case seed> THINPOOL_CASES=1`. The test seed
+/// is printed if any case fails. For cases that mostly wait on external tools.
+pub fn run_cases(default_cases: u64, threads: u64, case: impl Fn(u64, u64) + Sync) {
+    let report = seed_report();
+    let base = report.seed();
+    let cases = case_count(default_cases);
+    let threads = threads.clamp(1, cases);
+    std::thread::scope(|scope| {
+        for thread in 0..threads {
+            let case = &case;
+            scope.spawn(move || {
+                for index in (thread..cases).step_by(threads as usize) {
+                    case(index, base.wrapping_add(index));
+                }
+            });
+        }
+    });
+}
+
 /// `length` deterministic pseudo-random bytes for `id` (an xorshift stream): test data whose
 /// origin a read can recognise, the same in every run and every crate.
 pub fn pattern(id: u64, length: usize) -> Vec<u8> {
@@ -175,6 +196,23 @@ mod tests {
         assert_eq!(parse_u64("0x2a"), Some(42));
         assert_eq!(parse_u64(" 18446744073709551615 "), Some(u64::MAX));
         assert_eq!(parse_u64("-1"), None);
+    }
+
+    #[test]
+    fn run_cases_runs_each_case_once_with_consecutive_seeds() {
+        let seen = std::sync::Mutex::new(Vec::new());
+        run_cases(10, 3, |index, seed| {
+            seen.lock().unwrap().push((index, seed))
+        });
+        let mut seen = seen.into_inner().unwrap();
+        seen.sort();
+        let cases = case_count(10);
+        assert_eq!(seen.len() as u64, cases);
+        let base = seen[0].1;
+        for (i, &(index, seed)) in seen.iter().enumerate() {
+            assert_eq!(index, i as u64);
+            assert_eq!(seed, base.wrapping_add(index));
+        }
     }
 
     #[test]

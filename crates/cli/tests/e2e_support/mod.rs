@@ -103,22 +103,7 @@ pub fn nbdinfo_data_extents(uri: &str) -> Vec<(u64, u64)> {
 
 /// Allocated ranges from `qemu-img map --output=json`, merged.
 pub fn qemu_img_data_extents(uri: &str) -> Vec<(u64, u64)> {
-    let text = run_ok(
-        "qemu-img",
-        &["map", "--output=json", "-f", "raw", uri],
-        Duration::from_secs(30),
-    );
-    let extents: serde_json::Value = serde_json::from_str(&text).expect("qemu-img json");
-    let mut ranges = Vec::new();
-    for extent in extents.as_array().expect("array") {
-        if extent["data"].as_bool().unwrap() {
-            ranges.push((
-                extent["start"].as_u64().unwrap(),
-                extent["length"].as_u64().unwrap(),
-            ));
-        }
-    }
-    merge(ranges)
+    merge(testkit::qemu_img::data_extents(uri))
 }
 
 /// Sorts and merges adjacent ranges.
