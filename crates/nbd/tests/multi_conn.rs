@@ -11,7 +11,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use nbd::MemoryExport;
@@ -75,11 +75,11 @@ fn four_connections_share_one_export() {
                 }
                 assert_eq!(client.read(base, quarter), model);
                 arrived.fetch_add(1, Ordering::SeqCst);
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while arrived.load(Ordering::SeqCst) < CLIENTS as usize {
-                    assert!(Instant::now() < deadline, "another client failed");
-                    std::thread::sleep(Duration::from_millis(1));
-                }
+                wait_for(
+                    "every client (another one failed)",
+                    Duration::from_secs(60),
+                    || arrived.load(Ordering::SeqCst) == CLIENTS as usize,
+                );
                 // Another connection's writes are visible here.
                 let other = (index + 1) % CLIENTS;
                 let theirs = client.read(other * quarter, quarter);

@@ -212,6 +212,25 @@ fn boundary_length(rng: &mut StdRng, actual: u64) -> u64 {
     choices[rng.gen_range(0..choices.len())]
 }
 
+/// A flags value of `bits` bits: any value, or one bit set.
+fn random_flags(rng: &mut StdRng, bits: u32) -> u64 {
+    if rng.gen_bool(0.5) {
+        rng.gen::<u64>() & ((1 << bits) - 1)
+    } else {
+        1 << rng.gen_range(0..bits)
+    }
+}
+
+/// An option code or command: mostly one of the first `known` (the defined ones and a few
+/// more), sometimes any value.
+fn random_type(rng: &mut StdRng, known: u64) -> u64 {
+    if rng.gen_bool(0.8) {
+        rng.gen_range(0..known)
+    } else {
+        rng.gen()
+    }
+}
+
 /// Applies one mutation; returns its name (for the statistics).
 fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
     if messages.is_empty() {
@@ -253,19 +272,11 @@ fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
             let message = &mut messages[index];
             match message.kind {
                 Kind::ClientFlags if message.bytes.len() == 4 => {
-                    let flags: u32 = if rng.gen_bool(0.5) {
-                        rng.gen()
-                    } else {
-                        1 << rng.gen_range(0..32)
-                    };
+                    let flags = random_flags(rng, 32) as u32;
                     message.bytes.copy_from_slice(&flags.to_be_bytes());
                 }
                 Kind::Request { .. } if message.bytes.len() >= 6 => {
-                    let flags: u16 = if rng.gen_bool(0.5) {
-                        rng.gen()
-                    } else {
-                        1 << rng.gen_range(0..16)
-                    };
+                    let flags = random_flags(rng, 16) as u16;
                     message.bytes[4..6].copy_from_slice(&flags.to_be_bytes());
                 }
                 _ => return "none",
@@ -276,19 +287,11 @@ fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
             let message = &mut messages[index];
             match message.kind {
                 Kind::Option if message.bytes.len() >= 12 => {
-                    let code: u32 = if rng.gen_bool(0.8) {
-                        rng.gen_range(0..16)
-                    } else {
-                        rng.gen()
-                    };
+                    let code = random_type(rng, 16) as u32;
                     message.bytes[8..12].copy_from_slice(&code.to_be_bytes());
                 }
                 Kind::Request { .. } if message.bytes.len() >= 8 => {
-                    let command: u16 = if rng.gen_bool(0.8) {
-                        rng.gen_range(0..12)
-                    } else {
-                        rng.gen()
-                    };
+                    let command = random_type(rng, 12) as u16;
                     message.bytes[6..8].copy_from_slice(&command.to_be_bytes());
                 }
                 _ => return "none",
