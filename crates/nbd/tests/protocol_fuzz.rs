@@ -231,6 +231,52 @@ fn random_type(rng: &mut StdRng, known: u64) -> u64 {
     }
 }
 
+/// A header field a mutation may rewrite.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Field {
+    Length,
+    Flags,
+    Type,
+}
+
+/// Where `field` sits in a message of `kind`: (byte offset, width in bytes).
+fn field_place(kind: Kind, field: Field) -> Option<(usize, usize)> {
+    match (kind, field) {
+        (Kind::ClientFlags, Field::Flags) => Some((0, 4)),
+        (Kind::Option, Field::Type) => Some((8, 4)),
+        (Kind::Option, Field::Length) => Some((12, 4)),
+        (Kind::Request { .. }, Field::Flags) => Some((4, 2)),
+        (Kind::Request { .. }, Field::Type) => Some((6, 2)),
+        (Kind::Request { extended }, Field::Length) => Some((24, if extended { 8 } else { 4 })),
+        _ => None,
+    }
+}
+
+/// Rewrites `field` of `message` (if it has it, whole) with a value chosen to probe it: a
+/// boundary length, random or single-bit flags, a near-valid or random type.
+fn set_field(rng: &mut StdRng, message: &mut Message, field: Field) -> &'static str {
+    let Some((at, width)) = field_place(message.kind, field) else {
+        return "none";
+    };
+    if message.bytes.len() < at + width {
+        return "none";
+    }
+    let mut current = [0u8; 8];
+    current[8 - width..].copy_from_slice(&message.bytes[at..at + width]);
+    let value = match field {
+        Field::Length => boundary_length(rng, u64::from_be_bytes(current)),
+        Field::Flags => random_flags(rng, 8 * width as u32),
+        Field::Type if message.kind == Kind::Option => random_type(rng, 16),
+        Field::Type => random_type(rng, 12),
+    };
+    message.bytes[at..at + width].copy_from_slice(&value.to_be_bytes()[8 - width..]);
+    match field {
+        Field::Length => "length",
+        Field::Flags => "flags",
+        Field::Type => "type",
+    }
+}
+
 /// Applies one mutation; returns its name (for the statistics).
 fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
     if messages.is_empty() {
@@ -247,57 +293,9 @@ fn mutate(rng: &mut StdRng, messages: &mut Vec<Message>) -> &'static str {
             message.bytes[bit / 8] ^= 1 << (bit % 8);
             "flip bit"
         }
-        1 => {
-            let message = &mut messages[index];
-            match message.kind {
-                Kind::Option if message.bytes.len() >= 16 => {
-                    let actual = u64::from(be32(&message.bytes[12..]));
-                    let length = boundary_length(rng, actual) as u32;
-                    message.bytes[12..16].copy_from_slice(&length.to_be_bytes());
-                }
-                Kind::Request { extended: true } if message.bytes.len() >= 32 => {
-                    let length = boundary_length(rng, be64(&message.bytes[24..]));
-                    message.bytes[24..32].copy_from_slice(&length.to_be_bytes());
-                }
-                Kind::Request { extended: false } if message.bytes.len() >= 28 => {
-                    let actual = u64::from(be32(&message.bytes[24..]));
-                    let length = boundary_length(rng, actual) as u32;
-                    message.bytes[24..28].copy_from_slice(&length.to_be_bytes());
-                }
-                _ => return "none",
-            }
-            "length"
-        }
-        2 => {
-            let message = &mut messages[index];
-            match message.kind {
-                Kind::ClientFlags if message.bytes.len() == 4 => {
-                    let flags = random_flags(rng, 32) as u32;
-                    message.bytes.copy_from_slice(&flags.to_be_bytes());
-                }
-                Kind::Request { .. } if message.bytes.len() >= 6 => {
-                    let flags = random_flags(rng, 16) as u16;
-                    message.bytes[4..6].copy_from_slice(&flags.to_be_bytes());
-                }
-                _ => return "none",
-            }
-            "flags"
-        }
-        3 => {
-            let message = &mut messages[index];
-            match message.kind {
-                Kind::Option if message.bytes.len() >= 12 => {
-                    let code = random_type(rng, 16) as u32;
-                    message.bytes[8..12].copy_from_slice(&code.to_be_bytes());
-                }
-                Kind::Request { .. } if message.bytes.len() >= 8 => {
-                    let command = random_type(rng, 12) as u16;
-                    message.bytes[6..8].copy_from_slice(&command.to_be_bytes());
-                }
-                _ => return "none",
-            }
-            "type"
-        }
+        1 => set_field(rng, &mut messages[index], Field::Length),
+        2 => set_field(rng, &mut messages[index], Field::Flags),
+        3 => set_field(rng, &mut messages[index], Field::Type),
         4 => {
             let message = &mut messages[index];
             let keep = rng.gen_range(0..=message.bytes.len());
