@@ -162,27 +162,22 @@ fn random_infos(rng: &mut StdRng) -> Vec<u16> {
 fn random_request(rng: &mut StdRng, meta: bool, mode: Mode) -> (u16, u16, u64, u64) {
     let offset = rng.gen_range(0..EXPORT_SIZE / 512) * 512;
     let length = (rng.gen_range(1..=128u64) * 512).min(EXPORT_SIZE - offset);
-    let commands: &[u16] = if meta {
-        &[
-            CMD_READ,
-            CMD_WRITE,
-            CMD_FLUSH,
-            CMD_TRIM,
-            CMD_WRITE_ZEROES,
-            CMD_CACHE,
-            CMD_BLOCK_STATUS,
-        ]
+    // BLOCK_STATUS (last) needs a meta context.
+    let commands = [
+        CMD_READ,
+        CMD_WRITE,
+        CMD_FLUSH,
+        CMD_TRIM,
+        CMD_WRITE_ZEROES,
+        CMD_CACHE,
+        CMD_BLOCK_STATUS,
+    ];
+    let usable = if meta {
+        commands.len()
     } else {
-        &[
-            CMD_READ,
-            CMD_WRITE,
-            CMD_FLUSH,
-            CMD_TRIM,
-            CMD_WRITE_ZEROES,
-            CMD_CACHE,
-        ]
+        commands.len() - 1
     };
-    let command = commands[rng.gen_range(0..commands.len())];
+    let command = commands[rng.gen_range(0..usable)];
     let flags = match command {
         CMD_WRITE | CMD_WRITE_ZEROES | CMD_TRIM if rng.gen_bool(0.3) => FLAG_FUA,
         CMD_READ if mode != Mode::Simple && rng.gen_bool(0.3) => FLAG_DF,
