@@ -63,14 +63,14 @@ fn export_names(served: &Served) -> Vec<String> {
 #[test]
 fn served_pool_gives_the_same_answers_as_offline() {
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("control-same");
+    let temp = ScratchDir::new("control-same");
     let offline = temp.join("offline");
     let online = temp.join("online");
     create_pool(&offline, &["--data-size", "256M"]);
     create_pool(&online, &["--data-size", "256M"]);
     let expected = run_sequence(&offline);
 
-    let served = Served::start(&online, &[]);
+    let served = serve(&online, &[]);
     let mode = std::fs::metadata(online.join("control.sock"))
         .unwrap()
         .permissions()
@@ -97,20 +97,20 @@ fn served_pool_gives_the_same_answers_as_offline() {
 #[test]
 fn exports_follow_volumes_and_open_volumes_cannot_be_deleted() {
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("control-live");
+    let temp = ScratchDir::new("control-live");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "first", "16M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     assert_eq!(export_names(&served), ["first"]);
 
     thinpool_ok(&["volume", "create", "second", "--size", "8M", "--pool", p]);
     assert_eq!(export_names(&served), ["first", "second"]);
-    let mut client = RawClient::connect(&served.socket, "second");
+    let mut client = Client::open(&served.socket, "second");
     assert_eq!(client.size, 8 * MIB);
-    assert_eq!(client.write(0, &pattern(7, 65536)), 0);
-    assert_eq!(client.flush(), 0);
+    client.write(0, &pattern(7, 65536));
+    client.flush();
 
     let error = thinpool_err(&["volume", "delete", "second", "--pool", p]);
     assert!(error.contains("EBUSY"), "{error}");
@@ -137,9 +137,9 @@ fn exports_follow_volumes_and_open_volumes_cannot_be_deleted() {
         "--pool",
         p,
     ]);
-    let mut frozen = RawClient::connect(&served.socket, "frozen");
+    let mut frozen = Client::open(&served.socket, "frozen");
     assert_eq!(frozen.flags & 2, 2, "read-only flag");
-    assert_eq!(frozen.write(0, &[1u8; 512]), EPERM);
+    assert_eq!(frozen.write_errno(0, &[1u8; 512]), EPERM);
     assert_eq!(frozen.read(0, 65536), pattern(7, 65536));
     frozen.disconnect();
 
@@ -150,9 +150,9 @@ fn exports_follow_volumes_and_open_volumes_cannot_be_deleted() {
             .success()
     });
     assert_eq!(export_names(&served), ["first", "frozen"]);
-    assert!(RawClient::try_connect(&served.socket, "second").is_err());
+    assert!(Client::try_open(&served.socket, "second").is_err());
     // The empty name is the only volume... of two, so none; `disk` does not exist.
-    assert!(RawClient::try_connect(&served.socket, "").is_err());
+    assert!(Client::try_open(&served.socket, "").is_err());
     served.stop();
 }
 
@@ -170,10 +170,10 @@ fn request(
 
 #[test]
 fn control_protocol_is_json_lines_with_bounded_requests() {
-    let temp = TempDir::new("control-raw");
+    let temp = ScratchDir::new("control-raw");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     let socket = pool.join("control.sock");
     let mut stream = UnixStream::connect(&socket).unwrap();
     stream

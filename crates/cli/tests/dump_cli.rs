@@ -82,10 +82,7 @@ fn failures_exit_64_like_thin_dump() {
     let dir = ScratchDir::new("dump-cli-failures");
     let v1 = ThinTools::v1_1();
     let zero = dir.join("zero");
-    std::fs::File::create(&zero)
-        .unwrap()
-        .set_len(1 << 20)
-        .unwrap();
+    testkit::sized_file(&zero, 1 << 20);
     let missing = dir.join("missing");
     let no_snap = dir.join("no-snap");
     let device = Arc::new(FileDevice::create(&no_snap, 256).unwrap());

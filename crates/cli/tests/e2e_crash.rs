@@ -7,7 +7,7 @@
 //! for each slot the generation the last completed flush covered. The server is killed at a
 //! random moment, both `thin_check` versions run on the metadata, the server restarts (on its
 //! stale sockets), and every slot must hold a valid sector image of at least its flushed
-//! generation. Three crash cycles. Seed from THINPOOL_SEED.
+//! generation. Three crash cycles. Seeded by testkit (`THINPOOL_SEED`, printed on failure).
 
 mod e2e_support;
 
@@ -78,7 +78,7 @@ type Flushed = Arc<Mutex<Vec<u64>>>;
 
 /// Writes slots in a seeded order until the connection fails (the server was killed).
 fn writer(socket: &Path, volume: &str, flushed: Flushed, seed: u64, first_generation: u64) {
-    let Ok(mut client) = RawClient::try_connect(socket, volume) else {
+    let Ok(mut client) = Client::try_open(socket, volume) else {
         return;
     };
     let mut state = seed | 1;
@@ -92,12 +92,12 @@ fn writer(socket: &Path, volume: &str, flushed: Flushed, seed: u64, first_genera
         generation += 1;
         let image = slot_image(slot, generation);
         let offset = slot * SLOT_BYTES as u64;
-        if !matches!(client.try_command(CMD_WRITE, offset, &image), Ok(0)) {
+        if !succeeds(&mut client, CMD_WRITE, offset, &image) {
             return;
         }
         pending.push((slot, generation));
         if pending.len() == WRITES_PER_FLUSH {
-            if !matches!(client.try_command(CMD_FLUSH, 0, &[]), Ok(0)) {
+            if !succeeds(&mut client, CMD_FLUSH, 0, &[]) {
                 return;
             }
             let mut flushed = flushed.lock().unwrap();
@@ -108,11 +108,18 @@ fn writer(socket: &Path, volume: &str, flushed: Flushed, seed: u64, first_genera
     }
 }
 
+/// Whether a WRITE (or FLUSH, without payload) got a successful reply; false once the socket
+/// fails because the server was killed.
+fn succeeds(client: &mut Client, command: u16, offset: u64, payload: &[u8]) -> bool {
+    let reply = client.try_request(command, offset, payload);
+    matches!(reply.map(|reply| reply.error), Ok(0))
+}
+
 fn verify(socket: &Path, volume: &str, flushed: &Flushed) -> u64 {
     let flushed = flushed.lock().unwrap().clone();
-    let mut client = RawClient::connect(socket, volume);
+    let mut client = Client::open(socket, volume);
     for slot in 0..SLOTS {
-        let data = client.read(slot * SLOT_BYTES as u64, SLOT_BYTES);
+        let data = client.read(slot * SLOT_BYTES as u64, SLOT_BYTES as u64);
         check_slot(volume, slot, &data, flushed[slot as usize]);
     }
     client.disconnect();
@@ -127,17 +134,9 @@ fn thin_check_both(metadata: &Path) {
 
 #[test]
 fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
-    let seed = std::env::var("THINPOOL_SEED")
-        .ok()
-        .and_then(|text| text.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("THINPOOL_SEED={seed} (set it to replay this run's choices)");
-    let temp = TempDir::new("e2e-crash");
+    let report = seed_report();
+    let seed = report.seed();
+    let temp = ScratchDir::new("e2e-crash");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(&pool, &["--data-size", "512M"]);
@@ -148,7 +147,7 @@ fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
         .collect();
     let mut snapshots = 0;
     for cycle in 0..3u64 {
-        let served = Served::start(&pool, &["--quiet"]);
+        let served = serve(&pool, &["--quiet"]);
         // What the last cycle flushed survived its crash.
         for (volume, flushed) in ["a", "b"].iter().zip(&flushed) {
             let covered = verify(&served.socket, volume, flushed);
@@ -183,7 +182,7 @@ fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
         }
         thin_check_both(&pool.join("metadata"));
     }
-    let served = Served::start(&pool, &["--quiet"]);
+    let served = serve(&pool, &["--quiet"]);
     for (volume, flushed) in ["a", "b"].iter().zip(&flushed) {
         let covered = verify(&served.socket, volume, flushed);
         assert!(

@@ -69,19 +69,14 @@ fn attach(cleanup: &mut Cleanup, tag: &str, uri: &str, fuse_dir: &Path, read_onl
         args.push("-r");
     }
     args.extend([dir.as_str(), uri]);
-    let nbdfuse = Background::spawn("nbdfuse", &args);
-    let pid = nbdfuse.child.id();
+    let nbdfuse = ChildGuard::background("nbdfuse", &args);
+    let pid = nbdfuse.pid();
     let unmount_dir = dir.clone();
     cleanup.push(format!("{tag}-nbdfuse"), move || {
         quiet("fusermount3", &["-u", &unmount_dir]);
         let mut nbdfuse = nbdfuse;
         // Give nbdfuse a moment to exit on its own after the unmount, then kill it by PID.
-        for _ in 0..50 {
-            if let Ok(Some(_)) = nbdfuse.child.try_wait() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        nbdfuse.wait_exit(Duration::from_secs(1));
         drop(nbdfuse);
         quiet("fusermount3", &["-u", "-z", &unmount_dir]);
     });
@@ -195,12 +190,12 @@ fn ext4_snapshot_while_mounted_keeps_the_tree() {
     ] {
         require_tool(tool, package);
     }
-    let temp = TempDir::new("e2e-ext4");
+    let temp = ScratchDir::new("e2e-ext4");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap().to_string();
     create_pool(&pool, &["--data-size", "1G"]);
     create_volume(&pool, "fs", "256M");
-    let served = Served::start(&pool, &["--quiet"]);
+    let served = serve(&pool, &["--quiet"]);
     let mut cleanup = Cleanup::default();
 
     let origin_device = attach(

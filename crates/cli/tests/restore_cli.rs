@@ -5,9 +5,6 @@
 //! output (def names renamed in order: they are block numbers); then the failure cases
 //! (missing input or output, malformed XML, `-q`) against the real tool's exit status.
 
-use std::collections::HashMap;
-use std::fmt::Write as _;
-use std::path::Path;
 use std::process::{Command, Output};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
@@ -20,35 +17,6 @@ fn thinpool_restore(args: &[&str]) -> Output {
         .expect("run thinpool")
 }
 
-fn sized(path: &Path, bytes: u64) {
-    std::fs::File::create(path).unwrap().set_len(bytes).unwrap();
-}
-
-fn canonical_names(text: &str) -> String {
-    let mut names: HashMap<String, String> = HashMap::new();
-    let mut out = String::new();
-    for line in text.split_inclusive('\n') {
-        let trimmed = line.trim_start();
-        match ["<def name=\"", "<ref name=\""]
-            .into_iter()
-            .find(|p| trimmed.starts_with(p))
-        {
-            Some(prefix) => {
-                let rest = &trimmed[prefix.len()..];
-                let end = rest.find('"').unwrap();
-                let next = names.len();
-                let name = names
-                    .entry(rest[..end].to_string())
-                    .or_insert_with(|| format!("d{next}"));
-                let indent = &line[..line.len() - trimmed.len()];
-                write!(out, "{indent}{prefix}{name}{}", &rest[end..]).unwrap();
-            }
-            None => out.push_str(line),
-        }
-    }
-    out
-}
-
 #[test]
 fn fixtures_restore_to_metadata_the_real_tools_accept() {
     let dir = ScratchDir::new("restore-cli");
@@ -56,7 +24,7 @@ fn fixtures_restore_to_metadata_the_real_tools_accept() {
     for name in testkit::fixtures::COMMITTED {
         let xml = testkit::fixtures::xml(name);
         let ours = dir.join(format!("{name}-ours"));
-        sized(&ours, 16 << 20);
+        testkit::sized_file(&ours, 16 << 20);
         let output = thinpool_restore(&["-i", xml.to_str().unwrap(), "-o", ours.to_str().unwrap()]);
         assert!(output.status.success(), "{name}: {output:?}");
         assert!(output.stdout.is_empty());
@@ -66,8 +34,8 @@ fn fixtures_restore_to_metadata_the_real_tools_accept() {
         let theirs = dir.join(format!("{name}-theirs"));
         v1.restore_sized(&xml, &theirs, 16 << 20).assert_success();
         assert_eq!(
-            canonical_names(&v1.dump(&ours, &[])),
-            canonical_names(&v1.dump(&theirs, &[])),
+            testkit::fixtures::canonical_def_names(&v1.dump(&ours, &[])),
+            testkit::fixtures::canonical_def_names(&v1.dump(&theirs, &[])),
             "{name}"
         );
     }
@@ -81,7 +49,7 @@ fn failures_exit_64_like_thin_restore() {
     let bad = dir.join("bad.xml");
     std::fs::write(&bad, "<superblock").unwrap();
     let out = dir.join("out");
-    sized(&out, 8 << 20);
+    testkit::sized_file(&out, 8 << 20);
     let missing = dir.join("missing");
     let cases = [
         (missing.clone(), out.clone()),

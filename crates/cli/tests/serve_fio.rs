@@ -45,11 +45,11 @@ fn fio(uri: &str, extra: &[&str]) -> String {
 #[test]
 fn fio_random_writes_verify_over_two_connections() {
     require_tool("fio", "fio");
-    let temp = TempDir::new("serve-fio");
+    let temp = ScratchDir::new("serve-fio");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "fio", "64M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     let uri = served.uri("fio");
     fio(&uri, &[]);
     fio(&uri, &["--verify_only"]);

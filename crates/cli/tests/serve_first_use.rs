@@ -16,8 +16,8 @@ use std::time::Duration;
 #[test]
 fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() {
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("serve-first");
-    let served = Served::start_in(Path::new(""), &[], Some(&temp.path));
+    let temp = ScratchDir::new("serve-first");
+    let served = serve_in(Path::new(""), &[], temp.path());
     let pool = temp.join("thinpool-pool");
     assert!(pool.join("metadata").is_file());
     assert!(pool.join("pool.json").is_file());
@@ -49,7 +49,7 @@ fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() 
     let info: serde_json::Value = serde_json::from_str(&info).unwrap();
     assert_eq!(info["exports"][0]["export-size"], 16u64 << 30);
     // The empty export name opens `disk`.
-    let client = RawClient::connect(&served.socket, "");
+    let client = Client::open(&served.socket, "");
     assert_eq!(client.size, 16 << 30);
     client.disconnect();
 
@@ -62,7 +62,7 @@ fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() 
             temp.join("other.sock").to_str().unwrap(),
         ],
         Duration::from_secs(30),
-        Some(&temp.path),
+        Some(temp.path()),
         &[],
     );
     assert!(!output.status.success());
@@ -70,16 +70,16 @@ fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() 
     assert!(stderr.contains("held by another process"), "{stderr}");
 
     // Written without a flush; SIGTERM must commit it.
-    let mut client = RawClient::connect(&served.socket, "disk");
-    assert_eq!(client.write(5 * MIB, &pattern(3, 65536)), 0);
+    let mut client = Client::open(&served.socket, "disk");
+    client.write(5 * MIB, &pattern(3, 65536));
     client.disconnect();
     let status = served.stop();
     assert!(status.success(), "{status}");
     assert!(!pool.join("nbd.sock").exists());
     assert!(!pool.join("control.sock").exists());
 
-    let served = Served::start_in(Path::new(""), &[], Some(&temp.path));
-    let mut client = RawClient::connect(&served.socket, "disk");
+    let served = serve_in(Path::new(""), &[], temp.path());
+    let mut client = Client::open(&served.socket, "disk");
     assert_eq!(client.read(5 * MIB, 65536), pattern(3, 65536));
     client.disconnect();
     assert!(served.stop().success());
@@ -89,18 +89,15 @@ fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() 
 fn tcp_on_loopback_and_raw_file_exports() {
     require_tool("nbdinfo", "libnbd-bin");
     require_tool("qemu-io", "qemu-utils");
-    let temp = TempDir::new("serve-raw");
+    let temp = ScratchDir::new("serve-raw");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "64M"]);
     create_volume(&pool, "thin", "8M");
     let raw = temp.join("raw.img");
-    std::fs::File::create(&raw)
-        .unwrap()
-        .set_len(4 * MIB)
-        .unwrap();
+    sized_file(&raw, 4 * MIB);
     let socket = temp.join("custom.sock");
     let raw_spec = format!("plain={}", raw.display());
-    let served = Served::start(
+    let served = serve(
         &pool,
         &[
             "--tcp",

@@ -8,58 +8,25 @@
 //! snapshot, and seeded random headers. Afterwards the server still answers, the good
 //! client's data is intact and the pool's status is clean.
 
-// NBD is big-endian on the wire.
-#![allow(clippy::big_endian_bytes)]
-
 mod e2e_support;
 
 use e2e_support::*;
-use std::io::{Read, Write};
-use std::os::unix::net::UnixStream;
+use rand::Rng;
+use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 const VOLUME_SIZE: u64 = 32 * MIB;
 const CHUNK: usize = 64 * 1024;
 
-fn header(magic: u32, flags: u16, command: u16, handle: u64, offset: u64, length: u32) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    bytes.extend_from_slice(&magic.to_be_bytes());
-    bytes.extend_from_slice(&flags.to_be_bytes());
-    bytes.extend_from_slice(&command.to_be_bytes());
-    bytes.extend_from_slice(&handle.to_be_bytes());
-    bytes.extend_from_slice(&offset.to_be_bytes());
-    bytes.extend_from_slice(&length.to_be_bytes());
-    bytes
-}
-
-/// Reads until EOF or error (bounded by the socket's timeout); true if the peer closed.
-fn closes(stream: &mut UnixStream) -> bool {
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut buffer = [0u8; 4096];
-    loop {
-        match stream.read(&mut buffer) {
-            Ok(0) => return true,
-            Ok(_) => continue,
-            Err(error) => {
-                return error.kind() != std::io::ErrorKind::WouldBlock
-                    && error.kind() != std::io::ErrorKind::TimedOut
-            }
-        }
-    }
-}
-
 #[test]
 fn hostile_client_cannot_disturb_a_good_one() {
-    let temp = TempDir::new("serve-hostile");
+    let temp = ScratchDir::new("serve-hostile");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "vol", "32M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     let socket = served.socket.clone();
 
     // The good client: writes block i with pattern (round, i), reads it back, forever.
@@ -68,16 +35,16 @@ fn hostile_client_cannot_disturb_a_good_one() {
         let stop = Arc::clone(&stop);
         let socket = socket.clone();
         std::thread::spawn(move || {
-            let mut client = RawClient::connect(&socket, "vol");
+            let mut client = Client::open(&socket, "vol");
             let blocks = 64u64;
             let mut round = 0u64;
             while !stop.load(Ordering::SeqCst) || round < 2 {
                 for block in 0..blocks {
                     let data = pattern(round * 1000 + block, CHUNK);
-                    assert_eq!(client.write(block * CHUNK as u64, &data), 0);
-                    assert_eq!(client.read(block * CHUNK as u64, CHUNK), data);
+                    client.write(block * CHUNK as u64, &data);
+                    assert_eq!(client.read(block * CHUNK as u64, CHUNK as u64), data);
                 }
-                assert_eq!(client.flush(), 0);
+                client.flush();
                 round += 1;
             }
             client.disconnect();
@@ -91,30 +58,22 @@ fn hostile_client_cannot_disturb_a_good_one() {
         b"GET / HTTP/1.1\r\n\r\n".to_vec(),
         pattern(1, 10_000),
     ] {
-        let mut stream = UnixStream::connect(&socket).unwrap();
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).unwrap();
-        let _ = stream.write_all(&garbage);
-        assert!(closes(&mut stream), "garbage handshake left open");
+        let mut client = Client::connect(&socket);
+        let _ = client.stream.write_all(&garbage);
+        assert!(client.is_closed(), "garbage handshake left open");
     }
     // An option claiming 4 GiB of data.
     {
-        let mut stream = UnixStream::connect(&socket).unwrap();
-        let mut greeting = [0u8; 18];
-        stream.read_exact(&mut greeting).unwrap();
-        stream.write_all(&3u32.to_be_bytes()).unwrap();
-        let mut option = IHAVEOPT.to_be_bytes().to_vec();
-        option.extend_from_slice(&OPT_GO.to_be_bytes());
-        option.extend_from_slice(&u32::MAX.to_be_bytes());
-        let _ = stream.write_all(&option);
-        assert!(closes(&mut stream), "huge option left open");
+        let mut client = Client::start(&socket);
+        let _ = client.stream.write_all(&option_header(OPT_GO, u32::MAX));
+        assert!(client.is_closed(), "huge option left open");
     }
     // Unknown export.
-    assert!(RawClient::try_connect(&socket, "no-such-volume").is_err());
+    assert!(Client::try_open(&socket, "no-such-volume").is_err());
 
     // Bad requests answered with errors; the connection stays usable.
     {
-        let mut client = RawClient::connect(&socket, "vol");
+        let mut client = Client::open(&socket, "vol");
         for (command, offset, length) in [
             (99u16, 0u64, 512u32),
             (CMD_READ, VOLUME_SIZE, 512),
@@ -123,9 +82,7 @@ fn hostile_client_cannot_disturb_a_good_one() {
             (CMD_TRIM, VOLUME_SIZE - 512, 4096),
             (CMD_READ, 0, 64 << 20),
         ] {
-            let handle = client.send(command, 0, offset, length, &[]);
-            let (reply, _) = client.reply(0);
-            assert_eq!(reply.handle, handle);
+            let reply = client.request(command, 0, offset, u64::from(length), &[]);
             assert_ne!(
                 reply.error, 0,
                 "command {command} at {offset}+{length} succeeded"
@@ -138,45 +95,41 @@ fn hostile_client_cannot_disturb_a_good_one() {
     }
     // A write past the end, with its payload: refused, and the stream stays in step.
     {
-        let mut client = RawClient::connect(&socket, "vol");
-        assert_ne!(client.write(VOLUME_SIZE - 512, &[0x55u8; 1024]), 0);
+        let mut client = Client::open(&socket, "vol");
+        assert_ne!(client.write_errno(VOLUME_SIZE - 512, &[0x55u8; 1024]), 0);
         let data = client.read(VOLUME_SIZE - 512, 512);
         assert!(data.iter().all(|&b| b == 0), "a refused write changed data");
         client.disconnect();
     }
     // An oversize write: an error or a closed connection, never 4 GiB of buffer.
     {
-        let mut client = RawClient::connect(&socket, "vol");
-        let _ = client
-            .stream
-            .write_all(&header(REQUEST_MAGIC, 0, CMD_WRITE, 5, 0, u32::MAX));
-        assert!(closes(&mut client.stream), "oversize write left open");
+        let mut client = Client::open(&socket, "vol");
+        let header = request_header(Mode::Simple, CMD_WRITE, 0, 5, 0, u64::from(u32::MAX));
+        let _ = client.stream.write_all(&header);
+        assert!(client.is_closed(), "oversize write left open");
     }
     // A half-sent write, then hang-up.
     {
-        let mut client = RawClient::connect(&socket, "vol");
-        let _ = client
-            .stream
-            .write_all(&header(REQUEST_MAGIC, 0, CMD_WRITE, 6, 0, 1 << 20));
+        let mut client = Client::open(&socket, "vol");
+        let header = request_header(Mode::Simple, CMD_WRITE, 0, 6, 0, 1 << 20);
+        let _ = client.stream.write_all(&header);
         let _ = client.stream.write_all(&[0xeeu8; 1000]);
         drop(client);
     }
     // A bad request magic closes the connection.
     {
-        let mut client = RawClient::connect(&socket, "vol");
-        let _ = client
-            .stream
-            .write_all(&header(0xdead_beef, 0, CMD_READ, 7, 0, 512));
-        assert!(closes(&mut client.stream), "bad magic left open");
+        let mut client = Client::open(&socket, "vol");
+        let mut header = request_header(Mode::Simple, CMD_READ, 0, 7, 0, 512);
+        header[..4].copy_from_slice(&[0xde, 0xad, 0xbe, 0xef]);
+        let _ = client.stream.write_all(&header);
+        assert!(client.is_closed(), "bad magic left open");
     }
     // Many reads never collected, then hang-up.
     {
-        let mut client = RawClient::connect(&socket, "vol");
-        for handle in 0..200 {
-            let _ =
-                client
-                    .stream
-                    .write_all(&header(REQUEST_MAGIC, 0, CMD_READ, handle, 0, 4 << 20));
+        let mut client = Client::open(&socket, "vol");
+        for cookie in 0..200 {
+            let header = request_header(Mode::Simple, CMD_READ, 0, cookie, 0, 4 << 20);
+            let _ = client.stream.write_all(&header);
         }
         drop(client);
     }
@@ -191,47 +144,31 @@ fn hostile_client_cannot_disturb_a_good_one() {
         p,
     ]);
     {
-        let mut client = RawClient::connect(&socket, "ro");
-        assert_eq!(client.write(0, &[1u8; 4096]), EPERM);
-        let handle = client.send(CMD_TRIM, 0, 0, 65536, &[]);
-        let (reply, _) = client.reply(0);
-        assert_eq!(reply.handle, handle);
+        let mut client = Client::open(&socket, "ro");
+        assert_eq!(client.write_errno(0, &[1u8; 4096]), EPERM);
+        let reply = client.request(CMD_TRIM, 0, 0, 65536, &[]);
         assert_eq!(reply.error, EPERM);
         client.disconnect();
     }
     // Seeded random headers with a valid magic; replies are not read.
-    let mut state = 0x1234_5678_9abc_def0u64;
-    let mut next = || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        state
-    };
+    let (_report, mut rng) = testkit::seeded_rng();
     for _ in 0..10 {
-        let mut client = RawClient::connect(&socket, "ro");
-        for handle in 0..50 {
-            let command = (next() % 12) as u16;
+        let mut client = Client::open(&socket, "ro");
+        for cookie in 0..50 {
             // Never a WRITE with a payload we do not send: keep the stream framed.
-            let command = if command == CMD_WRITE {
-                CMD_READ
-            } else {
-                command
+            let command = match rng.gen_range(0..12u16) {
+                CMD_WRITE => CMD_READ,
+                command => command,
             };
-            let flags = (next() & 0xff) as u16;
-            let offset = match next() % 3 {
-                0 => next() % VOLUME_SIZE,
-                1 => next(),
+            let flags = rng.gen_range(0..=0xffu16);
+            let offset = match rng.gen_range(0..3) {
+                0 => rng.gen_range(0..VOLUME_SIZE),
+                1 => rng.gen(),
                 _ => VOLUME_SIZE - 512,
             };
-            let length = (next() % (1 << 22)) as u32;
-            let _ = client.stream.write_all(&header(
-                REQUEST_MAGIC,
-                flags,
-                command,
-                handle,
-                offset,
-                length,
-            ));
+            let length = rng.gen_range(0..1u64 << 22);
+            let header = request_header(Mode::Simple, command, flags, cookie, offset, length);
+            let _ = client.stream.write_all(&header);
         }
         drop(client);
     }
@@ -239,10 +176,10 @@ fn hostile_client_cannot_disturb_a_good_one() {
     stop.store(true, Ordering::SeqCst);
     let last_round = good.join().expect("the good client failed");
     // The server is alive and the good client's last round is there.
-    let mut client = RawClient::connect(&socket, "vol");
+    let mut client = Client::open(&socket, "vol");
     for block in 0..64u64 {
         assert_eq!(
-            client.read(block * CHUNK as u64, CHUNK),
+            client.read(block * CHUNK as u64, CHUNK as u64),
             pattern(last_round * 1000 + block, CHUNK),
             "block {block}"
         );

@@ -13,21 +13,21 @@ use std::time::Duration;
 fn nbdcopy_keeps_a_sparse_volume_sparse() {
     require_tool("nbdcopy", "libnbd-bin");
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("serve-nbdcopy");
+    let temp = ScratchDir::new("serve-nbdcopy");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "source", "64M");
     create_volume(&pool, "copy", "64M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
 
-    let mut client = RawClient::connect(&served.socket, "source");
+    let mut client = Client::open(&served.socket, "source");
     for (index, offset) in [0, 3 * MIB, 17 * MIB + 65536, 40 * MIB, 64 * MIB - 131072]
         .into_iter()
         .enumerate()
     {
-        assert_eq!(client.write(offset, &pattern(index as u64, 131072)), 0);
+        client.write(offset, &pattern(index as u64, 131072));
     }
-    assert_eq!(client.flush(), 0);
+    client.flush();
     client.disconnect();
 
     let source = served.uri("source");

@@ -10,29 +10,28 @@ mod e2e_support;
 use e2e_support::*;
 
 const BLOCK: u64 = 64 * 1024;
-const ENOSPC: u32 = 28;
 
 #[test]
 fn out_of_space_is_enospc_until_the_data_grows() {
-    let temp = TempDir::new("serve-nospace");
+    let temp = ScratchDir::new("serve-nospace");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(&pool, &["--data-size", "1M", "--error-if-no-space"]);
     create_volume(&pool, "big", "8M");
-    let served = Served::start(&pool, &["--quiet"]);
-    let mut client = RawClient::connect(&served.socket, "big");
+    let served = serve(&pool, &["--quiet"]);
+    let mut client = Client::open(&served.socket, "big");
     for block in 0..16 {
         assert_eq!(
-            client.write(block * BLOCK, &pattern(block, BLOCK as usize)),
+            client.write_errno(block * BLOCK, &pattern(block, BLOCK as usize)),
             0
         );
     }
     assert_eq!(
-        client.write(16 * BLOCK, &pattern(16, BLOCK as usize)),
+        client.write_errno(16 * BLOCK, &pattern(16, BLOCK as usize)),
         ENOSPC
     );
     // Overwriting a provisioned block needs no space.
-    assert_eq!(client.write(0, &pattern(100, BLOCK as usize)), 0);
+    client.write(0, &pattern(100, BLOCK as usize));
     let status: serde_json::Value =
         serde_json::from_str(&thinpool_ok(&["status", "--json", "--pool", p])).unwrap();
     assert_eq!(status["data_used_blocks"], 16);
@@ -50,13 +49,10 @@ fn out_of_space_is_enospc_until_the_data_grows() {
     .unwrap();
     assert_eq!(grown["data_total_blocks"], 32);
     assert_eq!(grown["mode"], "rw");
-    assert_eq!(client.write(16 * BLOCK, &pattern(16, BLOCK as usize)), 0);
-    assert_eq!(client.flush(), 0);
-    assert_eq!(client.read(0, BLOCK as usize), pattern(100, BLOCK as usize));
-    assert_eq!(
-        client.read(16 * BLOCK, BLOCK as usize),
-        pattern(16, BLOCK as usize)
-    );
+    client.write(16 * BLOCK, &pattern(16, BLOCK as usize));
+    client.flush();
+    assert_eq!(client.read(0, BLOCK), pattern(100, BLOCK as usize));
+    assert_eq!(client.read(16 * BLOCK, BLOCK), pattern(16, BLOCK as usize));
     client.disconnect();
     assert!(served.stop().success());
 }

@@ -33,11 +33,11 @@ fn qemu_io_patterns_and_exact_allocation_maps() {
     require_tool("qemu-io", "qemu-utils");
     require_tool("qemu-img", "qemu-utils");
     require_tool("nbdinfo", "libnbd-bin");
-    let temp = TempDir::new("serve-qemu");
+    let temp = ScratchDir::new("serve-qemu");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "vol", "16M");
-    let served = Served::start(&pool, &["--tcp", "0"]);
+    let served = serve(&pool, &["--tcp", "0"]);
     let uri = served.uri("vol");
     assert_eq!(nbdinfo_data_extents(&uri), vec![]);
 
@@ -86,16 +86,15 @@ fn qemu_io_patterns_and_exact_allocation_maps() {
 #[test]
 fn qemu_img_convert_to_and_from_a_volume() {
     require_tool("qemu-img", "qemu-utils");
-    let temp = TempDir::new("serve-convert");
+    let temp = ScratchDir::new("serve-convert");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "target", "32M");
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
 
     // A sparse source image: data at 0, 5 MiB and the last MiB.
     let source = temp.join("source.img");
-    let file = std::fs::File::create(&source).unwrap();
-    file.set_len(32 * MIB).unwrap();
+    let file = sized_file(&source, 32 * MIB);
     use std::os::unix::fs::FileExt;
     for (index, offset) in [0, 5 * MIB, 31 * MIB].into_iter().enumerate() {
         file.write_all_at(&pattern(index as u64 + 1, MIB as usize), offset)
@@ -104,34 +103,9 @@ fn qemu_img_convert_to_and_from_a_volume() {
     drop(file);
 
     let uri = served.uri("target");
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            source.to_str().unwrap(),
-            &uri,
-        ],
-        Duration::from_secs(120),
-    );
-    let compare = run_tool(
-        "qemu-img",
-        &[
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            source.to_str().unwrap(),
-            &uri,
-        ],
-        Duration::from_secs(120),
-    );
-    assert!(compare.status.success(), "{compare:?}");
+    let source_path = source.to_str().unwrap();
+    testkit::qemu_img::convert_into(source_path, &uri);
+    testkit::qemu_img::compare(source_path, &uri);
     // Only the data was provisioned.
     assert_eq!(
         nbdinfo_data_extents(&uri),
@@ -139,19 +113,7 @@ fn qemu_img_convert_to_and_from_a_volume() {
     );
 
     let back = temp.join("back.img");
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &uri,
-            back.to_str().unwrap(),
-        ],
-        Duration::from_secs(120),
-    );
+    testkit::qemu_img::convert_to_file(&uri, &back);
     assert_eq!(
         std::fs::read(&back).unwrap(),
         std::fs::read(&source).unwrap()

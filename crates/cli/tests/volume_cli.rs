@@ -16,7 +16,7 @@ fn json(text: &str) -> serde_json::Value {
 
 #[test]
 fn volume_lifecycle_offline_with_text_and_json_output() {
-    let temp = TempDir::new("volume-cli");
+    let temp = ScratchDir::new("volume-cli");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     let created = thinpool_ok(&[
@@ -127,7 +127,7 @@ vm      0   1.00GiB     0.00  -       no
 
 #[test]
 fn errors_are_clear_and_fail() {
-    let temp = TempDir::new("volume-errors");
+    let temp = ScratchDir::new("volume-errors");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     let error = thinpool_err(&["list", "--pool", p]);
@@ -153,7 +153,7 @@ fn errors_are_clear_and_fail() {
 
 #[test]
 fn create_options_persist_in_pool_json() {
-    let temp = TempDir::new("volume-options");
+    let temp = ScratchDir::new("volume-options");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(
@@ -181,13 +181,13 @@ fn create_options_persist_in_pool_json() {
 
 #[test]
 fn pool_directory_comes_from_the_environment_or_the_working_directory() {
-    let temp = TempDir::new("volume-env");
+    let temp = ScratchDir::new("volume-env");
     // Default: ./thinpool-pool in the working directory.
     let output = run_tool_in(
         THINPOOL,
         &["create", "--data-size", "64M"],
         Duration::from_secs(60),
-        Some(&temp.path),
+        Some(temp.path()),
         &[],
     );
     assert!(output.status.success(), "{output:?}");
@@ -199,7 +199,7 @@ fn pool_directory_comes_from_the_environment_or_the_working_directory() {
         THINPOOL,
         &["create", "--data-size", "64M"],
         Duration::from_secs(60),
-        Some(&temp.path),
+        Some(temp.path()),
         &[("THINPOOL_POOL", other_str)],
     );
     assert!(output.status.success(), "{output:?}");
@@ -208,7 +208,7 @@ fn pool_directory_comes_from_the_environment_or_the_working_directory() {
         THINPOOL,
         &["volume", "create", "env", "--size", "1M"],
         Duration::from_secs(60),
-        Some(&temp.path),
+        Some(temp.path()),
         &[("THINPOOL_POOL", other_str)],
     );
     assert!(output.status.success(), "{output:?}");

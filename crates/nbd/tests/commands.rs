@@ -15,17 +15,17 @@ use nbd::{ErrorKind, Export, MemoryExport};
 
 const SIZE: u64 = 16 * MIB;
 
-fn setup(mode: Mode, meta: bool) -> (TestServer, Arc<MemoryExport>, RawClient, u32) {
+fn setup(mode: Mode, meta: bool) -> (TestServer, Arc<MemoryExport>, Client, u32) {
     let disk = Arc::new(MemoryExport::new("disk", SIZE));
     let ro = Arc::new(MemoryExport::new("ro", MIB).with_read_only(true));
     let server = TestServer::start(vec![disk.clone(), ro]);
-    let (client, size, flags, context) = RawClient::negotiate(&server.socket, "disk", mode, meta);
+    let (client, size, flags, context) = Client::negotiate(&server.socket, "disk", mode, meta);
     assert_eq!(size, SIZE);
     assert_eq!(flags & TF_SEND_DF != 0, mode != Mode::Simple);
     (server, disk, client, context)
 }
 
-fn expect_error(client: &mut RawClient, reply: Completed, error: u32, what: &str) {
+fn expect_error(client: &mut Client, reply: Completed, error: u32, what: &str) {
     assert_eq!(reply.error, error, "{what}: {reply:?}");
     if client.mode != Mode::Simple {
         assert!(reply.chunk_types.contains(&CHUNK_ERROR), "{what}");
@@ -143,7 +143,7 @@ fn exercise(mode: Mode) {
     let disk_big = Arc::new(MemoryExport::new("big", 64 * MIB));
     _server.exports.insert(disk_big);
     client.disconnect();
-    let (mut client, _, _, _) = RawClient::negotiate(&_server.socket, "big", mode, false);
+    let (mut client, _, _, _) = Client::negotiate(&_server.socket, "big", mode, false);
     client.write(0, &big);
     assert!(client.read(0, 32 * MIB) == big);
     let reply = client.request(CMD_READ, 0, 0, 32 * MIB + 512, &[]);
@@ -171,7 +171,7 @@ fn read_only_export_refuses_writes_with_eperm() {
     let disk = Arc::new(MemoryExport::new("ro", MIB).with_read_only(true));
     let server = TestServer::start(vec![disk]);
     let (mut client, _, flags, _) =
-        RawClient::negotiate(&server.socket, "ro", Mode::Structured, false);
+        Client::negotiate(&server.socket, "ro", Mode::Structured, false);
     assert_ne!(flags & TF_READ_ONLY, 0);
     let reply = client.request(CMD_WRITE, 0, 0, 4096, &[1u8; 4096]);
     expect_error(&mut client, reply, EPERM, "write");
@@ -264,8 +264,7 @@ fn pipelined_requests_are_answered_by_cookie() {
 fn extended_headers_carry_64_bit_lengths_and_payload_flag() {
     let big = Arc::new(MemoryExport::new("huge", 8 << 30));
     let server = TestServer::start(vec![big.clone()]);
-    let (mut client, size, _, _) =
-        RawClient::negotiate(&server.socket, "huge", Mode::Extended, true);
+    let (mut client, size, _, _) = Client::negotiate(&server.socket, "huge", Mode::Extended, true);
     assert_eq!(size, 8 << 30);
     client.write(0, &[1u8; 65536]);
     client.write((6 << 30) - 65536, &[2u8; 65536]);

@@ -9,7 +9,7 @@ mod common;
 use std::io::Read;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use nbd::{Config, MemoryExport};
@@ -21,8 +21,8 @@ fn connections_beyond_the_limit_are_closed() {
         ..Default::default()
     };
     let server = TestServer::start_with(vec![Arc::new(MemoryExport::new("disk", MIB))], config);
-    let (mut first, _, _, _) = RawClient::negotiate(&server.socket, "disk", Mode::Simple, false);
-    let second = RawClient::start(&server.socket);
+    let (mut first, _, _, _) = Client::negotiate(&server.socket, "disk", Mode::Simple, false);
+    let second = Client::start(&server.socket);
     let mut third = UnixStream::connect(&server.socket).unwrap();
     third
         .set_read_timeout(Some(Duration::from_secs(5)))
@@ -35,12 +35,12 @@ fn connections_beyond_the_limit_are_closed() {
     );
     first.write(0, &[1u8; 512]);
     drop(second);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while server.server.as_ref().unwrap().connection_count() > 1 {
-        assert!(Instant::now() < deadline, "slot not freed");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let (mut fourth, _, _, _) = RawClient::negotiate(&server.socket, "disk", Mode::Simple, false);
+    wait_for(
+        "the second connection's slot to be freed",
+        Duration::from_secs(5),
+        || server.server.as_ref().unwrap().connection_count() <= 1,
+    );
+    let (mut fourth, _, _, _) = Client::negotiate(&server.socket, "disk", Mode::Simple, false);
     assert_eq!(fourth.read(0, 512), vec![1u8; 512]);
     first.disconnect();
     fourth.disconnect();

@@ -14,10 +14,12 @@ use nbd::MemoryExport;
 #[test]
 fn fio_two_jobs_verify_crc32c() {
     require_tool("fio", "fio");
-    let seed = seed();
+    let report = seed_report();
+    let seed = report.seed();
     let server = TestServer::start(vec![Arc::new(MemoryExport::new("disk", 64 * MIB))]);
     let uri = format!("--uri={}", server.uri("disk"));
-    let seed_arg = format!("--randseed={seed}");
+    // fio parses its seed as a signed 64-bit number.
+    let seed_arg = format!("--randseed={}", seed & i64::MAX as u64);
     let output = run_ok(
         "fio",
         &[

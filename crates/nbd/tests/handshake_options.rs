@@ -23,7 +23,7 @@ fn server() -> TestServer {
 #[test]
 fn list_returns_every_export_then_ack() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     let replies = client.option(OPT_LIST, &[]);
     assert_eq!(replies.len(), 3);
     let mut names = Vec::new();
@@ -49,7 +49,7 @@ fn list_returns_every_export_then_ack() {
 #[test]
 fn info_answers_all_four_items_and_stays_in_negotiation() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     let replies = client.option(OPT_INFO, &export_request("disk", &[1, 2, 3, 99]));
     let infos: Vec<_> = replies
         .iter()
@@ -107,7 +107,7 @@ fn info_answers_all_four_items_and_stays_in_negotiation() {
 fn export_name_with_and_without_zero_padding() {
     let server = server();
     for (client_flags, reply_length) in [(3u32, 10usize), (1, 134)] {
-        let mut client = RawClient::connect(&server.socket);
+        let mut client = Client::connect(&server.socket);
         client.send(&client_flags.to_be_bytes());
         client.send_option(OPT_EXPORT_NAME, b"disk");
         let reply = client.read_bytes(reply_length);
@@ -118,7 +118,7 @@ fn export_name_with_and_without_zero_padding() {
         client.disconnect();
     }
     // An unknown name cannot be reported: the server hangs up.
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     client.send_option(OPT_EXPORT_NAME, b"missing");
     assert!(client.is_closed());
 }
@@ -127,15 +127,15 @@ fn export_name_with_and_without_zero_padding() {
 fn client_flags_are_validated() {
     let server = server();
     // Unknown bit: close.
-    let mut client = RawClient::connect(&server.socket);
+    let mut client = Client::connect(&server.socket);
     client.send(&0x10u32.to_be_bytes());
     assert!(client.is_closed());
     // No FIXED_NEWSTYLE: only EXPORT_NAME is allowed, anything else closes.
-    let mut client = RawClient::connect(&server.socket);
+    let mut client = Client::connect(&server.socket);
     client.send(&0u32.to_be_bytes());
     client.send_option(OPT_LIST, &[]);
     assert!(client.is_closed());
-    let mut client = RawClient::connect(&server.socket);
+    let mut client = Client::connect(&server.socket);
     client.send(&0u32.to_be_bytes());
     client.send_option(OPT_EXPORT_NAME, b"disk");
     let reply = client.read_bytes(134);
@@ -145,7 +145,7 @@ fn client_flags_are_validated() {
 #[test]
 fn unknown_and_unsupported_options_are_refused_and_loop_continues() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     for code in [4u32, 12, 0x7fff_ffff, OPT_STARTTLS] {
         let replies = client.option(code, b"some data");
         assert_eq!(replies.len(), 1);
@@ -162,7 +162,7 @@ fn unknown_and_unsupported_options_are_refused_and_loop_continues() {
 #[test]
 fn meta_contexts_follow_list_and_set_rules() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     // SET before structured replies is invalid; LIST is allowed.
     let replies = client.option(
         OPT_SET_META_CONTEXT,
@@ -214,7 +214,7 @@ fn meta_contexts_follow_list_and_set_rules() {
 #[test]
 fn extended_headers_forbid_structured_and_export_name() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     assert_eq!(
         client.option(OPT_EXTENDED_HEADERS, &[])[0].reply_type,
         REP_ACK
@@ -228,43 +228,39 @@ fn extended_headers_forbid_structured_and_export_name() {
 #[test]
 fn oversize_option_gets_too_big_then_close() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
-    let mut header = Vec::new();
-    header.extend_from_slice(&IHAVEOPT.to_be_bytes());
-    header.extend_from_slice(&OPT_GO.to_be_bytes());
-    header.extend_from_slice(&u32::MAX.to_be_bytes());
-    client.send(&header);
+    let mut client = Client::start(&server.socket);
+    client.send(&option_header(OPT_GO, u32::MAX));
     let reply = client.read_option_reply();
     assert_eq!(reply.reply_type, REP_ERR_TOO_BIG);
     assert!(client.is_closed());
     // Bad option magic closes too.
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     client.send(&[0u8; 16]);
     assert!(client.is_closed());
     // The server is still fine.
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     client.go("disk");
 }
 
 #[test]
 fn abort_is_acknowledged_even_with_data() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     let replies = client.option(OPT_ABORT, b"ignored");
     assert_eq!(replies[0].reply_type, REP_ACK);
     assert!(client.is_closed());
     // Hanging up without reading the ACK is tolerated.
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     client.send_option(OPT_ABORT, &[]);
     drop(client);
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     client.go("disk");
 }
 
 #[test]
 fn info_with_thousands_of_duplicate_requests_answers_each_item_once() {
     let server = server();
-    let mut client = RawClient::start(&server.socket);
+    let mut client = Client::start(&server.socket);
     let requests: Vec<u16> = (0..30_000).map(|index| [3, 1, 7][index % 3]).collect();
     let started = std::time::Instant::now();
     let replies = client.option(OPT_INFO, &export_request("disk", &requests));

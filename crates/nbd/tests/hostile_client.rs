@@ -22,7 +22,7 @@ const SIZE: u64 = 8 * MIB;
 
 fn good_client(socket: std::path::PathBuf, seed: u64, stop: Arc<AtomicBool>) -> u64 {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    let (mut client, _, _, _) = RawClient::negotiate(&socket, "disk", Mode::Structured, false);
+    let (mut client, _, _, _) = Client::negotiate(&socket, "disk", Mode::Structured, false);
     let mut model = vec![0u8; SIZE as usize];
     let mut operations = 0;
     while !stop.load(Ordering::SeqCst) || operations < 50 {
@@ -36,59 +36,43 @@ fn good_client(socket: std::path::PathBuf, seed: u64, stop: Arc<AtomicBool>) -> 
             let data = client.read(offset, length);
             assert!(
                 data == model[offset as usize..(offset + length) as usize],
-                "good client read wrong data at {offset} (THINPOOL_SEED={seed})"
+                "good client read wrong data at {offset}"
             );
         }
         operations += 1;
     }
     let data = client.read(0, SIZE);
-    assert!(data == model, "final read differs (THINPOOL_SEED={seed})");
+    assert!(data == model, "final read differs");
     client.disconnect();
     operations
 }
 
-fn request_header(command: u16, flags: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    bytes.extend_from_slice(&0x2560_9513u32.to_be_bytes());
-    bytes.extend_from_slice(&flags.to_be_bytes());
-    bytes.extend_from_slice(&command.to_be_bytes());
-    bytes.extend_from_slice(&cookie.to_be_bytes());
-    bytes.extend_from_slice(&offset.to_be_bytes());
-    bytes.extend_from_slice(&length.to_be_bytes());
-    bytes
-}
-
 fn hostile_handshakes(socket: &std::path::Path, rng: &mut rand::rngs::SmallRng) {
     // Garbage client flags.
-    let mut client = RawClient::connect(socket);
+    let mut client = Client::connect(socket);
     client.send(&[0xff, 0xff, 0xff, 0xff, 1, 2, 3]);
     assert!(client.is_closed());
     // Hang up at every point of the greeting.
     for cut in 0..4 {
-        let mut client = RawClient::connect(socket);
+        let mut client = Client::connect(socket);
         client.send(&vec![0u8; cut]);
         drop(client);
     }
     // Option lengths far beyond the limit, with and without data following.
     for length in [u32::MAX, 1 << 20, 64 * 1024 + 1] {
-        let mut client = RawClient::start(socket);
-        let mut header = IHAVEOPT.to_be_bytes().to_vec();
-        header.extend_from_slice(&OPT_INFO.to_be_bytes());
-        header.extend_from_slice(&length.to_be_bytes());
-        client.send(&header);
+        let mut client = Client::start(socket);
+        client.send(&option_header(OPT_INFO, length));
         assert_eq!(client.read_option_reply().reply_type, REP_ERR_TOO_BIG);
         assert!(client.is_closed());
     }
     // Truncated option data, then hang-up.
-    let mut client = RawClient::start(socket);
-    let mut header = IHAVEOPT.to_be_bytes().to_vec();
-    header.extend_from_slice(&OPT_GO.to_be_bytes());
-    header.extend_from_slice(&1000u32.to_be_bytes());
+    let mut client = Client::start(socket);
+    let mut header = option_header(OPT_GO, 1000);
     header.extend_from_slice(&[0u8; 10]);
     client.send(&header);
     drop(client);
     // Malformed GO and meta-context data: ERR_INVALID, and the loop goes on.
-    let mut client = RawClient::start(socket);
+    let mut client = Client::start(socket);
     client.option(OPT_STRUCTURED_REPLY, &[]);
     let bad_go: Vec<Vec<u8>> = vec![
         vec![],
@@ -123,12 +107,10 @@ fn hostile_handshakes(socket: &std::path::Path, rng: &mut rand::rngs::SmallRng) 
         }
     }
     // Thousands of options: the server answers a bounded number, then hangs up.
-    let mut client = RawClient::start(socket);
+    let mut client = Client::start(socket);
     let mut closed = false;
     for _ in 0..5000 {
-        let mut option = IHAVEOPT.to_be_bytes().to_vec();
-        option.extend_from_slice(&99u32.to_be_bytes());
-        option.extend_from_slice(&0u32.to_be_bytes());
+        let option = option_bytes(99, &[]);
         let mut header = [0u8; 20];
         if std::io::Write::write_all(&mut client.stream, &option).is_err()
             || std::io::Read::read_exact(&mut client.stream, &mut header).is_err()
@@ -144,33 +126,41 @@ fn hostile_handshakes(socket: &std::path::Path, rng: &mut rand::rngs::SmallRng) 
 
 fn hostile_transmissions(socket: &std::path::Path, rng: &mut rand::rngs::SmallRng) {
     // Bad request magic closes the connection.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Simple, false);
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Simple, false);
     client.send(&[0x55; 28]);
     assert!(client.is_closed());
     // Oversize WRITE: an error reply, then the connection closes.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Simple, false);
-    client.send(&request_header(CMD_WRITE, 0, 7, 0, u32::MAX));
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Simple, false);
+    client.send(&request_header(
+        Mode::Simple,
+        CMD_WRITE,
+        0,
+        7,
+        0,
+        u64::from(u32::MAX),
+    ));
     let reply = client.read_bytes(16);
     assert_eq!(be32(&reply[4..]), EOVERFLOW);
     assert_eq!(be64(&reply[8..]), 7);
     assert!(client.is_closed());
     // Extended headers: a 64-bit payload length far beyond the maximum closes the connection.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Extended, false);
-    let mut header = 0x21e4_1c71u32.to_be_bytes().to_vec();
-    header.extend_from_slice(&(FLAG_PAYLOAD_LEN).to_be_bytes());
-    header.extend_from_slice(&CMD_WRITE.to_be_bytes());
-    header.extend_from_slice(&9u64.to_be_bytes());
-    header.extend_from_slice(&0u64.to_be_bytes());
-    header.extend_from_slice(&(1u64 << 40).to_be_bytes());
-    client.send(&header);
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Extended, false);
+    client.send(&request_header(
+        Mode::Extended,
+        CMD_WRITE,
+        FLAG_PAYLOAD_LEN,
+        9,
+        0,
+        1 << 40,
+    ));
     let reply = client.read_bytes(32);
-    assert_eq!(be32(&reply), 0x6e8a_278c);
+    assert_eq!(be32(&reply), EXTENDED_REPLY_MAGIC);
     assert_eq!(be16(&reply[6..]), CHUNK_ERROR);
     let payload = client.read_bytes(be64(&reply[24..]) as usize);
     assert_eq!(be32(&payload), EOVERFLOW);
     assert!(client.is_closed());
     // Oversize READ and huge trims are refused; the connection goes on.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Structured, false);
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Structured, false);
     for (command, offset, length) in [
         (CMD_READ, 0, u32::MAX),
         (CMD_TRIM, 0, u32::MAX),
@@ -182,21 +172,28 @@ fn hostile_transmissions(socket: &std::path::Path, rng: &mut rand::rngs::SmallRn
     }
     client.disconnect();
     // Half-sent WRITE payload, then hang-up.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Simple, false);
-    client.send(&request_header(CMD_WRITE, 0, 1, 0, 1 << 20));
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Simple, false);
+    client.send(&request_header(Mode::Simple, CMD_WRITE, 0, 1, 0, 1 << 20));
     client.send(&[1u8; 1000]);
     drop(client);
     // Many large reads never read back, then hang-up: workers must not hang.
-    let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", Mode::Simple, false);
+    let (mut client, _, _, _) = Client::negotiate(socket, "disk", Mode::Simple, false);
     for cookie in 0..200 {
-        client.send(&request_header(CMD_READ, 0, cookie, 0, 4 << 20));
+        client.send(&request_header(
+            Mode::Simple,
+            CMD_READ,
+            0,
+            cookie,
+            0,
+            4 << 20,
+        ));
     }
     drop(client);
     // Seeded random request headers with a valid magic.
     for round in 0..20 {
         let mode = [Mode::Simple, Mode::Structured, Mode::Extended][round % 3];
         let meta = mode != Mode::Simple && round % 2 == 0;
-        let (mut client, _, _, _) = RawClient::negotiate(socket, "disk", mode, meta);
+        let (mut client, _, _, _) = Client::negotiate(socket, "disk", mode, meta);
         for _ in 0..50 {
             let command = rng.gen_range(0..12u16);
             let flags: u16 = rng.gen();
@@ -237,7 +234,8 @@ fn hostile_transmissions(socket: &std::path::Path, rng: &mut rand::rngs::SmallRn
 
 #[test]
 fn hostile_clients_do_not_disturb_a_good_one() {
-    let seed = seed();
+    let report = seed_report();
+    let seed = report.seed();
     let disk = Arc::new(MemoryExport::new("disk", SIZE));
     let config = nbd::Config {
         handshake_timeout: Duration::from_secs(5),
@@ -258,16 +256,12 @@ fn hostile_clients_do_not_disturb_a_good_one() {
     let operations = good.join().expect("good client");
     assert!(operations >= 50);
     // Every hostile connection is gone, and new connections are served.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while server.server.as_ref().unwrap().connection_count() > 0 {
-        assert!(
-            Instant::now() < deadline,
-            "connections left: {} (THINPOOL_SEED={seed})",
-            server.server.as_ref().unwrap().connection_count()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let (mut client, _, _, _) = RawClient::negotiate(&server.socket, "disk", Mode::Simple, false);
+    wait_for(
+        "every hostile connection to close",
+        Duration::from_secs(10),
+        || server.server.as_ref().unwrap().connection_count() == 0,
+    );
+    let (mut client, _, _, _) = Client::negotiate(&server.socket, "disk", Mode::Simple, false);
     client.read(0, 4096);
     client.disconnect();
     eprintln!("hostile run took {:?}", started.elapsed());

@@ -11,7 +11,7 @@ mod common;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use nbd::MemoryExport;
@@ -22,7 +22,8 @@ const CLIENTS: u64 = 4;
 
 #[test]
 fn four_connections_share_one_export() {
-    let seed = seed();
+    let report = seed_report();
+    let seed = report.seed();
     let disk = Arc::new(MemoryExport::new("disk", SIZE));
     let server = TestServer::start(vec![disk.clone()]);
     // A barrier that gives up: if one client panics, the others fail instead of hanging.
@@ -38,7 +39,7 @@ fn four_connections_share_one_export() {
                 } else {
                     Mode::Extended
                 };
-                let (mut client, _, flags, _) = RawClient::negotiate(&socket, "disk", mode, false);
+                let (mut client, _, flags, _) = Client::negotiate(&socket, "disk", mode, false);
                 assert_ne!(flags & TF_CAN_MULTI_CONN, 0);
                 let mut rng = rand::rngs::SmallRng::seed_from_u64(seed ^ index);
                 let base = index * quarter;
@@ -56,32 +57,29 @@ fn four_connections_share_one_export() {
                         .any(|&(o, l): &(u64, u64)| o < offset + length && offset < o + l)
                     {
                         let reply = client.read_completed();
-                        assert_eq!(reply.error, 0, "THINPOOL_SEED={seed}");
+                        assert_eq!(reply.error, 0);
                         in_flight.remove(&reply.cookie);
                     }
                     let cookie = client.send_request(CMD_WRITE, 0, base + offset, length, &data);
                     in_flight.insert(cookie, (offset, length));
                     if in_flight.len() == 64 {
                         let reply = client.read_completed();
-                        assert_eq!(reply.error, 0, "THINPOOL_SEED={seed}");
+                        assert_eq!(reply.error, 0);
                         in_flight.remove(&reply.cookie);
                     }
                 }
                 while !in_flight.is_empty() {
                     let reply = client.read_completed();
-                    assert_eq!(reply.error, 0, "THINPOOL_SEED={seed}");
+                    assert_eq!(reply.error, 0);
                     in_flight.remove(&reply.cookie);
                 }
-                assert_eq!(client.read(base, quarter), model, "THINPOOL_SEED={seed}");
+                assert_eq!(client.read(base, quarter), model);
                 arrived.fetch_add(1, Ordering::SeqCst);
-                let deadline = Instant::now() + Duration::from_secs(60);
-                while arrived.load(Ordering::SeqCst) < CLIENTS as usize {
-                    assert!(
-                        Instant::now() < deadline,
-                        "another client failed (THINPOOL_SEED={seed})"
-                    );
-                    std::thread::sleep(Duration::from_millis(1));
-                }
+                wait_for(
+                    "every client (another one failed)",
+                    Duration::from_secs(60),
+                    || arrived.load(Ordering::SeqCst) == CLIENTS as usize,
+                );
                 // Another connection's writes are visible here.
                 let other = (index + 1) % CLIENTS;
                 let theirs = client.read(other * quarter, quarter);
@@ -98,7 +96,7 @@ fn four_connections_share_one_export() {
         let other = (index + 1) % CLIENTS as usize;
         assert!(
             results[index].1 == results[other].0,
-            "connection {index} saw stale data of {other} (THINPOOL_SEED={seed})"
+            "connection {index} saw stale data of {other}"
         );
     }
     assert!(disk.flush_count() >= 1);

@@ -28,30 +28,8 @@ fn source() -> Arc<MemoryExport> {
     Arc::new(source)
 }
 
-/// (start, length, data) entries of `qemu-img map --output=json`, merged.
 fn map(server: &TestServer, name: &str) -> Vec<(u64, u64, bool)> {
-    let uri = server.uri(name);
-    let output = run_ok(
-        "qemu-img",
-        &["map", "--output=json", "-f", "raw", &uri],
-        TIMEOUT,
-    );
-    let mut entries: Vec<(u64, u64, bool)> = Vec::new();
-    for line in output.lines().filter(|line| line.contains("\"start\"")) {
-        let field = |key: &str| -> &str {
-            let at = line.find(&format!("\"{key}\": ")).unwrap() + key.len() + 4;
-            let rest = &line[at..];
-            &rest[..rest.find([',', '}']).unwrap()]
-        };
-        let start: u64 = field("start").trim().parse().unwrap();
-        let length: u64 = field("length").trim().parse().unwrap();
-        let data = field("data").trim() == "true";
-        match entries.last_mut() {
-            Some(last) if last.2 == data && last.0 + last.1 == start => last.1 += length,
-            _ => entries.push((start, length, data)),
-        }
-    }
-    entries
+    testkit::qemu_img::map(&server.uri(name))
 }
 
 #[test]
@@ -80,20 +58,7 @@ fn qemu_img_convert_between_exports_and_to_a_file() {
     // Junk in the target must be zeroed by the copy.
     target.write_at(20 * MIB, &[0xee; 4096], false).unwrap();
     let server = TestServer::start(vec![source.clone(), target.clone()]);
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-n",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &server.uri("source"),
-            &server.uri("target"),
-        ],
-        TIMEOUT,
-    );
+    testkit::qemu_img::convert_into(&server.uri("source"), &server.uri("target"));
     let mut expected = vec![0u8; 32 * MIB as usize];
     let mut actual = vec![0u8; 32 * MIB as usize];
     source.read_at(0, &mut expected).unwrap();
@@ -106,33 +71,8 @@ fn qemu_img_convert_between_exports_and_to_a_file() {
         .map(|entry| entry.1)
         .sum();
     assert!(data <= 5 * MIB, "target has {data} data bytes");
-    run_ok(
-        "qemu-img",
-        &[
-            "compare",
-            "-f",
-            "raw",
-            "-F",
-            "raw",
-            &server.uri("source"),
-            &server.uri("target"),
-        ],
-        TIMEOUT,
-    );
-    let file = server.dir.path.join("copy.raw");
-    let file = file.to_str().unwrap();
-    run_ok(
-        "qemu-img",
-        &[
-            "convert",
-            "-f",
-            "raw",
-            "-O",
-            "raw",
-            &server.uri("source"),
-            file,
-        ],
-        TIMEOUT,
-    );
+    testkit::qemu_img::compare(&server.uri("source"), &server.uri("target"));
+    let file = server.dir.join("copy.raw");
+    testkit::qemu_img::convert_to_file(&server.uri("source"), &file);
     assert!(std::fs::read(file).unwrap() == expected);
 }

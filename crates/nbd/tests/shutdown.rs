@@ -31,9 +31,9 @@ fn socket_is_private_and_shutdown_closes_everything() {
         .mode();
     assert_eq!(mode & 0o777, 0o600, "socket mode {mode:o}");
 
-    let (mut serving, _, _, _) = RawClient::negotiate(&server.socket, "disk", Mode::Simple, false);
+    let (mut serving, _, _, _) = Client::negotiate(&server.socket, "disk", Mode::Simple, false);
     serving.write(0, &[1u8; 4096]);
-    let mut handshaking = RawClient::start(&server.socket);
+    let mut handshaking = Client::start(&server.socket);
     // Pipeline writes, then shut down while they may still be in flight.
     for index in 0..32u64 {
         serving.send_request(CMD_WRITE, 0, index * 4096, 4096, &[2u8; 4096]);
@@ -81,18 +81,18 @@ fn socket_is_private_and_shutdown_closes_everything() {
 
 #[test]
 fn shutdown_handle_and_drop_stop_the_server() {
-    let dir = TempDir::new("handle");
+    let dir = ScratchDir::new("nbd-shutdown-handle");
     let exports = Arc::new(ExportMap::new());
     exports.insert(Arc::new(MemoryExport::new("disk", MIB)));
     let mut server = Server::new(exports.clone(), Config::default());
-    let socket = dir.path.join("a.sock");
+    let socket = dir.join("a.sock");
     server.listen_unix(&socket).unwrap();
     let address = server.listen_tcp("127.0.0.1:0").unwrap();
     // A second listener on the same path fails cleanly.
     let mut other = Server::new(exports, Config::default());
     assert!(other.listen_unix(&socket).is_err());
     drop(other);
-    let (mut client, _, _, _) = RawClient::negotiate(&socket, "disk", Mode::Structured, false);
+    let (mut client, _, _, _) = Client::negotiate(&socket, "disk", Mode::Structured, false);
     client.write(0, &[3u8; 512]);
     let handle = server.shutdown_handle();
     handle.request();

@@ -219,23 +219,7 @@ fn roles(device: &Arc<MemoryDevice>) -> BTreeMap<u64, Role> {
     {
         roles.insert(entry.blocknr, Role::Bitmap);
     }
-    let mut trees: Vec<(TreeKind, MetadataBlock)> = KINDS
-        .iter()
-        .copied()
-        .zip(sb.roots.iter().copied())
-        .collect();
-    trees.push((
-        TreeKind::SpaceMapIndex,
-        MetadataBlock(sb.data_root.bitmap_root),
-    ));
-    trees.push((
-        TreeKind::Plain(4),
-        MetadataBlock(sb.data_root.ref_count_root),
-    ));
-    trees.push((
-        TreeKind::Plain(4),
-        MetadataBlock(sb.meta_root.ref_count_root),
-    ));
+    let mut trees = sb.trees(&KINDS);
     while let Some((kind, block)) = trees.pop() {
         if roles.insert(block.0, Role::Node(kind)).is_some() {
             continue;

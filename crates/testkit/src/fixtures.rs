@@ -6,6 +6,8 @@
 //! deterministic, so the bytes are always the same). Metadata is never committed: tests make
 //! it with the real `thin_restore` ([`crate::ThinTools::restore`]).
 
+use std::collections::HashMap;
+use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
@@ -70,4 +72,45 @@ pub fn xml(name: &str) -> PathBuf {
         done.push(name.to_owned());
     }
     path
+}
+
+/// `text` (a thin_dump XML dump) with the names of `<def>`s and `<ref>`s renamed `d0`, `d1`,
+/// ... in order of first appearance: thin_dump names them by block number, which differs
+/// between two writers of the same mappings.
+pub fn canonical_def_names(text: &str) -> String {
+    let mut names: HashMap<String, String> = HashMap::new();
+    let mut out = String::with_capacity(text.len());
+    for line in text.split_inclusive('\n') {
+        let trimmed = line.trim_start();
+        let prefix = ["<def name=\"", "<ref name=\""]
+            .into_iter()
+            .find(|p| trimmed.starts_with(p));
+        let Some(prefix) = prefix else {
+            out.push_str(line);
+            continue;
+        };
+        let rest = &trimmed[prefix.len()..];
+        let end = rest.find('"').expect("a quoted name");
+        let next = names.len();
+        let name = names
+            .entry(rest[..end].to_string())
+            .or_insert_with(|| format!("d{next}"));
+        let indent = &line[..line.len() - trimmed.len()];
+        write!(out, "{indent}{prefix}{name}{}", &rest[end..]).expect("writing to a String");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn def_names_are_renamed_in_order_of_appearance() {
+        let text = "<def name=\"77\">\n  <ref name=\"12\"/>\n<def name=\"12\">\n<x/>\n";
+        assert_eq!(
+            canonical_def_names(text),
+            "<def name=\"d0\">\n  <ref name=\"d1\"/>\n<def name=\"d1\">\n<x/>\n"
+        );
+    }
 }

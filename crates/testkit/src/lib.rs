@@ -7,7 +7,12 @@
 //! - [`tools`]: the real thin-provisioning-tools (0.9.0 from Debian 12, 1.1.0 fetched by
 //!   `scripts/test`), run with captured output and a timeout.
 //! - [`fixtures`]: the thin_dump XML fixtures (committed and generated).
-//! - [`scratch`]: per-test temporary directories.
+//! - [`scratch`]: per-test temporary directories and sized (sparse) files.
+//! - [`nbd_client`]: a raw NBD client that speaks the wire protocol itself (independent of
+//!   the `nbd` crate's codec), used by the `nbd` and `thinpool` tests.
+//! - [`process`]: external tools with timeouts, processes killed by PID when dropped, a
+//!   served pool (`thinpool serve`), polling with a deadline.
+//! - [`qemu_img`]: `qemu-img` map, convert and compare as a client of our servers.
 //!
 //! Nothing here is used outside `[dev-dependencies]`.
 #![forbid(unsafe_code)]
@@ -15,12 +20,16 @@
 pub mod crash;
 pub mod fault;
 pub mod fixtures;
+pub mod nbd_client;
+pub mod process;
+pub mod qemu_img;
 pub mod scratch;
 pub mod seed;
 pub mod tools;
 
 pub use crash::{CrashDevice, CrashMode};
 pub use fault::{FaultDevice, Ops};
-pub use scratch::ScratchDir;
-pub use seed::{case_count, seeded_rng, test_seed, SeedReport};
+pub use process::{require_tool, run_ok, run_tool, wait_for, ChildGuard, Served};
+pub use scratch::{sized_file, ScratchDir};
+pub use seed::{case_count, pattern, seed_report, seeded_rng, test_seed, SeedReport};
 pub use tools::{ThinTools, ToolOutput, ToolVersion};

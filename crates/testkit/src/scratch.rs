@@ -2,7 +2,9 @@
 //!
 //! A [`ScratchDir`] is removed when dropped, except when the test is failing: then it is kept
 //! and its path printed, so the metadata images a failing test produced can be inspected.
+//! [`sized_file`] makes (or grows) the sparse files tests use as devices and images.
 
+use std::fs::{File, OpenOptions};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -60,6 +62,24 @@ impl Drop for ScratchDir {
     }
 }
 
+/// Creates `path` if it does not exist and sets its length to `size_bytes` (sparse: the new
+/// space reads as zeros), then syncs it, so a process started next (a tool, a server) sees
+/// the final size. Returns the file, open for reading and writing. Panics on any error.
+pub fn sized_file(path: &Path, size_bytes: u64) -> File {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(path)
+        .unwrap_or_else(|e| panic!("cannot open {}: {e}", path.display()));
+    file.set_len(size_bytes)
+        .unwrap_or_else(|e| panic!("cannot size {} to {size_bytes}: {e}", path.display()));
+    file.sync_all()
+        .unwrap_or_else(|e| panic!("cannot sync {}: {e}", path.display()));
+    file
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +93,19 @@ mod tests {
         let path = a.path().to_path_buf();
         drop(a);
         assert!(!path.exists());
+    }
+
+    #[test]
+    fn sized_file_creates_and_grows_keeping_contents() {
+        let dir = ScratchDir::new("sized-file");
+        let path = dir.join("device");
+        drop(sized_file(&path, 4096));
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 4096);
+        std::fs::write(&path, b"kept").unwrap();
+        drop(sized_file(&path, 1 << 20));
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 1 << 20);
+        assert_eq!(&bytes[..4], b"kept");
+        assert!(bytes[4..].iter().all(|&b| b == 0));
     }
 }

@@ -1,5 +1,11 @@
 //! Seeded randomness for tests: every random test takes its seed from `THINPOOL_SEED` (or a
-//! fresh random one) and prints it if it fails, so the failure replays exactly.
+//! fresh random one) and prints it if it fails, so the failure replays exactly. This is the
+//! only place that reads `THINPOOL_SEED` and `THINPOOL_CASES` in tests.
+//!
+//! A test holds a [`SeedReport`] for its whole run; if the test panics the report prints
+//! `seed = 0x… (rerun with THINPOOL_SEED=0x…)`. Threads a test spawns derive their seeds
+//! from the report's and panic into the test's thread through `join`, so one report covers
+//! them.
 //!
 //! ```
 //! use rand::Rng;
@@ -34,12 +40,18 @@ pub fn test_seed() -> u64 {
     }
 }
 
+/// A report for [`test_seed`], for tests that need the seed itself (to derive per-thread or
+/// per-case seeds). Keep it alive for the whole test.
+pub fn seed_report() -> SeedReport {
+    SeedReport::new(test_seed())
+}
+
 /// A seed report and a deterministic generator seeded with [`test_seed`].
 ///
 /// Keep the report alive for the whole test (`let (_report, mut rng) = seeded_rng();`, not
 /// `let (_, ...)`, which drops it at once).
 pub fn seeded_rng() -> (SeedReport, StdRng) {
-    let report = SeedReport::new(test_seed());
+    let report = seed_report();
     let rng = report.rng();
     (report, rng)
 }
@@ -61,6 +73,14 @@ impl SeedReport {
         self.seed
     }
 
+    /// What is printed on failure: `seed = 0x… (rerun with THINPOOL_SEED=0x…)`.
+    pub fn message(&self) -> String {
+        format!(
+            "seed = {seed:#x} (rerun with {SEED_VARIABLE}={seed:#x})",
+            seed = self.seed
+        )
+    }
+
     /// A fresh deterministic generator for the seed (the same sequence every call).
     pub fn rng(&self) -> StdRng {
         StdRng::seed_from_u64(self.seed)
@@ -72,10 +92,7 @@ impl Drop for SeedReport {
         if std::thread::panicking() {
             let thread = std::thread::current();
             let test = thread.name().unwrap_or("<unnamed thread>");
-            eprintln!(
-                "{test}: seed = {seed} (rerun with {SEED_VARIABLE}={seed})",
-                seed = self.seed
-            );
+            eprintln!("{test}: {}", self.message());
         }
     }
 }
@@ -100,6 +117,41 @@ fn cases_from(text: &str, default: u64) -> Option<u64> {
         parse_u64(text)?
     };
     Some(count.max(1))
+}
+
+/// Runs [`case_count`]`(default_cases)` independent cases on `threads` threads: case `index`
+/// gets seed `test seed + index`, so a failure (whose message should name the index and the
+/// case seed) replays alone with `THINPOOL_SEED=<case seed> THINPOOL_CASES=1`. The test seed
+/// is printed if any case fails. For cases that mostly wait on external tools.
+pub fn run_cases(default_cases: u64, threads: u64, case: impl Fn(u64, u64) + Sync) {
+    let report = seed_report();
+    let base = report.seed();
+    let cases = case_count(default_cases);
+    let threads = threads.clamp(1, cases);
+    std::thread::scope(|scope| {
+        for thread in 0..threads {
+            let case = &case;
+            scope.spawn(move || {
+                for index in (thread..cases).step_by(threads as usize) {
+                    case(index, base.wrapping_add(index));
+                }
+            });
+        }
+    });
+}
+
+/// `length` deterministic pseudo-random bytes for `id` (an xorshift stream): test data whose
+/// origin a read can recognise, the same in every run and every crate.
+pub fn pattern(id: u64, length: usize) -> Vec<u8> {
+    let mut state = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..length)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state as u8
+        })
+        .collect()
 }
 
 fn parse_u64(text: &str) -> Option<u64> {
@@ -144,6 +196,42 @@ mod tests {
         assert_eq!(parse_u64("0x2a"), Some(42));
         assert_eq!(parse_u64(" 18446744073709551615 "), Some(u64::MAX));
         assert_eq!(parse_u64("-1"), None);
+    }
+
+    #[test]
+    fn run_cases_runs_each_case_once_with_consecutive_seeds() {
+        let seen = std::sync::Mutex::new(Vec::new());
+        run_cases(10, 3, |index, seed| {
+            seen.lock().unwrap().push((index, seed))
+        });
+        let mut seen = seen.into_inner().unwrap();
+        seen.sort();
+        let cases = case_count(10);
+        assert_eq!(seen.len() as u64, cases);
+        let base = seen[0].1;
+        for (i, &(index, seed)) in seen.iter().enumerate() {
+            assert_eq!(index, i as u64);
+            assert_eq!(seed, base.wrapping_add(index));
+        }
+    }
+
+    #[test]
+    fn patterns_differ_by_id_and_repeat_by_id() {
+        assert_eq!(pattern(3, 100), pattern(3, 100));
+        assert_ne!(pattern(3, 100), pattern(4, 100));
+        assert_eq!(pattern(3, 40), pattern(3, 100)[..40]);
+    }
+
+    #[test]
+    fn message_gives_the_seed_in_hex_and_parses_back() {
+        let report = SeedReport::new(0xdead_beef);
+        let message = report.message();
+        assert_eq!(
+            message,
+            "seed = 0xdeadbeef (rerun with THINPOOL_SEED=0xdeadbeef)"
+        );
+        let value = message.rsplit('=').next().unwrap().trim_end_matches(')');
+        assert_eq!(parse_u64(value), Some(0xdead_beef));
     }
 
     #[test]

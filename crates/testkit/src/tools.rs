@@ -13,12 +13,10 @@
 
 use std::ffi::{OsStr, OsString};
 use std::fmt;
-use std::fs::OpenOptions;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Command, ExitStatus};
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Environment variable naming the directory of the 1.1.0 binaries.
 pub const TOOLS_DIR_VARIABLE: &str = "THINPOOL_TOOLS_DIR";
@@ -187,13 +185,7 @@ impl ThinTools {
     /// Like [`restore`](Self::restore), creating a missing `out` with `size_bytes`.
     pub fn restore_sized(&self, xml: &Path, out: &Path, size_bytes: u64) -> ToolOutput {
         if !out.exists() {
-            let file = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(out)
-                .unwrap_or_else(|e| panic!("cannot create {}: {e}", out.display()));
-            file.set_len(size_bytes)
-                .unwrap_or_else(|e| panic!("cannot size {}: {e}", out.display()));
+            crate::scratch::sized_file(out, size_bytes);
         }
         let args: [&OsStr; 4] = [
             "-i".as_ref(),
@@ -282,8 +274,8 @@ fn fetched_tools_dir() -> Option<PathBuf> {
     None
 }
 
-/// Run `program` with `args`, reading both pipes on helper threads (so a chatty tool cannot
-/// block on a full pipe), polling for exit until `limit`, then killing it by PID.
+/// Run `program` with `args` through [`crate::process::run_command`] (captured output,
+/// killed by PID at `limit`).
 fn run_with_timeout<S: AsRef<OsStr>>(program: &Path, args: &[S], limit: Duration) -> ToolOutput {
     let command = std::iter::once(program.display().to_string())
         .chain(
@@ -292,49 +284,22 @@ fn run_with_timeout<S: AsRef<OsStr>>(program: &Path, args: &[S], limit: Duration
         )
         .collect::<Vec<_>>()
         .join(" ");
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start `{command}`: {e}"));
-    let stdout = drain(child.stdout.take().expect("stdout is piped"));
-    let stderr = drain(child.stderr.take().expect("stderr is piped"));
-    let deadline = Instant::now() + limit;
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break status,
-            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
-            Ok(None) => {
-                let pid = child.id();
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("`{command}` (pid {pid}) did not finish within {limit:?} and was killed");
-            }
-            Err(e) => panic!("cannot wait for `{command}`: {e}"),
-        }
-    };
+    let mut process = Command::new(program);
+    process.args(args);
+    let output = crate::process::run_command(process, &command, limit);
     ToolOutput {
         command,
-        status,
-        stdout: stdout.join().expect("stdout reader thread"),
-        stderr: stderr.join().expect("stderr reader thread"),
+        status: output.status,
+        stdout: String::from_utf8_lossy(&output.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&output.stderr).into_owned(),
     }
-}
-
-fn drain(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = pipe.read_to_end(&mut bytes);
-        String::from_utf8_lossy(&bytes).into_owned()
-    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ScratchDir;
+    use std::time::Instant;
 
     const XML: &str = r#"<superblock uuid="" time="1" transaction="2" version="2" data_block_size="128" nr_data_blocks="100">
   <device dev_id="0" mapped_blocks="3" transaction="0" creation_time="0" snap_time="1">

@@ -281,9 +281,7 @@ fn our_check(path: &Path, context: &str) {
 }
 
 fn our_restore(xml: &Path, out: &Path) {
-    let file = std::fs::File::create(out).unwrap();
-    file.set_len(METADATA_SIZE_BYTES).unwrap();
-    drop(file);
+    testkit::sized_file(out, METADATA_SIZE_BYTES);
     let device = Arc::new(FileDevice::open(out, true).unwrap());
     let input = std::io::BufReader::new(std::fs::File::open(xml).unwrap());
     thin_pool::format::restore::restore(input, device, &Default::default()).unwrap();
@@ -350,22 +348,9 @@ fn run_case(index: u64, seed: u64, dir: &ScratchDir, v0: &ThinTools, v1: &ThinTo
 
 #[test]
 fn random_dumps_round_trip_through_both_restores() {
-    let (report, _) = testkit::seed::seeded_rng();
-    let base = report.seed();
-    let cases = testkit::case_count(100);
     let (v0, v1) = (ThinTools::v0_9(), ThinTools::v1_1());
     let dir = ScratchDir::new("backward-random-xml");
     // The 1.x tools spend about half a second in their progress reporter whatever the input,
     // so cases overlap on more threads than cores.
-    let threads = 8;
-    std::thread::scope(|scope| {
-        for thread in 0..threads {
-            let (v0, v1, dir) = (&v0, &v1, &dir);
-            scope.spawn(move || {
-                for index in (thread..cases).step_by(threads as usize) {
-                    run_case(index, base.wrapping_add(index), dir, v0, v1);
-                }
-            });
-        }
-    });
+    testkit::seed::run_cases(100, 8, |index, seed| run_case(index, seed, &dir, &v0, &v1));
 }

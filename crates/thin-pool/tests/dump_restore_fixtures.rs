@@ -10,8 +10,6 @@
 //! by us and must dump the same.
 
 use persistent_data::FileDevice;
-use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
@@ -40,38 +38,10 @@ fn our_dump(path: &Path, flavour: Flavour, human: bool) -> String {
 }
 
 fn our_restore(xml: &Path, out: &Path) {
-    let file = std::fs::File::create(out).unwrap();
-    file.set_len(METADATA_SIZE_BYTES).unwrap();
-    drop(file);
+    testkit::sized_file(out, METADATA_SIZE_BYTES);
     let device = Arc::new(FileDevice::open(out, true).unwrap());
     let input = std::io::BufReader::new(std::fs::File::open(xml).unwrap());
     thin_pool::format::restore::restore(input, device, &Default::default()).unwrap();
-}
-
-/// Rename defs to `d0`, `d1`, ... in order of appearance.
-fn canonical_names(text: &str) -> String {
-    let mut names: HashMap<String, String> = HashMap::new();
-    let mut out = String::with_capacity(text.len());
-    for line in text.split_inclusive('\n') {
-        let trimmed = line.trim_start();
-        let prefix = ["<def name=\"", "<ref name=\""]
-            .into_iter()
-            .find(|p| trimmed.starts_with(p));
-        match prefix {
-            Some(prefix) => {
-                let rest = &trimmed[prefix.len()..];
-                let end = rest.find('"').unwrap();
-                let next = names.len();
-                let name = names
-                    .entry(rest[..end].to_string())
-                    .or_insert_with(|| format!("d{next}"));
-                let indent = &line[..line.len() - trimmed.len()];
-                write!(out, "{indent}{prefix}{name}{}", &rest[end..]).unwrap();
-            }
-            None => out.push_str(line),
-        }
-    }
-    out
 }
 
 #[test]
@@ -116,8 +86,8 @@ fn every_fixture_round_trips_through_the_real_tools_and_ours() {
         }
         let our_restore_dump = v1.dump(&ours, &[]);
         assert_eq!(
-            canonical_names(&our_restore_dump),
-            canonical_names(&their_dump),
+            testkit::fixtures::canonical_def_names(&our_restore_dump),
+            testkit::fixtures::canonical_def_names(&their_dump),
             "{name}: thin_dump of our restore"
         );
 
@@ -133,8 +103,8 @@ fn every_fixture_round_trips_through_the_real_tools_and_ours() {
         v1.restore_sized(&with_defs, &theirs_again, METADATA_SIZE_BYTES)
             .assert_success();
         assert_eq!(
-            canonical_names(&v1.dump(&again, &[])),
-            canonical_names(&v1.dump(&theirs_again, &[])),
+            testkit::fixtures::canonical_def_names(&v1.dump(&again, &[])),
+            testkit::fixtures::canonical_def_names(&v1.dump(&theirs_again, &[])),
             "{name}: restore of the 1.1.0 dump"
         );
     }

@@ -330,22 +330,9 @@ fn run_case(index: u64, seed: u64, dir: &ScratchDir, v0: &ThinTools, v1: &ThinTo
 
 #[test]
 fn random_pools_match_the_real_tools() {
-    let (report, _) = testkit::seed::seeded_rng();
-    let base = report.seed();
-    let cases = testkit::case_count(200);
     let (v0, v1) = (ThinTools::v0_9(), ThinTools::v1_1());
     let dir = ScratchDir::new("forward-random-pools");
     // The 1.x tools spend about half a second in their progress reporter whatever the
     // input, so cases overlap on more threads than cores.
-    let threads = 8;
-    std::thread::scope(|scope| {
-        for thread in 0..threads {
-            let (v0, v1, dir) = (&v0, &v1, &dir);
-            scope.spawn(move || {
-                for index in (thread..cases).step_by(threads as usize) {
-                    run_case(index, base.wrapping_add(index), dir, v0, v1);
-                }
-            });
-        }
-    });
+    testkit::seed::run_cases(200, 8, |index, seed| run_case(index, seed, &dir, &v0, &v1));
 }

@@ -427,6 +427,32 @@ pub struct Superblock {
     pub roots: Vec<MetadataBlock>,
 }
 
+impl Superblock {
+    /// Every tree reachable from the superblock with its kind: the pool's trees (of `kinds`,
+    /// in root order), the data space map's index and overflow ref-count trees, and the
+    /// metadata space map's overflow ref-count tree.
+    pub fn trees(&self, kinds: &[TreeKind]) -> Vec<(TreeKind, MetadataBlock)> {
+        let mut trees: Vec<(TreeKind, MetadataBlock)> = kinds
+            .iter()
+            .copied()
+            .zip(self.roots.iter().copied())
+            .collect();
+        trees.push((
+            TreeKind::SpaceMapIndex,
+            MetadataBlock(self.data_root.bitmap_root),
+        ));
+        trees.push((
+            TreeKind::Plain(4),
+            MetadataBlock(self.data_root.ref_count_root),
+        ));
+        trees.push((
+            TreeKind::Plain(4),
+            MetadataBlock(self.meta_root.ref_count_root),
+        ));
+        trees
+    }
+}
+
 /// Read and decode the test superblock of a device.
 pub fn read_superblock(bm: &BlockManager) -> Result<Superblock> {
     let sb = bm.read(MetadataBlock::SUPERBLOCK, BlockKind::Superblock)?;
@@ -561,24 +587,7 @@ impl Pool {
         let sb = read_superblock(&bm)?;
         let source: &dyn BlockSource = &*bm;
         let options = CheckOptions::default();
-        let mut trees: Vec<(TreeKind, MetadataBlock)> = self
-            .kinds
-            .iter()
-            .copied()
-            .zip(sb.roots.iter().copied())
-            .collect();
-        trees.push((
-            TreeKind::SpaceMapIndex,
-            MetadataBlock(sb.data_root.bitmap_root),
-        ));
-        trees.push((
-            TreeKind::Plain(4),
-            MetadataBlock(sb.data_root.ref_count_root),
-        ));
-        trees.push((
-            TreeKind::Plain(4),
-            MetadataBlock(sb.meta_root.ref_count_root),
-        ));
+        let trees = sb.trees(&self.kinds);
         for &(kind, root) in &trees {
             check_tree(source, kind, root, options)?;
         }
