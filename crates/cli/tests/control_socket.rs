@@ -256,10 +256,10 @@ fn control_protocol_is_json_lines_with_bounded_requests() {
 /// (`{"op":"list","x":1}`), so a client's typo or a field from a newer client went unnoticed.
 #[test]
 fn unknown_fields_are_refused() {
-    let temp = TempDir::new("control-fields");
+    let temp = ScratchDir::new("control-fields");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     let mut stream = UnixStream::connect(pool.join("control.sock")).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(30)))
@@ -302,11 +302,11 @@ fn unknown_fields_are_refused() {
 /// send a whole request within 10 s (silent or trickling) is told so and closed.
 #[test]
 fn idle_control_connections_neither_block_management_nor_stay() {
-    let temp = TempDir::new("control-idle");
+    let temp = ScratchDir::new("control-idle");
     let pool = temp.join("pool");
     let p = pool.to_str().unwrap();
     create_pool(&pool, &["--data-size", "256M"]);
-    let served = Served::start(&pool, &[]);
+    let served = serve(&pool, &[]);
     let socket = pool.join("control.sock");
     let mut idle = Vec::new();
     for index in 0..16 {

@@ -298,22 +298,3 @@ fn block_status_payloads() {
     assert_eq!(&extended[8..16], &4096u64.to_be_bytes());
     assert_eq!(&extended[16..24], &3u64.to_be_bytes());
 }
-
-#[test]
-fn parsers_never_panic_on_random_input() {
-    use rand::{Rng, SeedableRng};
-    let seed = std::env::var("THINPOOL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_u64);
-    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
-    for _ in 0..20_000 {
-        let length = rng.gen_range(0..64);
-        let bytes: Vec<u8> = (0..length).map(|_| rng.gen()).collect();
-        let _ = ExportRequest::parse(&bytes);
-        let _ = MetaContextRequest::parse(&bytes);
-        let _ = Request::parse(HeaderStyle::Compact, &bytes);
-        let _ = Request::parse(HeaderStyle::Extended, &bytes);
-        let _ = parse_string(&bytes);
-    }
-}
