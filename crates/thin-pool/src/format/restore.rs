@@ -33,7 +33,7 @@ use persistent_data::btree::builder::{
 };
 use persistent_data::btree::{self, NoRefs, RefCounter};
 use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
-use persistent_data::{BlockDevice, MetadataBlock, TransactionManager};
+use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManager};
 use std::collections::{BTreeMap, HashMap};
 use std::io::BufRead;
 use std::sync::Arc;
@@ -113,10 +113,10 @@ pub fn restore<R: BufRead>(
 struct DataRefs<'a>(&'a mut DataSpaceMap);
 
 impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         self.0.inc(value >> 24)
     }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         self.0.dec(value >> 24).map(|_| ())
     }
 }
