@@ -40,8 +40,9 @@ impl State {
 /// Accepts an XML declaration and comments, and both `<x .../>` and `<x ...></x>` forms.
 /// Rejects, with the line number: malformed markup, text between elements, unknown tags and
 /// attributes, missing or repeated attributes, numbers that do not fit, mappings outside a
-/// device or definition, references to undefined definitions, mismatched end tags, and
-/// input that ends early or continues after `</superblock>`. A missing `flags` reads as 0
+/// device or definition, references to undefined definitions, mismatched end tags, a tag,
+/// comment or run of whitespace longer than 4096 bytes, and input that ends early or
+/// continues after `</superblock>`. A missing `flags` reads as 0
 /// and a missing `version` as 2. Errors from the visitor are returned unchanged.
 pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), Error> {
     let mut reader = TagReader::new(input);
