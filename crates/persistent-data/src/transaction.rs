@@ -13,36 +13,20 @@
 //!   committed state (a block freed in this transaction is not reused before it commits).
 //!
 //! The metadata space map accounts for its own blocks (bitmaps, index block, overflow tree).
-//! `commit_space_map` resolves that knot by iterating until updating the map allocates nothing
+//! The overflow tree is a btree changed through this manager's [`CopyOnWrite`] implementation;
+//! `commit_space_map` resolves the knot by iterating until updating the map allocates nothing
 //! more, then writing it: see the function's comment.
 
 use crate::block::{zeroed_block, Block, MetadataBlock};
 use crate::block_manager::{BlockManager, BLOCKNR_OFFSET};
 use crate::btree::{self, NoRefs};
 use crate::checksum::{self, BlockKind};
+use crate::cow::{BlockSource, CopyOnWrite};
 use crate::error::{Error, Result};
 use crate::space_map::core::{bitmap_count, CoreSpaceMap};
 use crate::space_map::{disk, IndexEntry, SpaceMapRoot, MAX_METADATA_BITMAPS};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-
-/// Something btree code can read nodes from: the committed state (a `BlockManager`) or the
-/// state of the current transaction (a `TransactionManager`).
-pub trait BlockSource {
-    /// Read and validate a block of `kind`.
-    fn read_block(&self, block: MetadataBlock, kind: BlockKind) -> Result<Arc<Block>>;
-    /// Number of blocks on the metadata device.
-    fn block_count(&self) -> u64;
-}
-
-impl BlockSource for BlockManager {
-    fn read_block(&self, block: MetadataBlock, kind: BlockKind) -> Result<Arc<Block>> {
-        self.read(block, kind)
-    }
-    fn block_count(&self) -> u64 {
-        BlockManager::block_count(self)
-    }
-}
 
 /// The one writer of a metadata device.
 pub struct TransactionManager {
@@ -73,6 +57,36 @@ impl BlockSource for TransactionManager {
     }
     fn block_count(&self) -> u64 {
         self.sm.block_count()
+    }
+}
+
+/// The btree and the data space map change metadata through this (the inherent methods of
+/// the same names do the work).
+impl CopyOnWrite for TransactionManager {
+    fn new_block(&mut self) -> Result<MetadataBlock> {
+        TransactionManager::new_block(self)
+    }
+    fn shadow(
+        &mut self,
+        block: MetadataBlock,
+        kind: BlockKind,
+    ) -> Result<(MetadataBlock, Arc<Block>, bool)> {
+        TransactionManager::shadow(self, block, kind)
+    }
+    fn write(&mut self, block: MetadataBlock, data: Arc<Block>, kind: BlockKind) {
+        TransactionManager::write(self, block, data, kind);
+    }
+    fn is_shadowed(&self, block: MetadataBlock) -> bool {
+        TransactionManager::is_shadowed(self, block)
+    }
+    fn count(&self, block: MetadataBlock) -> u32 {
+        TransactionManager::count(self, block)
+    }
+    fn inc(&mut self, block: MetadataBlock) -> Result<()> {
+        TransactionManager::inc(self, block)
+    }
+    fn dec(&mut self, block: MetadataBlock) -> Result<u32> {
+        TransactionManager::dec(self, block)
     }
 }
 

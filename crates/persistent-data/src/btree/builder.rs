@@ -29,8 +29,8 @@ use super::node::{Node, NodeBuf};
 use super::{NoRefs, RefCounter, Value};
 use crate::block::MetadataBlock;
 use crate::checksum::BlockKind;
+use crate::cow::CopyOnWrite;
 use crate::error::{Error, Result};
-use crate::transaction::TransactionManager;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -88,7 +88,7 @@ impl<V: Value> NodeBuilder<V> {
     /// Push one value; keys must strictly increase. Takes a reference for the value.
     pub fn push_value<C: RefCounter<V>>(
         &mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
         key: u64,
         value: V,
@@ -116,7 +116,7 @@ impl<V: Value> NodeBuilder<V> {
     /// adopted by reference, or copied when packing rules require it (module docs).
     pub fn push_nodes<C: RefCounter<V>>(
         &mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
         nodes: &[NodeSummary],
     ) -> Result<()> {
@@ -181,7 +181,7 @@ impl<V: Value> NodeBuilder<V> {
     /// pushed).
     pub fn complete<C: RefCounter<V>>(
         mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
     ) -> Result<Vec<NodeSummary>> {
         if !self.values.is_empty() && self.values.len() < self.half_full() && !self.nodes.is_empty()
@@ -195,8 +195,8 @@ impl<V: Value> NodeBuilder<V> {
         Ok(self.nodes)
     }
 
-    fn read_entries(&self, tm: &TransactionManager, block: MetadataBlock) -> Result<Vec<(u64, V)>> {
-        let data = tm.read(block, BlockKind::Node)?;
+    fn read_entries(&self, tm: &dyn CopyOnWrite, block: MetadataBlock) -> Result<Vec<(u64, V)>> {
+        let data = tm.read_block(block, BlockKind::Node)?;
         let node = Node::parse(block, &data, V::SIZE)?;
         if node.is_leaf() != self.leaf {
             return Err(Error::corrupt(
@@ -212,7 +212,7 @@ impl<V: Value> NodeBuilder<V> {
     /// Copy the entries of a shared node into the pending values (with fresh references).
     fn append_values<C: RefCounter<V>>(
         &mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
         block: MetadataBlock,
     ) -> Result<()> {
@@ -226,7 +226,7 @@ impl<V: Value> NodeBuilder<V> {
     /// Take the last node back into the pending values.
     fn unshift_node<C: RefCounter<V>>(
         &mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
     ) -> Result<()> {
         let node = self.nodes.pop().expect("a node to take back");
@@ -242,7 +242,7 @@ impl<V: Value> NodeBuilder<V> {
         Ok(())
     }
 
-    fn emit_all(&mut self, tm: &mut TransactionManager) -> Result<()> {
+    fn emit_all(&mut self, tm: &mut dyn CopyOnWrite) -> Result<()> {
         let n = self.values.len();
         if n == 0 {
             Ok(())
@@ -259,7 +259,7 @@ impl<V: Value> NodeBuilder<V> {
         }
     }
 
-    fn emit_values(&mut self, tm: &mut TransactionManager, count: usize) -> Result<()> {
+    fn emit_values(&mut self, tm: &mut dyn CopyOnWrite, count: usize) -> Result<()> {
         assert!(count <= self.values.len());
         assert!(count <= self.max_entries);
         let mut node = NodeBuf::new(self.leaf, if self.leaf { V::SIZE } else { 8 });
@@ -283,7 +283,7 @@ impl<V: Value> NodeBuilder<V> {
 
 /// Stack internal levels on `nodes` (the leaves of one tree, in key order) until a single
 /// root is left, and return it. Each leaf's reference passes to its parent.
-pub fn build_tree(tm: &mut TransactionManager, nodes: Vec<NodeSummary>) -> Result<MetadataBlock> {
+pub fn build_tree(tm: &mut dyn CopyOnWrite, nodes: Vec<NodeSummary>) -> Result<MetadataBlock> {
     assert!(!nodes.is_empty(), "a tree has at least one leaf");
     let mut level = nodes;
     for _ in 0..super::MAX_DEPTH {
@@ -305,12 +305,12 @@ pub fn build_tree(tm: &mut TransactionManager, nodes: Vec<NodeSummary>) -> Resul
 /// Drop a builder's own reference to shared nodes it wrote (a `<def>` once every device is
 /// built): a node nobody adopted is freed together with its values' references.
 pub fn release_nodes<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     nodes: &[NodeSummary],
 ) -> Result<()> {
     for node in nodes {
-        let data = tm.read(node.block, BlockKind::Node)?;
+        let data = tm.read_block(node.block, BlockKind::Node)?;
         let parsed = Node::parse(node.block, &data, V::SIZE)?;
         let values: Vec<V> = (0..parsed.len())
             .map(|i| V::unpack(parsed.value_bytes(i)))
@@ -350,7 +350,7 @@ impl<V: Value> TreeBuilder<V> {
     /// Push the next value (keys strictly increasing).
     pub fn push_value<C: RefCounter<V>>(
         &mut self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
         key: u64,
         value: V,
@@ -361,7 +361,7 @@ impl<V: Value> TreeBuilder<V> {
     /// Finish the tree and return its root.
     pub fn complete<C: RefCounter<V>>(
         self,
-        tm: &mut TransactionManager,
+        tm: &mut dyn CopyOnWrite,
         counter: &mut C,
     ) -> Result<MetadataBlock> {
         let leaves = self.leaves.complete(tm, counter)?;
@@ -375,6 +375,7 @@ mod tests {
     use crate::block_manager::BlockManager;
     use crate::btree::{self, CheckOptions};
     use crate::io::MemoryDevice;
+    use crate::transaction::TransactionManager;
 
     fn tm() -> TransactionManager {
         let device = Arc::new(MemoryDevice::new(4096));

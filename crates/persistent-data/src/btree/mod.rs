@@ -1,5 +1,5 @@
-//! dm-thin's btree (spec §5): u64 keys, fixed-size values, copy-on-write through the
-//! transaction manager.
+//! dm-thin's btree (spec §5): u64 keys, fixed-size values, copy-on-write through a
+//! [`CopyOnWrite`] (the transaction manager implements it; this module never names it).
 //!
 //! Every modifying operation takes the root and returns the new root: nodes on the path are
 //! shadowed, so the committed tree is never touched. Trees may share nodes (snapshots);
@@ -26,8 +26,8 @@ mod tests;
 
 use crate::block::MetadataBlock;
 use crate::checksum::BlockKind;
+use crate::cow::{BlockSource, CopyOnWrite};
 use crate::error::{Error, Result};
-use crate::transaction::{BlockSource, TransactionManager};
 use node::{Node, NodeBuf};
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -72,9 +72,9 @@ impl Value for u32 {
 /// leaf being deleted.
 pub trait RefCounter<V> {
     /// Take a reference to what `value` points at.
-    fn inc(&mut self, tm: &mut TransactionManager, value: &V) -> Result<()>;
+    fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &V) -> Result<()>;
     /// Drop a reference to what `value` points at.
-    fn dec(&mut self, tm: &mut TransactionManager, value: &V) -> Result<()>;
+    fn dec(&mut self, tm: &mut dyn CopyOnWrite, value: &V) -> Result<()>;
 }
 
 /// For plain values that reference nothing.
@@ -82,10 +82,10 @@ pub trait RefCounter<V> {
 pub struct NoRefs;
 
 impl<V> RefCounter<V> for NoRefs {
-    fn inc(&mut self, _: &mut TransactionManager, _: &V) -> Result<()> {
+    fn inc(&mut self, _: &mut dyn CopyOnWrite, _: &V) -> Result<()> {
         Ok(())
     }
-    fn dec(&mut self, _: &mut TransactionManager, _: &V) -> Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, _: &V) -> Result<()> {
         Ok(())
     }
 }
@@ -104,7 +104,7 @@ fn encode_value<V: Value>(value: &V) -> Vec<u8> {
 }
 
 /// Create an empty tree (one empty leaf) for values of type `V`.
-pub fn create_empty<V: Value>(tm: &mut TransactionManager) -> Result<MetadataBlock> {
+pub fn create_empty<V: Value>(tm: &mut dyn CopyOnWrite) -> Result<MetadataBlock> {
     let block = tm.new_block()?;
     let node = NodeBuf::new(true, V::SIZE);
     tm.write(block, Arc::from(node.encode(block)), BlockKind::Node);
@@ -191,7 +191,7 @@ pub fn last<V: Value, S: BlockSource + ?Sized>(
 
 /// Shadow a node and decode it; if it was shared, take references to what it points at.
 fn shadow_node<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     block: MetadataBlock,
 ) -> Result<(MetadataBlock, NodeBuf)> {
@@ -230,7 +230,7 @@ fn check_key_order(block: MetadataBlock, keys: &[u64]) -> Result<()> {
 
 /// Store a changed node. A node whose keys are out of order here can only come from corrupt
 /// neighbours (a child whose keys lie outside its parent's range): report it.
-fn put(tm: &mut TransactionManager, block: MetadataBlock, node: &NodeBuf) -> Result<()> {
+fn put(tm: &mut dyn CopyOnWrite, block: MetadataBlock, node: &NodeBuf) -> Result<()> {
     check_key_order(block, &node.keys)?;
     tm.write(block, Arc::from(node.encode(block)), BlockKind::Node);
     Ok(())
@@ -239,7 +239,7 @@ fn put(tm: &mut TransactionManager, block: MetadataBlock, node: &NodeBuf) -> Res
 /// Insert or overwrite `key`. Returns the new root and the value replaced, if any (a
 /// replaced value that differs from the new one is released through `counter`).
 pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     root: MetadataBlock,
     key: u64,
@@ -317,7 +317,7 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
 
 /// Remove `key`. Returns the new root and the removed value (released through `counter`).
 pub fn remove<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     root: MetadataBlock,
     key: u64,
@@ -371,7 +371,7 @@ pub fn remove<V: Value, C: RefCounter<V>>(
 /// merge it with a sibling when both fit in one node, else even out the two. Returns the
 /// node (and its block) that now covers `key`.
 fn rebalance<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     parent: &mut NodeBuf,
     i: usize,
@@ -431,7 +431,7 @@ fn rebalance<V: Value, C: RefCounter<V>>(
 
 /// Remove every key in `begin..end`. Returns the new root and how many keys were removed.
 pub fn remove_range<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     root: MetadataBlock,
     begin: u64,
@@ -504,7 +504,7 @@ fn walk_below<V: Value, S: BlockSource + ?Sized>(
 /// releases its children (internal) or its values through `counter` (leaf). A node still
 /// shared elsewhere just loses one reference.
 pub fn delete_tree<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     root: MetadataBlock,
 ) -> Result<()> {
@@ -512,7 +512,7 @@ pub fn delete_tree<V: Value, C: RefCounter<V>>(
 }
 
 fn delete_below<V: Value, C: RefCounter<V>>(
-    tm: &mut TransactionManager,
+    tm: &mut dyn CopyOnWrite,
     counter: &mut C,
     block: MetadataBlock,
     depth: usize,
@@ -521,7 +521,7 @@ fn delete_below<V: Value, C: RefCounter<V>>(
         return Err(too_deep(block));
     }
     // A pointer read from disk may be corrupt: check it before asking its count.
-    let block_count = tm.space_map().block_count();
+    let block_count = tm.block_count();
     if block.0 >= block_count {
         return Err(Error::corrupt(
             block,
@@ -532,7 +532,7 @@ fn delete_below<V: Value, C: RefCounter<V>>(
         tm.dec(block)?;
         return Ok(());
     }
-    let data = tm.read(block, BlockKind::Node)?;
+    let data = tm.read_block(block, BlockKind::Node)?;
     let node = NodeBuf::from_node(&Node::parse(block, &data, V::SIZE)?);
     drop(data);
     for i in 0..node.len() {

@@ -6,6 +6,7 @@ use crate::block::zeroed_block;
 use crate::block_manager::BlockManager;
 use crate::io::MemoryDevice;
 use crate::space_map::{DataSpaceMap, SpaceMapRoot};
+use crate::transaction::TransactionManager;
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -14,10 +15,10 @@ use std::collections::BTreeMap;
 struct DataRefs<'a>(&'a mut DataSpaceMap);
 
 impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         self.0.inc(*value)
     }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         self.0.dec(*value).map(|_| ())
     }
 }

@@ -18,8 +18,8 @@ use super::{IndexEntry, SpaceMapRoot, MAX_METADATA_BITMAPS};
 use crate::block::{zeroed_block, Block, MetadataBlock};
 use crate::btree::{self, NoRefs, Value};
 use crate::checksum::BlockKind;
+use crate::cow::{BlockSource, CopyOnWrite};
 use crate::error::{Error, Result};
-use crate::transaction::{BlockSource, TransactionManager};
 use std::sync::Arc;
 
 const HEADER_SIZE: usize = 16;
@@ -116,7 +116,7 @@ pub struct DataSpaceMap {
 impl DataSpaceMap {
     /// A new, empty data space map of `block_count` blocks. Its trees are created in the
     /// transaction at its first commit.
-    pub fn format(_tm: &mut TransactionManager, block_count: u64) -> Result<DataSpaceMap> {
+    pub fn format(_tm: &mut dyn CopyOnWrite, block_count: u64) -> Result<DataSpaceMap> {
         let core = CoreSpaceMap::new(block_count);
         let bitmaps = core.bitmap_count();
         Ok(DataSpaceMap {
@@ -256,7 +256,7 @@ impl DataSpaceMap {
 
     /// Write the changed bitmaps and overflow counts into metadata (in `tm`'s transaction)
     /// and return the root for the superblock. Call before the metadata space map's commit.
-    pub fn commit(&mut self, tm: &mut TransactionManager) -> Result<SpaceMapRoot> {
+    pub fn commit(&mut self, tm: &mut dyn CopyOnWrite) -> Result<SpaceMapRoot> {
         if self.index_root == MetadataBlock::SUPERBLOCK {
             self.index_root = btree::create_empty::<IndexEntry>(tm)?;
         }

@@ -23,7 +23,9 @@ use persistent_data::btree::{self, CheckOptions, NoRefs, RefCounter, Value};
 use persistent_data::checksum::BlockKind;
 use persistent_data::space_map::core::bitmap_count;
 use persistent_data::space_map::{disk, DataSpaceMap, IndexEntry, SpaceMapRoot};
-use persistent_data::{BlockDevice, BlockSource, Error, MetadataBlock, Result, TransactionManager};
+use persistent_data::{
+    BlockDevice, BlockSource, CopyOnWrite, Error, MetadataBlock, Result, TransactionManager,
+};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::Arc;
 
@@ -112,10 +114,10 @@ impl Value for Details {
 pub struct DataRefs<'a>(pub &'a mut DataSpaceMap);
 
 impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         self.0.inc(*value)
     }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         self.0.dec(*value).map(|_| ())
     }
 }
@@ -125,10 +127,10 @@ impl RefCounter<u64> for DataRefs<'_> {
 pub struct SubtreeRefs<'a>(pub &'a mut DataSpaceMap);
 
 impl RefCounter<u64> for SubtreeRefs<'_> {
-    fn inc(&mut self, tm: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         tm.inc(MetadataBlock(*value))
     }
-    fn dec(&mut self, tm: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn dec(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         btree::delete_tree::<u64, _>(tm, &mut DataRefs(&mut *self.0), MetadataBlock(*value))
     }
 }
@@ -138,10 +140,10 @@ impl RefCounter<u64> for SubtreeRefs<'_> {
 pub struct RootUpdateRefs;
 
 impl RefCounter<u64> for RootUpdateRefs {
-    fn inc(&mut self, tm: &mut TransactionManager, value: &u64) -> Result<()> {
+    fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
         tm.inc(MetadataBlock(*value))
     }
-    fn dec(&mut self, _: &mut TransactionManager, _: &u64) -> Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, _: &u64) -> Result<()> {
         Ok(())
     }
 }

@@ -22,7 +22,7 @@ use crate::ids::{DataBlock, Time, TransactionId, VirtualBlock, VolumeId, DATA_BL
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::{self, NoRefs, RefCounter};
 use persistent_data::space_map::DataSpaceMap;
-use persistent_data::{BlockDevice, MetadataBlock, TransactionManager};
+use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManager};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -44,10 +44,10 @@ pub struct Mapping {
 struct SubtreeUpdate;
 
 impl RefCounter<u64> for SubtreeUpdate {
-    fn inc(&mut self, tm: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         tm.inc(MetadataBlock(*value))
     }
-    fn dec(&mut self, _: &mut TransactionManager, _: &u64) -> persistent_data::Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, _: &u64) -> persistent_data::Result<()> {
         Ok(())
     }
 }
@@ -56,10 +56,10 @@ impl RefCounter<u64> for SubtreeUpdate {
 struct SubtreeDelete<'a>(&'a mut DataSpaceMap);
 
 impl RefCounter<u64> for SubtreeDelete<'_> {
-    fn inc(&mut self, tm: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         tm.inc(MetadataBlock(*value))
     }
-    fn dec(&mut self, tm: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn dec(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         btree::delete_tree::<u64, _>(tm, &mut DataRefs(self.0), MetadataBlock(*value))
     }
 }

@@ -17,17 +17,17 @@ use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::builder::TreeBuilder;
 use persistent_data::btree::{NoRefs, RefCounter};
 use persistent_data::space_map::DataSpaceMap;
-use persistent_data::{BlockDevice, MetadataBlock, TransactionManager};
+use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManager};
 use std::sync::Arc;
 
 /// Mapping values (bottom-level leaf entries) hold one reference to their data block.
 pub struct DataRefs<'a>(pub &'a mut DataSpaceMap);
 
 impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         self.0.inc(BlockTime::unpack(*value).data_block().get())
     }
-    fn dec(&mut self, _: &mut TransactionManager, value: &u64) -> persistent_data::Result<()> {
+    fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
         self.0
             .dec(BlockTime::unpack(*value).data_block().get())
             .map(|_| ())

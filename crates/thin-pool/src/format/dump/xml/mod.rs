@@ -1,6 +1,6 @@
 //! The XML dump format of `thin_dump` / `thin_restore`: a writer ([`XmlWriter`]) that prints
-//! exactly what `thin_dump` 1.1.0 (or 0.9.0) prints, and a streaming parser ([`parse`]) that
-//! accepts both forms.
+//! exactly what `thin_dump` 1.1.0 (or 0.9.0) prints, and a streaming parser ([`parse`], on
+//! `quick-xml`) that accepts both forms.
 //!
 //! Output of 1.1.0 (0.9.0 differs as noted):
 //!
@@ -22,8 +22,8 @@
 //! - `<def>` / `<ref>` exist in 1.x only.
 //! - Neither version prints `metadata_snap`; the uuid is always empty in real dumps.
 
-mod lexer;
 mod parse;
+mod reader;
 
 pub use parse::parse;
 

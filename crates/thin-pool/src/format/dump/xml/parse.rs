@@ -1,11 +1,12 @@
-//! The streaming XML parser: reads a 0.9.0 or 1.x dump tag by tag and drives a
-//! [`DumpVisitor`]. Memory does not grow with the number of mappings or devices; it grows
-//! only with the number of `<def>` names, which must be remembered to check `<ref>`s.
+//! The streaming XML parser: reads a 0.9.0 or 1.x dump tag by tag (tags from
+//! [`TagReader`], over `quick-xml`) and drives a [`DumpVisitor`]. Memory does not grow with
+//! the number of mappings or devices; it grows only with the number of `<def>` names, which
+//! must be remembered to check `<ref>`s.
 
 use std::collections::HashSet;
 use std::io::BufRead;
 
-use super::lexer::{Lexer, TagKind};
+use super::reader::{TagKind, TagReader};
 use crate::format::dump::{DeviceInfo, DumpVisitor, Error, Mapping, ParseProblem, SuperblockInfo};
 
 /// The `version` a superblock gets when the XML leaves it out (as 1.x `thin_restore` does).
@@ -39,82 +40,83 @@ impl State {
 /// Accepts an XML declaration and comments, and both `<x .../>` and `<x ...></x>` forms.
 /// Rejects, with the line number: malformed markup, text between elements, unknown tags and
 /// attributes, missing or repeated attributes, numbers that do not fit, mappings outside a
-/// device or definition, references to undefined definitions, mismatched end tags, and
-/// input that ends early or continues after `</superblock>`. A missing `flags` reads as 0
+/// device or definition, references to undefined definitions, mismatched end tags, a tag,
+/// comment or run of whitespace longer than 4096 bytes, and input that ends early or
+/// continues after `</superblock>`. A missing `flags` reads as 0
 /// and a missing `version` as 2. Errors from the visitor are returned unchanged.
 pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), Error> {
-    let mut lexer = Lexer::new(input);
+    let mut reader = TagReader::new(input);
     let mut state = State::Top;
     // A mapping or ref written as a start tag, whose end tag must come next.
     let mut open_leaf: Option<&'static str> = None;
     let mut definitions: HashSet<String> = HashSet::new();
 
-    while lexer.next_tag()? {
+    while reader.next_tag()? {
         if let Some(leaf) = open_leaf.take() {
-            if lexer.kind() != TagKind::End || lexer.name() != leaf {
-                return Err(lexer.error(ParseProblem::MismatchedEnd {
+            if reader.kind() != TagKind::End || reader.name() != leaf {
+                return Err(reader.error(ParseProblem::MismatchedEnd {
                     expected: leaf.to_owned(),
-                    found: lexer.name().to_owned(),
+                    found: reader.name().to_owned(),
                 }));
             }
             continue;
         }
-        if lexer.kind() == TagKind::End {
-            if lexer.name() != state.open_tag() {
-                return Err(lexer.error(ParseProblem::MismatchedEnd {
+        if reader.kind() == TagKind::End {
+            if reader.name() != state.open_tag() {
+                return Err(reader.error(ParseProblem::MismatchedEnd {
                     expected: state.open_tag().to_owned(),
-                    found: lexer.name().to_owned(),
+                    found: reader.name().to_owned(),
                 }));
             }
             state = close(state, visitor)?;
             continue;
         }
-        let empty = lexer.kind() == TagKind::Empty;
-        match lexer.name() {
+        let empty = reader.kind() == TagKind::Empty;
+        match reader.name() {
             "superblock" => {
                 if state != State::Top {
-                    return Err(misplaced(&lexer, "may appear only once, at the top"));
+                    return Err(misplaced(&reader, "may appear only once, at the top"));
                 }
-                visitor.superblock_begin(&superblock(&lexer)?)?;
+                visitor.superblock_begin(&superblock(&reader)?)?;
                 state = State::Superblock;
             }
             "def" => {
                 if state != State::Superblock {
-                    return Err(misplaced(&lexer, "must be directly inside <superblock>"));
+                    return Err(misplaced(&reader, "must be directly inside <superblock>"));
                 }
-                let [name] = attributes(&lexer, "def", ["name"])?;
-                let name = required(&lexer, "def", "name", name)?;
+                let [name] = attributes(&reader, "def", ["name"])?;
+                let name = required(&reader, "def", "name", name)?;
                 if !definitions.insert(name.to_owned()) {
-                    return Err(lexer.error(ParseProblem::DuplicateDefinition(name.to_owned())));
+                    return Err(reader.error(ParseProblem::DuplicateDefinition(name.to_owned())));
                 }
                 visitor.def_begin(name)?;
                 state = State::Def;
             }
             "device" => {
                 if state != State::Superblock {
-                    return Err(misplaced(&lexer, "must be directly inside <superblock>"));
+                    return Err(misplaced(&reader, "must be directly inside <superblock>"));
                 }
-                visitor.device_begin(&device(&lexer)?)?;
+                visitor.device_begin(&device(&reader)?)?;
                 state = State::Device;
             }
             "single_mapping" | "range_mapping" => {
                 if !matches!(state, State::Def | State::Device) {
-                    return Err(misplaced(&lexer, "outside a <device> or <def>"));
+                    return Err(misplaced(&reader, "outside a <device> or <def>"));
                 }
-                visitor.mapping(&mapping(&lexer)?)?;
+                visitor.mapping(&mapping(&reader)?)?;
                 if !empty {
-                    open_leaf = Some(leaf_name(lexer.name()));
+                    open_leaf = Some(leaf_name(reader.name()));
                 }
                 continue;
             }
             "ref" => {
                 if state != State::Device {
-                    return Err(misplaced(&lexer, "outside a <device>"));
+                    return Err(misplaced(&reader, "outside a <device>"));
                 }
-                let [name] = attributes(&lexer, "ref", ["name"])?;
-                let name = required(&lexer, "ref", "name", name)?;
+                let [name] = attributes(&reader, "ref", ["name"])?;
+                let name = required(&reader, "ref", "name", name)?;
                 if !definitions.contains(name) {
-                    return Err(lexer.error(ParseProblem::UndefinedReference(name.to_owned())));
+                    return Err(reader.error(ParseProblem::UndefinedReference(name.to_owned())));
                 }
                 visitor.reference(name)?;
                 if !empty {
@@ -122,7 +124,7 @@ pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), 
                 }
                 continue;
             }
-            other => return Err(lexer.error(ParseProblem::UnknownTag(other.to_owned()))),
+            other => return Err(reader.error(ParseProblem::UnknownTag(other.to_owned()))),
         }
         if empty {
             state = close(state, visitor)?;
@@ -137,7 +139,7 @@ pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), 
         return Ok(());
     }
     Err(Error::Parse {
-        line: lexer.end_line(),
+        line: reader.end_line(),
         problem: ParseProblem::UnexpectedEnd {
             open: open.to_owned(),
         },
@@ -171,18 +173,18 @@ fn leaf_name(name: &str) -> &'static str {
     }
 }
 
-fn misplaced<R: BufRead>(lexer: &Lexer<R>, context: &'static str) -> Error {
-    lexer.error(ParseProblem::Misplaced {
-        tag: lexer.name().to_owned(),
+fn misplaced<R: BufRead>(reader: &TagReader<R>, context: &'static str) -> Error {
+    reader.error(ParseProblem::Misplaced {
+        tag: reader.name().to_owned(),
         context,
     })
 }
 
-fn superblock<R: BufRead>(lexer: &Lexer<R>) -> Result<SuperblockInfo, Error> {
+fn superblock<R: BufRead>(reader: &TagReader<R>) -> Result<SuperblockInfo, Error> {
     const TAG: &str = "superblock";
     let [uuid, time, transaction, flags, version, data_block_size, nr_data_blocks, metadata_snap] =
         attributes(
-            lexer,
+            reader,
             TAG,
             [
                 "uuid",
@@ -196,37 +198,37 @@ fn superblock<R: BufRead>(lexer: &Lexer<R>) -> Result<SuperblockInfo, Error> {
             ],
         )?;
     Ok(SuperblockInfo {
-        uuid: required(lexer, TAG, "uuid", uuid)?.to_owned(),
-        time: number_u32(lexer, "time", required(lexer, TAG, "time", time)?)?,
+        uuid: required(reader, TAG, "uuid", uuid)?.to_owned(),
+        time: number_u32(reader, "time", required(reader, TAG, "time", time)?)?,
         transaction: number(
-            lexer,
+            reader,
             "transaction",
-            required(lexer, TAG, "transaction", transaction)?,
+            required(reader, TAG, "transaction", transaction)?,
         )?,
-        flags: flags.map_or(Ok(0), |flags| number_u32(lexer, "flags", flags))?,
+        flags: flags.map_or(Ok(0), |flags| number_u32(reader, "flags", flags))?,
         version: version.map_or(Ok(VERSION_DEFAULT), |version| {
-            number_u32(lexer, "version", version)
+            number_u32(reader, "version", version)
         })?,
         data_block_size_sectors: number_u32(
-            lexer,
+            reader,
             "data_block_size",
-            required(lexer, TAG, "data_block_size", data_block_size)?,
+            required(reader, TAG, "data_block_size", data_block_size)?,
         )?,
         data_block_count: number(
-            lexer,
+            reader,
             "nr_data_blocks",
-            required(lexer, TAG, "nr_data_blocks", nr_data_blocks)?,
+            required(reader, TAG, "nr_data_blocks", nr_data_blocks)?,
         )?,
         metadata_snap: metadata_snap
-            .map(|block| number(lexer, "metadata_snap", block))
+            .map(|block| number(reader, "metadata_snap", block))
             .transpose()?,
     })
 }
 
-fn device<R: BufRead>(lexer: &Lexer<R>) -> Result<DeviceInfo, Error> {
+fn device<R: BufRead>(reader: &TagReader<R>) -> Result<DeviceInfo, Error> {
     const TAG: &str = "device";
     let [dev_id, mapped_blocks, transaction, creation_time, snap_time] = attributes(
-        lexer,
+        reader,
         TAG,
         [
             "dev_id",
@@ -237,68 +239,71 @@ fn device<R: BufRead>(lexer: &Lexer<R>) -> Result<DeviceInfo, Error> {
         ],
     )?;
     Ok(DeviceInfo {
-        dev_id: number_u32(lexer, "dev_id", required(lexer, TAG, "dev_id", dev_id)?)?,
+        dev_id: number_u32(reader, "dev_id", required(reader, TAG, "dev_id", dev_id)?)?,
         mapped_block_count: number(
-            lexer,
+            reader,
             "mapped_blocks",
-            required(lexer, TAG, "mapped_blocks", mapped_blocks)?,
+            required(reader, TAG, "mapped_blocks", mapped_blocks)?,
         )?,
         transaction: number(
-            lexer,
+            reader,
             "transaction",
-            required(lexer, TAG, "transaction", transaction)?,
+            required(reader, TAG, "transaction", transaction)?,
         )?,
         creation_time: number_u32(
-            lexer,
+            reader,
             "creation_time",
-            required(lexer, TAG, "creation_time", creation_time)?,
+            required(reader, TAG, "creation_time", creation_time)?,
         )?,
         snap_time: number_u32(
-            lexer,
+            reader,
             "snap_time",
-            required(lexer, TAG, "snap_time", snap_time)?,
+            required(reader, TAG, "snap_time", snap_time)?,
         )?,
     })
 }
 
-fn mapping<R: BufRead>(lexer: &Lexer<R>) -> Result<Mapping, Error> {
-    let mapping = if lexer.name() == "single_mapping" {
+fn mapping<R: BufRead>(reader: &TagReader<R>) -> Result<Mapping, Error> {
+    let mapping = if reader.name() == "single_mapping" {
         const TAG: &str = "single_mapping";
         let [origin_block, data_block, time] =
-            attributes(lexer, TAG, ["origin_block", "data_block", "time"])?;
+            attributes(reader, TAG, ["origin_block", "data_block", "time"])?;
         Mapping::single(
             number(
-                lexer,
+                reader,
                 "origin_block",
-                required(lexer, TAG, "origin_block", origin_block)?,
+                required(reader, TAG, "origin_block", origin_block)?,
             )?,
             number(
-                lexer,
+                reader,
                 "data_block",
-                required(lexer, TAG, "data_block", data_block)?,
+                required(reader, TAG, "data_block", data_block)?,
             )?,
-            number_u32(lexer, "time", required(lexer, TAG, "time", time)?)?,
+            number_u32(reader, "time", required(reader, TAG, "time", time)?)?,
         )
     } else {
         const TAG: &str = "range_mapping";
-        let [origin_begin, data_begin, length, time] =
-            attributes(lexer, TAG, ["origin_begin", "data_begin", "length", "time"])?;
+        let [origin_begin, data_begin, length, time] = attributes(
+            reader,
+            TAG,
+            ["origin_begin", "data_begin", "length", "time"],
+        )?;
         let mapping = Mapping {
             virtual_begin: number(
-                lexer,
+                reader,
                 "origin_begin",
-                required(lexer, TAG, "origin_begin", origin_begin)?,
+                required(reader, TAG, "origin_begin", origin_begin)?,
             )?,
             data_begin: number(
-                lexer,
+                reader,
                 "data_begin",
-                required(lexer, TAG, "data_begin", data_begin)?,
+                required(reader, TAG, "data_begin", data_begin)?,
             )?,
-            length: number(lexer, "length", required(lexer, TAG, "length", length)?)?,
-            time: number_u32(lexer, "time", required(lexer, TAG, "time", time)?)?,
+            length: number(reader, "length", required(reader, TAG, "length", length)?)?,
+            time: number_u32(reader, "time", required(reader, TAG, "time", time)?)?,
         };
         if mapping.length == 0 {
-            return Err(lexer.error(ParseProblem::ZeroLength));
+            return Err(reader.error(ParseProblem::ZeroLength));
         }
         mapping
     };
@@ -306,7 +311,7 @@ fn mapping<R: BufRead>(lexer: &Lexer<R>) -> Result<Mapping, Error> {
     if mapping.virtual_begin.checked_add(last).is_none()
         || mapping.data_begin.checked_add(last).is_none()
     {
-        return Err(lexer.error(ParseProblem::RunOverflow));
+        return Err(reader.error(ParseProblem::RunOverflow));
     }
     Ok(mapping)
 }
@@ -314,20 +319,20 @@ fn mapping<R: BufRead>(lexer: &Lexer<R>) -> Result<Mapping, Error> {
 /// The values of the attributes `names` of the current tag, in that order. Unknown and
 /// repeated attributes are errors.
 fn attributes<'l, R: BufRead, const N: usize>(
-    lexer: &'l Lexer<R>,
+    reader: &'l TagReader<R>,
     tag: &'static str,
     names: [&'static str; N],
 ) -> Result<[Option<&'l str>; N], Error> {
     let mut values = [None; N];
-    for (name, value) in lexer.attributes() {
+    for (name, value) in reader.attributes() {
         let Some(index) = names.iter().position(|known| *known == name) else {
-            return Err(lexer.error(ParseProblem::UnknownAttribute {
+            return Err(reader.error(ParseProblem::UnknownAttribute {
                 tag: tag.to_owned(),
                 attribute: name.to_owned(),
             }));
         };
         if values[index].replace(value).is_some() {
-            return Err(lexer.error(ParseProblem::DuplicateAttribute {
+            return Err(reader.error(ParseProblem::DuplicateAttribute {
                 tag: tag.to_owned(),
                 attribute: name.to_owned(),
             }));
@@ -337,34 +342,34 @@ fn attributes<'l, R: BufRead, const N: usize>(
 }
 
 fn required<'v, R: BufRead>(
-    lexer: &Lexer<R>,
+    reader: &TagReader<R>,
     tag: &'static str,
     attribute: &'static str,
     value: Option<&'v str>,
 ) -> Result<&'v str, Error> {
-    value.ok_or_else(|| lexer.error(ParseProblem::MissingAttribute { tag, attribute }))
+    value.ok_or_else(|| reader.error(ParseProblem::MissingAttribute { tag, attribute }))
 }
 
 /// Parses a plain decimal `u64` (digits only: no sign, spaces or prefix).
 fn number<R: BufRead>(
-    lexer: &Lexer<R>,
+    reader: &TagReader<R>,
     attribute: &'static str,
     value: &str,
 ) -> Result<u64, Error> {
-    bounded(lexer, attribute, value, u64::MAX)
+    bounded(reader, attribute, value, u64::MAX)
 }
 
 fn number_u32<R: BufRead>(
-    lexer: &Lexer<R>,
+    reader: &TagReader<R>,
     attribute: &'static str,
     value: &str,
 ) -> Result<u32, Error> {
-    let number = bounded(lexer, attribute, value, u64::from(u32::MAX))?;
+    let number = bounded(reader, attribute, value, u64::from(u32::MAX))?;
     Ok(u32::try_from(number).expect("bounded by u32::MAX"))
 }
 
 fn bounded<R: BufRead>(
-    lexer: &Lexer<R>,
+    reader: &TagReader<R>,
     attribute: &'static str,
     value: &str,
     max: u64,
@@ -375,7 +380,7 @@ fn bounded<R: BufRead>(
         None
     };
     parsed.ok_or_else(|| {
-        lexer.error(ParseProblem::BadNumber {
+        reader.error(ParseProblem::BadNumber {
             attribute,
             value: value.to_owned(),
             max,
