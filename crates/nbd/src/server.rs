@@ -97,7 +97,8 @@ pub struct Config {
     /// Longest time from accept to the end of the handshake, however the client paces it.
     pub handshake_timeout: Duration,
     /// After the handshake, a connection with no request in flight that receives nothing for
-    /// this long is closed (checked every 30 s at most, so it may last up to 30 s longer).
+    /// this long is closed (checked every quarter of it, or every 30 s if that is less, so
+    /// it may last up to that much longer).
     pub idle_timeout: Duration,
     /// Stack size of connection threads (their buffers are on the heap).
     pub thread_stack_bytes: usize,

@@ -58,8 +58,9 @@ use crate::stream::{write_all_vectored, Stream};
 /// one `recv`. Bytes of a WRITE payload that land in it are copied out once.
 const INPUT_BUFFER_BYTES: usize = 64 * 1024;
 
-/// Longest socket read timeout of a session: how long a surplus thread may stay blocked on
-/// a quiet connection before it leaves, and the resolution of the idle timeout.
+/// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
+/// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
+/// and the resolution of the idle timeout.
 const IDLE_TICK_MAX: Duration = Duration::from_secs(30);
 
 /// Largest payload buffer a thread keeps between requests; bigger READs and WRITEs get a
@@ -455,7 +456,8 @@ pub(crate) fn serve(
     assert!(!limits.idle_timeout.is_zero(), "idle timeout is 0");
     // The socket's read timeout is the tick at which a reader blocked on a quiet connection
     // wakes up, to hand its thread back and to count towards the idle timeout.
-    let idle_tick = limits.idle_timeout.min(IDLE_TICK_MAX);
+    // A quarter of the timeout, so a connection closes between 1 and 1.25 times it.
+    let idle_tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(1), IDLE_TICK_MAX);
     let idle_ticks_max = u32::try_from(
         limits
             .idle_timeout
