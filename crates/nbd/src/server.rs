@@ -569,7 +569,19 @@ impl Shared {
         let deadline = Instant::now() + self.config.handshake_timeout;
         let mut bounded = Deadline::new(&mut stream, deadline, self.config.write_timeout);
         let outcome =
-            handshake::negotiate(&mut bounded, self.registry.as_ref(), &self.shutting_down)?;
+            match handshake::negotiate(&mut bounded, self.registry.as_ref(), &self.shutting_down) {
+                Ok(outcome) => outcome,
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(Error::io(
+                        format!(
+                            "handshake not finished within {} s",
+                            self.config.handshake_timeout.as_secs_f64()
+                        ),
+                        std::io::ErrorKind::TimedOut.into(),
+                    ))
+                }
+                Err(error) => return Err(error),
+            };
         match outcome {
             Outcome::Closed => Ok(None),
             Outcome::Transmission(negotiated) => {

@@ -291,11 +291,10 @@ impl Input {
         Ok(())
     }
 
-    /// One read from the socket into `buffer`, waiting through read timeouts until the
-    /// connection has been quiet for the idle timeout (a client may pause inside a payload,
-    /// but not for longer than between requests).
-    /// One read into `target`, or into the whole input buffer if `None` (for discarding);
-    /// end of stream is an error, since a request is incomplete.
+    /// One read into `target`, or into the whole input buffer if `None` (for discarding),
+    /// waiting through read timeouts until the connection has been quiet for the idle timeout
+    /// (a client may pause inside a payload, but not for longer than between requests); end
+    /// of stream is an error, since a request is incomplete.
     fn read_patiently(&mut self, mut target: Option<&mut [u8]>) -> io::Result<usize> {
         loop {
             let result = match target.as_deref_mut() {
@@ -455,8 +454,8 @@ pub(crate) fn serve(
     );
     assert!(!limits.idle_timeout.is_zero(), "idle timeout is 0");
     // The socket's read timeout is the tick at which a reader blocked on a quiet connection
-    // wakes up, to hand its thread back and to count towards the idle timeout.
-    // A quarter of the timeout, so a connection closes between 1 and 1.25 times it.
+    // wakes up, to hand its thread back and to count towards the idle timeout: a quarter of
+    // the timeout, so a quiet connection closes between 1 and 1.25 times it.
     let idle_tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(1), IDLE_TICK_MAX);
     let idle_ticks_max = u32::try_from(
         limits
@@ -501,8 +500,8 @@ impl Drop for Connection {
             (_, Some(error)) => Err(error),
             (true, None) => Ok(()),
             (false, None) => Err(Error::io(
-                "serve connection",
-                io::Error::other("a connection thread panicked"),
+                "a connection thread panicked",
+                io::Error::other("connection thread panicked"),
             )),
         };
         let on_end = self

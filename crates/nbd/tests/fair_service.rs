@@ -383,8 +383,13 @@ fn idle_connections_cost_one_thread_each() {
 #[test]
 fn handshake_deadline_is_total_not_per_read() {
     let _serial = serial();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let recorded = Arc::clone(&events);
     let config = Config {
         handshake_timeout: Duration::from_secs(2),
+        on_event: Some(Arc::new(move |event: &Event| {
+            recorded.lock().unwrap().push(event.clone())
+        })),
         ..quick_shutdown(Config::default())
     };
     let server = TestServer::start(vec![memory("disk", MIB)], config, false);
@@ -414,6 +419,11 @@ fn handshake_deadline_is_total_not_per_read() {
     );
     eprintln!("trickling handshake closed after {:?}", start.elapsed());
     server.wait_for_connections(0);
+    let ended = events.lock().unwrap().iter().any(|event| {
+        matches!(event, Event::Disconnected { error: Some(error), .. }
+            if error == "handshake not finished within 2 s")
+    });
+    assert!(ended, "{:?}", events.lock().unwrap());
     server.stop();
 }
 
