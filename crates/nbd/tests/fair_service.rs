@@ -451,12 +451,12 @@ fn handshake_deadline_is_total_not_per_read() {
 fn idle_connections_are_closed_after_the_idle_timeout() {
     let _serial = serial();
     let config = Config {
-        idle_timeout: Duration::from_secs(1),
+        idle_timeout: Duration::from_secs(2),
         ..quick_shutdown(Config::default())
     };
     let slow: Arc<dyn Export> = Arc::new(SlowFlush {
         inner: MemoryExport::new("slow", MIB),
-        delay: Duration::from_millis(2500),
+        delay: Duration::from_secs(4),
     });
     let events = Arc::new(Mutex::new(Vec::new()));
     let recorded = Arc::clone(&events);
@@ -478,16 +478,16 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
     assert!(greet(&mut active));
     go(&mut active, "disk");
 
-    // A FLUSH that takes 2.5 s: in flight, so not idle.
+    // A FLUSH that takes 4 s: in flight, so not idle.
     waiting.write_all(&request(CMD_FLUSH, 1, 0, 0)).unwrap();
-    // Requests every 300 ms for 3 s.
-    for round in 0..10u8 {
+    // Requests every 250 ms for 4 s.
+    for round in 0..16u8 {
         write_at(&mut active, 0, &[round; 512]);
-        std::thread::sleep(Duration::from_millis(300));
+        std::thread::sleep(Duration::from_millis(250));
     }
     assert_eq!(reply(&mut waiting), (0, 1), "slow flush not answered");
     assert!(closed_by_server(&mut idle), "idle connection not closed");
-    assert_eq!(read_at(&mut active, 0, 512), vec![9u8; 512]);
+    assert_eq!(read_at(&mut active, 0, 512), vec![15u8; 512]);
     assert!(
         closed_by_server(&mut waiting),
         "connection not closed once idle"
