@@ -7,7 +7,9 @@
 //! connection closes); malformed option data gets `ERR_INVALID` and the loop goes on; unknown
 //! options get `ERR_UNSUP`; at most [`OPTIONS_MAX`] options are answered per connection. The
 //! transmission flags sent for INFO and GO are computed by one function from the export and
-//! the negotiated state, so INFO and GO agree.
+//! the negotiated state, so INFO and GO agree. Client-supplied strings reach error messages
+//! (and so the server's logs) only through [`quoted`]: escaped and at most
+//! [`QUOTED_CHARS_MAX`] characters, so one connection cannot write kilobytes into a log line.
 
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,6 +26,33 @@ use crate::stream::read_exact_or_eof;
 
 /// Most options answered on one connection before the server hangs up.
 pub const OPTIONS_MAX: u32 = 4096;
+
+/// Most characters of a client-supplied string that [`quoted`] keeps.
+pub(crate) const QUOTED_CHARS_MAX: usize = 64;
+
+/// `text` in double quotes for a log line or an error message: control, format and other
+/// non-printing characters escaped (U+202E becomes `\u{202e}`), cut after
+/// [`QUOTED_CHARS_MAX`] characters with the full length noted.
+pub(crate) fn quoted(text: &str) -> String {
+    let mut out = String::from("\"");
+    for character in text.chars().take(QUOTED_CHARS_MAX) {
+        out.extend(character.escape_debug());
+    }
+    out.push('"');
+    if text.chars().nth(QUOTED_CHARS_MAX).is_some() {
+        out.push_str(&format!("... ({} bytes)", text.len()));
+    }
+    out
+}
+
+/// At most the first [`QUOTED_CHARS_MAX`] characters of `text` (for events, whose handler
+/// escapes them when it logs).
+pub(crate) fn truncated(text: &str) -> String {
+    match text.char_indices().nth(QUOTED_CHARS_MAX) {
+        Some((end, _)) => text[..end].to_owned(),
+        None => text.to_owned(),
+    }
+}
 
 /// Reply format agreed for the transmission phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,7 +71,8 @@ pub(crate) struct Negotiated {
     pub(crate) style: ReplyStyle,
     /// Context id for `base:allocation`, if selected for this export.
     pub(crate) base_allocation_id: Option<u32>,
-    /// Name the client used to select the export (for logs and events).
+    /// Name the client used to select the export, cut to [`QUOTED_CHARS_MAX`] characters (for
+    /// logs and events).
     pub(crate) requested_name: String,
 }
 
@@ -204,8 +234,8 @@ impl<S: Read + Write> Handshake<'_, S> {
     fn open(&self, name: &str) -> Result<std::result::Result<Arc<dyn Export>, String>> {
         Ok(match self.registry.open(name) {
             Ok(Some(export)) => Ok(export),
-            Ok(None) => Err(format!("no export named {name:?}")),
-            Err(error) => Err(format!("cannot open export {name:?}: {error}")),
+            Ok(None) => Err(format!("no export named {}", quoted(name))),
+            Err(error) => Err(format!("cannot open export {}: {error}", quoted(name))),
         })
     }
 
@@ -247,7 +277,7 @@ impl<S: Read + Write> Handshake<'_, S> {
             export,
             style,
             base_allocation_id,
-            requested_name: name,
+            requested_name: truncated(&name),
         }
     }
 
@@ -400,5 +430,29 @@ fn preferred_block_size(export: &dyn Export) -> u32 {
         preferred
     } else {
         BLOCK_SIZE_PREFERRED
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quoted_escapes_and_bounds_client_strings() {
+        assert_eq!(quoted("disk"), "\"disk\"");
+        assert_eq!(quoted("a\u{202e}b\n\"c"), "\"a\\u{202e}b\\n\\\"c\"");
+        let long = "x".repeat(4096);
+        let text = quoted(&long);
+        assert!(text.len() < QUOTED_CHARS_MAX + 32, "{} bytes", text.len());
+        assert!(text.ends_with("... (4096 bytes)"), "{text}");
+        // Escapes expand a character at most to `\u{10ffff}`.
+        let hostile = "\u{1b}".repeat(4096);
+        assert!(quoted(&hostile).len() <= QUOTED_CHARS_MAX * 10 + 32);
+        assert_eq!(truncated(&long).len(), QUOTED_CHARS_MAX);
+        assert_eq!(
+            truncated("é".repeat(100).as_str()).chars().count(),
+            QUOTED_CHARS_MAX
+        );
+        assert_eq!(truncated("disk"), "disk");
     }
 }

@@ -1,9 +1,10 @@
 //! Server side of the NBD (network block device) protocol, serving any [`Export`].
 //!
 //! Layers, from the wire up: [`protocol`] parses and encodes every structure without I/O;
-//! `handshake` runs fixed-newstyle negotiation; `session` runs the transmission phase with a
-//! few threads per connection that each read, serve and answer requests; [`server`] owns
-//! listeners and connection threads. The crate never depends on the pool: the binary implements [`Export`]
+//! `handshake` runs fixed-newstyle negotiation; `session` runs the transmission phase with
+//! one to a few threads per connection that each read, serve and answer requests; [`server`]
+//! owns listeners, connection threads and the per-connection, per-peer and server-wide
+//! limits that keep one client from starving the others. The crate never depends on the pool: the binary implements [`Export`]
 //! and [`ExportRegistry`] for its volumes. [`MemoryExport`] and [`ExportMap`] are complete
 //! in-memory implementations used by the tests.
 //!

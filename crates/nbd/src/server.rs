@@ -1,22 +1,32 @@
-//! Listeners, accept loops, one thread per connection, and graceful shutdown.
+//! Listeners, accept loops, a thread per connection, and graceful shutdown.
 //!
 //! Owns the listening sockets and the table of live connections. Each accepted connection
-//! runs on its own thread: handshake (bounded by a read timeout), then the session with its
-//! request threads. Invariants: at most `connections_max` connections are served at once
-//! (extra ones are closed at accept); every live connection has an entry in the table (removed
-//! by a drop guard, even if its thread panics), so shutdown can reach it; payload buffers are
-//! bounded per connection and over the whole server (`bytes_in_flight_max`,
-//! `server_bytes_in_flight_max`), so buffer memory stays below the server limit plus one
-//! maximum request per connection, plus a small retained buffer per connection thread
-//! (input buffer per connection, payload buffer up to 256 KiB per thread); a Unix socket is created with mode 0600 (set right after
-//! bind; put it in a private directory if that short window matters) and removed at shutdown.
+//! runs on its own thread (stack `thread_stack_bytes`): the handshake, which must finish
+//! within `handshake_timeout` of the accept in total, then the session, which adds threads
+//! only while requests queue up and closes after `idle_timeout` without a request. So an
+//! idle or handshaking connection costs one thread with a small stack, and the connection
+//! cap can be in the thousands.
+//!
+//! Invariants: at most `connections_max` connections are served at once, and at most
+//! `connections_per_peer_max` from one peer (a uid on a Unix socket, an IPv4 address or an
+//! IPv6 /64 on TCP); extra ones are closed at accept. Every live connection has an entry in
+//! the table (removed by a drop guard when its last thread ends, even by a panic), so
+//! shutdown can reach it. Payload buffers are bounded per connection
+//! (`bytes_in_flight_max`) and, for payloads over 256 KiB, over the whole server
+//! (`server_bytes_in_flight_max`, of which one connection holds at most its fair share once
+//! half is used, see `session`), so buffer memory stays below the server limit plus, per
+//! connection, a 64 KiB input buffer and a retained payload buffer of up to 256 KiB per
+//! running thread. A connection that stops reading replies blocks in its own writes and
+//! stops reading its own requests; others go on. A Unix socket is created with mode 0600
+//! (set right after bind; put it in a private directory if that short window matters) and
+//! removed at shutdown.
 //! Shutdown stops the accept loops, shuts the read half of every connection (clients see
 //! in-flight requests answered, then EOF), waits for the connection threads, and after a
 //! grace period shuts the sockets completely.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -29,7 +39,7 @@ use crate::error::{Error, Result};
 use crate::export::ExportRegistry;
 use crate::handshake::{self, Outcome};
 use crate::session::{self, Budget, Limits};
-use crate::stream::Stream;
+use crate::stream::{Deadline, Stream};
 use crate::sync;
 
 /// Something that happened to a connection, for the embedding binary's logs.
@@ -65,21 +75,34 @@ pub type EventHandler = Arc<dyn Fn(&Event) + Send + Sync>;
 /// Server limits and hooks.
 #[derive(Clone)]
 pub struct Config {
-    /// Threads per connection; each reads a request, runs it against the export and writes
-    /// the reply, so this also bounds the requests in flight per connection.
+    /// Most threads per connection; each reads a request, runs it against the export and
+    /// writes the reply, so this also bounds the requests in flight per connection. A
+    /// connection starts with one and adds more only while requests queue up.
     pub workers_per_connection: usize,
     /// Requests in flight per connection (header read, reply not yet written); also never
     /// more than `workers_per_connection`, since each thread serves one request at a time.
     pub requests_in_flight_max: usize,
-    /// READ/WRITE payload bytes in flight per connection (a single larger request still runs).
+    /// READ/WRITE payload bytes in flight per connection (a single larger request still
+    /// runs); a connection that does not read its replies stops being read at this limit.
     pub bytes_in_flight_max: u64,
-    /// READ/WRITE payload bytes in flight over all connections together; with the per
-    /// connection limit this bounds the server's buffer memory.
+    /// Payload bytes in flight over all connections together, for payloads over 256 KiB
+    /// (smaller ones use the buffers each thread keeps). Once half is used, a connection
+    /// gets more only while it holds less than 1/64 of it, so a few connections cannot take
+    /// it all.
     pub server_bytes_in_flight_max: u64,
     /// Connections served at once; more are closed at accept.
     pub connections_max: usize,
-    /// Longest wait for each read during the handshake.
+    /// Connections served at once from one peer (a uid on a Unix socket, an IPv4 address or
+    /// an IPv6 /64 on TCP); more from that peer are closed at accept.
+    pub connections_per_peer_max: usize,
+    /// Longest time from accept to the end of the handshake, however the client paces it.
     pub handshake_timeout: Duration,
+    /// After the handshake, a connection with no request in flight that receives nothing for
+    /// this long is closed (checked every quarter of it, or every 30 s if that is less, so
+    /// it may last up to that much longer).
+    pub idle_timeout: Duration,
+    /// Stack size of connection threads (their buffers are on the heap).
+    pub thread_stack_bytes: usize,
     /// Longest wait for each reply write before the connection is dropped.
     pub write_timeout: Duration,
     /// How long shutdown waits for connections to finish before cutting them off.
@@ -93,10 +116,13 @@ impl Default for Config {
         Config {
             workers_per_connection: 4,
             requests_in_flight_max: 64,
-            bytes_in_flight_max: 64 * 1024 * 1024,
+            bytes_in_flight_max: 32 * 1024 * 1024,
             server_bytes_in_flight_max: 512 * 1024 * 1024,
-            connections_max: 256,
+            connections_max: 4096,
+            connections_per_peer_max: 256,
             handshake_timeout: Duration::from_secs(30),
+            idle_timeout: Duration::from_secs(600),
+            thread_stack_bytes: 512 * 1024,
             write_timeout: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             on_event: None,
@@ -116,7 +142,10 @@ impl fmt::Debug for Config {
                 &self.server_bytes_in_flight_max,
             )
             .field("connections_max", &self.connections_max)
+            .field("connections_per_peer_max", &self.connections_per_peer_max)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .field("thread_stack_bytes", &self.thread_stack_bytes)
             .field("write_timeout", &self.write_timeout)
             .field("shutdown_grace", &self.shutdown_grace)
             .field("on_event", &self.on_event.is_some())
@@ -141,10 +170,44 @@ struct Shared {
     config: Config,
     shutting_down: AtomicBool,
     listening: Mutex<Vec<Listening>>,
-    connections: Mutex<HashMap<u64, Stream>>,
+    connections: Mutex<Table>,
     connection_ended: Condvar,
     next_connection: AtomicU64,
     server_bytes: Arc<Budget>,
+}
+
+/// Where a connection comes from, for the per-peer limit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Peer {
+    /// The uid of a Unix socket peer.
+    User(u32),
+    /// A TCP peer's IPv4 address, or its IPv6 address cut to the /64 (one host usually
+    /// has a whole /64).
+    Address(IpAddr),
+    /// A peer whose identity could not be read; all such count as one.
+    Unknown,
+}
+
+impl Peer {
+    fn of_tcp(address: IpAddr) -> Self {
+        match address {
+            IpAddr::V4(_) => Peer::Address(address),
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => Peer::Address(IpAddr::V4(v4)),
+                None => {
+                    let prefix = u128::from(v6) & !((1u128 << 64) - 1);
+                    Peer::Address(IpAddr::V6(prefix.into()))
+                }
+            },
+        }
+    }
+}
+
+/// Live connections and how many each peer has.
+#[derive(Default)]
+struct Table {
+    streams: HashMap<u64, Stream>,
+    per_peer: HashMap<Peer, usize>,
 }
 
 /// An NBD server: serves the exports of a registry on any number of listeners.
@@ -179,12 +242,13 @@ impl Server {
             config.requests_in_flight_max > 0,
             "requests_in_flight_max is 0"
         );
+        assert!(!config.idle_timeout.is_zero(), "idle_timeout is 0");
         Server {
             shared: Arc::new(Shared {
                 registry,
                 shutting_down: AtomicBool::new(false),
                 listening: Mutex::new(Vec::new()),
-                connections: Mutex::new(HashMap::new()),
+                connections: Mutex::new(Table::default()),
                 connection_ended: Condvar::new(),
                 next_connection: AtomicU64::new(1),
                 server_bytes: Arc::new(Budget::new(usize::MAX, config.server_bytes_in_flight_max)),
@@ -204,7 +268,7 @@ impl Server {
             .map_err(|e| Error::io(format!("chmod 0600 {}", path.display()), e))?;
         sync::lock(&self.shared.listening).push(Listening::Unix(path.clone()));
         let shared = Arc::clone(&self.shared);
-        let peer = path.display().to_string();
+        let socket = path.display().to_string();
         let thread = std::thread::Builder::new()
             .name("nbd-accept-unix".into())
             .spawn(move || {
@@ -213,7 +277,17 @@ impl Server {
                         break;
                     }
                     match stream {
-                        Ok(stream) => shared.start_connection(Stream::Unix(stream), peer.clone()),
+                        Ok(stream) => {
+                            let peer = rustix::net::sockopt::socket_peercred(&stream)
+                                .map_or(Peer::Unknown, |credentials| {
+                                    Peer::User(credentials.uid.as_raw())
+                                });
+                            let name = match peer {
+                                Peer::User(uid) => format!("{socket} (uid {uid})"),
+                                _ => socket.clone(),
+                            };
+                            shared.start_connection(Stream::Unix(stream), peer, name)
+                        }
                         Err(_) => std::thread::sleep(ACCEPT_ERROR_PAUSE),
                     }
                 }
@@ -244,11 +318,11 @@ impl Server {
                     };
                     // Replies are whole messages; Nagle would only delay them.
                     let _ = stream.set_nodelay(true);
-                    let peer = stream
-                        .peer_addr()
-                        .map(|address| address.to_string())
-                        .unwrap_or_default();
-                    shared.start_connection(Stream::Tcp(stream), peer);
+                    let (peer, name) = match stream.peer_addr() {
+                        Ok(address) => (Peer::of_tcp(address.ip()), address.to_string()),
+                        Err(_) => (Peer::Unknown, String::new()),
+                    };
+                    shared.start_connection(Stream::Tcp(stream), peer, name);
                 }
             })
             .map_err(|e| Error::io("spawn accept thread", e))?;
@@ -265,7 +339,7 @@ impl Server {
 
     /// Connections currently open (in handshake or transmission).
     pub fn connection_count(&self) -> usize {
-        sync::lock(&self.shared.connections).len()
+        sync::lock(&self.shared.connections).streams.len()
     }
 
     /// Stops accepting, lets in-flight requests finish, waits for every connection (cutting
@@ -293,7 +367,7 @@ impl Server {
         }
         let shared = &self.shared;
         if !shared.wait_for_connections(shared.config.shutdown_grace) {
-            for stream in sync::lock(&shared.connections).values() {
+            for stream in sync::lock(&shared.connections).streams.values() {
                 let _ = stream.shutdown(Shutdown::Both);
             }
             shared.wait_for_connections(shared.config.shutdown_grace);
@@ -312,16 +386,23 @@ impl Drop for Server {
     }
 }
 
-/// Removes a connection from the table when its thread ends, however it ends.
+/// Removes a connection from the table when its last thread ends, however it ends.
 struct ConnectionGuard {
     shared: Arc<Shared>,
     id: u64,
+    peer: Peer,
 }
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
-        let mut connections = sync::lock(&self.shared.connections);
-        connections.remove(&self.id);
+        let mut table = sync::lock(&self.shared.connections);
+        table.streams.remove(&self.id);
+        if let Some(count) = table.per_peer.get_mut(&self.peer) {
+            *count -= 1;
+            if *count == 0 {
+                table.per_peer.remove(&self.peer);
+            }
+        }
         self.shared.connection_ended.notify_all();
     }
 }
@@ -353,7 +434,7 @@ impl Shared {
                 }
             }
         }
-        for stream in sync::lock(&self.connections).values() {
+        for stream in sync::lock(&self.connections).streams.values() {
             let _ = stream.shutdown(Shutdown::Read);
         }
     }
@@ -362,7 +443,7 @@ impl Shared {
     fn wait_for_connections(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         let mut connections = sync::lock(&self.connections);
-        while !connections.is_empty() {
+        while !connections.streams.is_empty() {
             let now = Instant::now();
             if now >= deadline {
                 return false;
@@ -372,73 +453,111 @@ impl Shared {
         true
     }
 
-    fn start_connection(self: &Arc<Self>, stream: Stream, peer: String) {
+    fn start_connection(self: &Arc<Self>, stream: Stream, peer: Peer, name: String) {
         let id = self.next_connection.fetch_add(1, Ordering::SeqCst);
         {
-            let mut connections = sync::lock(&self.connections);
-            if connections.len() >= self.config.connections_max {
+            let mut table = sync::lock(&self.connections);
+            if table.streams.len() >= self.config.connections_max {
+                return;
+            }
+            let from_peer = table.per_peer.get(&peer).copied().unwrap_or(0);
+            if from_peer >= self.config.connections_per_peer_max {
                 return;
             }
             let Ok(control) = stream.try_clone() else {
                 return;
             };
-            connections.insert(id, control);
+            table.streams.insert(id, control);
+            *table.per_peer.entry(peer).or_insert(0) += 1;
         }
         let guard = ConnectionGuard {
             shared: Arc::clone(self),
             id,
+            peer,
         };
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
+            .stack_size(self.config.thread_stack_bytes)
             .spawn(move || {
                 let shared = Arc::clone(&guard.shared);
                 shared.emit(Event::Connected {
                     connection: id,
-                    peer,
+                    peer: name,
                 });
-                let result = shared.run_connection(id, stream);
-                shared.emit(Event::Disconnected {
-                    connection: id,
-                    error: result.err().map(|error| error.report().to_string()),
-                });
-                drop(guard);
+                shared.run_connection(id, stream, guard);
             });
         // If the thread could not start, the closure (and its guard) was dropped already.
         drop(spawned);
     }
 
-    fn run_connection(&self, id: u64, mut stream: Stream) -> Result<()> {
-        if self.shutting_down.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        stream
-            .set_read_timeout(Some(self.config.handshake_timeout))
-            .map_err(|e| Error::io("set handshake timeout", e))?;
-        stream
-            .set_write_timeout(Some(self.config.write_timeout))
-            .map_err(|e| Error::io("set write timeout", e))?;
-        let negotiated =
-            match handshake::negotiate(&mut stream, self.registry.as_ref(), &self.shutting_down)? {
-                Outcome::Closed => return Ok(()),
-                Outcome::Transmission(negotiated) => negotiated,
-            };
-        self.emit(Event::Serving {
-            connection: id,
-            export: negotiated.requested_name.clone(),
-        });
-        // Clients may stay idle for as long as they like once transmission starts.
-        stream
-            .set_read_timeout(None)
-            .map_err(|e| Error::io("clear read timeout", e))?;
-        let writer = stream
-            .try_clone()
-            .map_err(|e| Error::io("clone connection", e))?;
-        let limits = Limits {
-            threads: self.config.workers_per_connection,
-            requests_in_flight_max: self.config.requests_in_flight_max,
-            bytes_in_flight_max: self.config.bytes_in_flight_max,
-            server_bytes: Arc::clone(&self.server_bytes),
+    /// Runs the handshake, then the session; the guard (and the Disconnected event) goes
+    /// with the connection's last thread.
+    fn run_connection(self: &Arc<Self>, id: u64, stream: Stream, guard: ConnectionGuard) {
+        let end = {
+            let shared = Arc::clone(self);
+            move |result: Result<()>| {
+                shared.emit(Event::Disconnected {
+                    connection: id,
+                    error: result.err().map(|error| error.to_string()),
+                });
+                drop(guard);
+            }
         };
-        session::serve(negotiated, stream, writer, limits)
+        match self.negotiate(stream) {
+            Ok(Some((negotiated, reader))) => {
+                self.emit(Event::Serving {
+                    connection: id,
+                    export: negotiated.requested_name.clone(),
+                });
+                let writer = match reader.try_clone() {
+                    Ok(writer) => writer,
+                    Err(error) => return end(Err(Error::io("clone connection", error))),
+                };
+                let limits = Limits {
+                    threads: self.config.workers_per_connection,
+                    requests_in_flight_max: self.config.requests_in_flight_max,
+                    bytes_in_flight_max: self.config.bytes_in_flight_max,
+                    server_bytes: Arc::clone(&self.server_bytes),
+                    idle_timeout: self.config.idle_timeout,
+                    stack_bytes: self.config.thread_stack_bytes,
+                    thread_name: format!("nbd-conn-{id}"),
+                };
+                session::serve(negotiated, reader, writer, limits, Box::new(end));
+            }
+            Ok(None) => end(Ok(())),
+            Err(error) => end(Err(error)),
+        }
+    }
+
+    /// The handshake, within `handshake_timeout` of now; `None` if the client left.
+    fn negotiate(&self, mut stream: Stream) -> Result<Option<(handshake::Negotiated, Stream)>> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        let mut bounded = Deadline::new(&mut stream, deadline, self.config.write_timeout);
+        let outcome =
+            match handshake::negotiate(&mut bounded, self.registry.as_ref(), &self.shutting_down) {
+                Ok(outcome) => outcome,
+                Err(_) if Instant::now() >= deadline => {
+                    return Err(Error::io(
+                        format!(
+                            "handshake not finished within {} s",
+                            self.config.handshake_timeout.as_secs_f64()
+                        ),
+                        std::io::ErrorKind::TimedOut.into(),
+                    ))
+                }
+                Err(error) => return Err(error),
+            };
+        match outcome {
+            Outcome::Closed => Ok(None),
+            Outcome::Transmission(negotiated) => {
+                stream
+                    .set_write_timeout(Some(self.config.write_timeout))
+                    .map_err(|e| Error::io("set write timeout", e))?;
+                Ok(Some((negotiated, stream)))
+            }
+        }
     }
 }

@@ -1,34 +1,48 @@
 //! The transmission phase of one connection: reading requests, running them on a few
 //! threads, and writing replies in any order.
 //!
-//! Threading (nbdkit's model, plus inline serving): each of `threads` threads loops on
-//! "take the input lock, read one request, serve it, write its reply". The input lock guards
-//! the socket's read side and a buffer ([`Input`]), so one `recv` picks up every request
-//! header already queued and the next thread parses the following request from memory; a
-//! WRITE payload is copied from what the buffer already holds and the rest is read straight
-//! into the thread's payload buffer. A thread normally gives the input lock up before serving,
-//! so another thread reads the next request meanwhile and many requests are in flight. It keeps
-//! the lock while serving (and reads the next request itself afterwards) when nothing else is
-//! in flight on the connection, nothing is buffered, and the request is a READ, a WRITE
-//! without FUA or a BLOCK_STATUS, which on a page-cached export do not block long: at queue
-//! depth 1 one thread then does everything, with no wake-up of another thread per request.
-//! Each thread reuses one payload buffer for READ data and WRITE payloads up to
-//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it).
+//! Threading (nbdkit's model, plus inline serving): each thread loops on "take the input
+//! lock, read one request, serve it, write its reply". The input lock guards the socket's read
+//! side and a buffer ([`Input`]), so one `recv` picks up every request header already queued
+//! and the next thread parses the following request from memory; a WRITE payload is copied
+//! from what the buffer already holds and the rest is read straight into the thread's payload
+//! buffer. A thread normally gives the input lock up before serving, so another thread reads
+//! the next request meanwhile and many requests are in flight. It keeps the lock while serving
+//! (and reads the next request itself afterwards) when nothing else is in flight on the
+//! connection, nothing is buffered, and the request is a READ, a WRITE without FUA or a
+//! BLOCK_STATUS, which on a page-cached export do not block long: at queue depth 1 one thread
+//! then does everything, with no wake-up of another thread per request. Each thread reuses
+//! one payload buffer for READ data and WRITE payloads up to [`RETAINED_BUFFER_BYTES`] (larger
+//! ones are allocated per request and freed after it).
+//!
+//! Thread count: a session starts on the connection's thread alone. A thread that gives the
+//! input up to serve starts another if no thread is waiting for the input and the limit
+//! (`threads`) allows. The socket's read timeout is a tick (at most [`IDLE_TICK_MAX`]): a
+//! reader that wakes on it with nothing in flight marks the connection quiet and leaves
+//! unless it is the last thread, and every other thread leaves as it takes the input; so a
+//! quiet connection costs one thread within a tick. Ticks in a row with nothing received and
+//! nothing in flight add up to the idle timeout, which closes the connection. The last thread
+//! to leave reports the session's end (`OnEnd`), so nothing waits for a join.
 //!
 //! Invariants: at most `requests_in_flight_max` requests (and never more than `threads`) and
 //! about `bytes_in_flight_max` payload bytes are between "header read" and "reply written" at
-//! once, and the server-wide byte budget bounds the sum over all connections ([`Budget`]); a
-//! request reaches the export only with a range inside the export, aligned to
-//! [`BLOCK_SIZE_MIN`], and a payload of at most [`PAYLOAD_LENGTH_MAX`]; every reply is written
-//! whole while holding the writer lock, so replies never interleave byte-wise. Out-of-range,
-//! misaligned, unknown or badly flagged requests get an error reply and the connection goes on;
-//! a bad magic, an oversize WRITE payload or a socket error ends the connection after in-flight
-//! requests are answered.
+//! once; payloads over [`RETAINED_BUFFER_BYTES`] also draw on the server-wide budget
+//! ([`Budget::acquire_fair`]), where a connection past its fair share waits once the budget
+//! is half used. A connection whose client does not read replies blocks in its own reply
+//! write, then in its own budget while holding its own input lock: it stops reading requests,
+//! and of the server's budget it holds at most its own byte limit, and only while the budget
+//! is under half used. A request reaches the export only with a
+//! range inside the export, aligned to [`BLOCK_SIZE_MIN`], and a payload of at most
+//! [`PAYLOAD_LENGTH_MAX`]; every reply is written whole while holding the writer lock, so
+//! replies never interleave byte-wise. Out-of-range, misaligned, unknown or badly flagged
+//! requests get an error reply and the connection goes on; a bad magic, an oversize WRITE
+//! payload or a socket error ends the connection after in-flight requests are answered.
 
 use std::io::{self, IoSlice, Read};
 use std::net::Shutdown;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
 
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
 use crate::export::{Export, ZeroOptions};
@@ -45,20 +59,41 @@ use crate::sync;
 /// one `recv`. Bytes of a WRITE payload that land in it are copied out once.
 const INPUT_BUFFER_BYTES: usize = 64 * 1024;
 
+/// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
+/// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
+/// and the resolution of the idle timeout.
+const IDLE_TICK_MAX: Duration = Duration::from_secs(30);
+
 /// Largest payload buffer a thread keeps between requests; bigger READs and WRITEs get a
 /// buffer of their own, freed after the reply, so idle connections hold little memory.
 pub(crate) const RETAINED_BUFFER_BYTES: usize = 256 * 1024;
 
+/// How much of the server's byte budget one connection may hold beyond half of it: the
+/// budget's 1/`FAIR_SHARE_DIVISOR`. While the server budget is at most half used, a connection
+/// may take up to its own limit; past half, only connections under their share get more.
+/// So fewer than `FAIR_SHARE_DIVISOR / 2` connections can never fill the server budget.
+pub(crate) const FAIR_SHARE_DIVISOR: u64 = 64;
+
 /// Limits of one connection's transmission phase.
 #[derive(Clone)]
 pub(crate) struct Limits {
-    /// Threads that read, serve and answer requests.
+    /// Most threads that read, serve and answer requests; started as requests queue up.
     pub(crate) threads: usize,
     pub(crate) requests_in_flight_max: usize,
     pub(crate) bytes_in_flight_max: u64,
-    /// Payload bytes in flight over all connections of the server.
+    /// Payload bytes in flight over all connections of the server, for payloads larger than
+    /// [`RETAINED_BUFFER_BYTES`] (smaller ones use the buffers the threads keep anyway).
     pub(crate) server_bytes: Arc<Budget>,
+    /// Nothing received and no request in flight for this long closes the connection.
+    pub(crate) idle_timeout: Duration,
+    /// Stack size of the extra threads.
+    pub(crate) stack_bytes: usize,
+    /// Name of the extra threads.
+    pub(crate) thread_name: String,
 }
+
+/// Called once, by the last thread of a session to leave, with the session's result.
+pub(crate) type OnEnd = Box<dyn FnOnce(Result<()>) + Send>;
 
 /// Counts requests and payload bytes in flight; the thread reading a request waits here
 /// (holding the input lock) when either is full.
@@ -103,6 +138,27 @@ impl Budget {
         }
         used.requests += 1;
         used.bytes += bytes;
+    }
+
+    /// Takes `bytes` from the server's budget for a connection that holds `held` bytes of it
+    /// already: up to the whole budget while at most half of it is used, past that only up
+    /// to `share` per connection (see [`FAIR_SHARE_DIVISOR`]).
+    fn acquire_fair(&self, bytes: u64, held: &AtomicU64, share: u64) {
+        let mut used = sync::lock(&self.used);
+        loop {
+            let total = used.bytes + bytes;
+            let within_share = held.load(Ordering::SeqCst) + bytes <= share;
+            let fits = total <= self.bytes_max && (within_share || total <= self.bytes_max / 2);
+            if used.requests == 0 || fits {
+                break;
+            }
+            used.waiters += 1;
+            used = sync::wait(&self.released, used);
+            used.waiters -= 1;
+        }
+        used.requests += 1;
+        used.bytes += bytes;
+        held.fetch_add(bytes, Ordering::SeqCst);
     }
 
     fn release(&self, bytes: u64) {
@@ -152,6 +208,8 @@ enum Next {
     Answered,
     /// Reading has stopped (disconnect, shutdown, protocol violation, socket error).
     End,
+    /// The connection is quiet and another thread will read: this one leaves.
+    Leave,
 }
 
 /// The read side of the socket, buffered, shared by the connection's threads under a lock.
@@ -165,10 +223,14 @@ struct Input {
     ended: bool,
     /// Why reading stopped, if not cleanly.
     error: Option<Error>,
+    /// Read timeouts in a row with nothing received (and, between requests, nothing in
+    /// flight); reset by every byte received.
+    quiet_ticks: u32,
+    idle_ticks_max: u32,
 }
 
 impl Input {
-    fn new(stream: Stream) -> Self {
+    fn new(stream: Stream, idle_ticks_max: u32) -> Self {
         Input {
             stream,
             buffer: vec![0u8; INPUT_BUFFER_BYTES].into_boxed_slice(),
@@ -176,6 +238,8 @@ impl Input {
             end: 0,
             ended: false,
             error: None,
+            quiet_ticks: 0,
+            idle_ticks_max,
         }
     }
 
@@ -192,7 +256,8 @@ impl Input {
     }
 
     /// Buffers at least `length` bytes, reading as much as the socket has; `Ok(false)` if the
-    /// peer closed with nothing buffered.
+    /// peer closed with nothing buffered. A read timeout comes back as an error (see
+    /// [`is_timeout`]) with what arrived so far kept, so the caller can decide to wait on.
     fn fill(&mut self, length: usize) -> io::Result<bool> {
         assert!(length <= self.buffer.len(), "fill beyond the input buffer");
         if self.buffered() == 0 {
@@ -207,12 +272,47 @@ impl Input {
             match self.stream.read(&mut self.buffer[self.end..]) {
                 Ok(0) if self.buffered() == 0 => return Ok(false),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-                Ok(count) => self.end += count,
+                Ok(count) => {
+                    self.end += count;
+                    self.quiet_ticks = 0;
+                }
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) => return Err(error),
             }
         }
         Ok(true)
+    }
+
+    /// Counts one quiet tick; an error once the connection has been quiet for too long.
+    fn count_quiet_tick(&mut self) -> io::Result<()> {
+        self.quiet_ticks += 1;
+        if self.quiet_ticks >= self.idle_ticks_max {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "idle timeout"));
+        }
+        Ok(())
+    }
+
+    /// One read into `target`, or into the whole input buffer if `None` (for discarding),
+    /// waiting through read timeouts until the connection has been quiet for the idle timeout
+    /// (a client may pause inside a payload, but not for longer than between requests); end
+    /// of stream is an error, since a request is incomplete.
+    fn read_patiently(&mut self, mut target: Option<&mut [u8]>) -> io::Result<usize> {
+        loop {
+            let result = match target.as_deref_mut() {
+                Some(target) => self.stream.read(target),
+                None => self.stream.read(&mut self.buffer),
+            };
+            match result {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(count) => {
+                    self.quiet_ticks = 0;
+                    return Ok(count);
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) if is_timeout(&error) => self.count_quiet_tick()?,
+                Err(error) => return Err(error),
+            }
+        }
     }
 
     /// The next `length` buffered bytes, consumed; [`Input::fill`] must have buffered them.
@@ -231,20 +331,29 @@ impl Input {
         let from_buffer = self.buffered().min(payload.len());
         payload[..from_buffer].copy_from_slice(&self.buffer[self.start..self.start + from_buffer]);
         self.start += from_buffer;
-        self.stream.read_exact(&mut payload[from_buffer..])
+        let mut filled = from_buffer;
+        while filled < payload.len() {
+            filled += self.read_patiently(Some(&mut payload[filled..]))?;
+        }
+        Ok(())
     }
 
     /// Reads and drops `length` payload bytes.
     fn discard(&mut self, length: u64) -> io::Result<()> {
         let from_buffer = (self.buffered() as u64).min(length);
         self.start += from_buffer as usize;
-        let rest = length - from_buffer;
-        if rest == 0 {
-            return Ok(());
-        }
-        let copied = io::copy(&mut (&mut self.stream).take(rest), &mut io::sink())?;
-        if copied != rest {
-            return Err(io::ErrorKind::UnexpectedEof.into());
+        let mut rest = length - from_buffer;
+        // Everything buffered is consumed now, so the buffer is free for the rest.
+        while rest > 0 {
+            self.start = 0;
+            self.end = 0;
+            let count = self.read_patiently(None)? as u64;
+            if count > rest {
+                // The bytes after the payload are the next requests: keep them.
+                self.start = rest as usize;
+                self.end = count as usize;
+            }
+            rest -= count.min(rest);
         }
         Ok(())
     }
@@ -302,6 +411,20 @@ struct Connection {
     in_flight: AtomicUsize,
     budget: Budget,
     server_bytes: Arc<Budget>,
+    /// Bytes this connection holds of `server_bytes`.
+    server_bytes_held: AtomicU64,
+    /// Most bytes of `server_bytes` this connection may hold once it is half used.
+    server_share_bytes: u64,
+    /// Threads running this session; from 1 to `threads_max`.
+    threads: AtomicUsize,
+    /// Threads blocked on the input lock, ready to read the next request.
+    waiting: AtomicUsize,
+    threads_max: usize,
+    stack_bytes: usize,
+    thread_name: String,
+    /// Taken by the last thread to leave.
+    on_end: Mutex<Option<OnEnd>>,
+    idle_timeout: Duration,
 }
 
 /// What the checks decided about one request.
@@ -312,45 +435,84 @@ enum Verdict {
     Refuse(Error),
 }
 
-/// Serves requests on `reader`/`writer` until the client disconnects. Returns an error if the
-/// connection ended because of a protocol violation or a socket failure.
+/// Serves requests on `reader`/`writer` until the client disconnects or stays idle too long.
+/// Runs the first thread on the caller's; more threads start while requests queue up, and
+/// leave again once the connection is quiet, so an idle connection costs one thread. The
+/// caller's thread may return before the others: the last one to leave calls `on_end` with
+/// an error if the connection ended because of a protocol violation, a socket failure or
+/// the idle timeout.
 pub(crate) fn serve(
     negotiated: Negotiated,
     reader: Stream,
     writer: Stream,
     limits: Limits,
-) -> Result<()> {
+    on_end: OnEnd,
+) {
     assert!(limits.threads > 0, "a session needs a thread");
     assert!(
         limits.requests_in_flight_max > 0,
         "a session needs a request slot"
     );
-    let connection = Connection {
+    assert!(!limits.idle_timeout.is_zero(), "idle timeout is 0");
+    // The socket's read timeout is the tick at which a reader blocked on a quiet connection
+    // wakes up, to hand its thread back and to count towards the idle timeout: a quarter of
+    // the timeout, so a quiet connection closes between 1 and 1.25 times it.
+    let idle_tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(1), IDLE_TICK_MAX);
+    let idle_ticks_max = u32::try_from(
+        limits
+            .idle_timeout
+            .as_nanos()
+            .div_ceil(idle_tick.as_nanos()),
+    )
+    .unwrap_or(u32::MAX);
+    if let Err(error) = reader.set_read_timeout(Some(idle_tick)) {
+        on_end(Err(Error::io("set idle timeout", error)));
+        return;
+    }
+    let server_share_bytes = limits.server_bytes.bytes_max / FAIR_SHARE_DIVISOR;
+    let connection = Arc::new(Connection {
         export: negotiated.export,
         style: negotiated.style,
         base_allocation_id: negotiated.base_allocation_id,
-        input: Mutex::new(Input::new(reader)),
+        input: Mutex::new(Input::new(reader, idle_ticks_max)),
+        idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
         in_flight: AtomicUsize::new(0),
         budget: Budget::new(limits.requests_in_flight_max, limits.bytes_in_flight_max),
         server_bytes: limits.server_bytes,
-    };
-    std::thread::scope(|scope| {
-        for _ in 1..limits.threads {
-            scope.spawn(|| connection.run_thread());
-        }
-        connection.run_thread();
+        server_bytes_held: AtomicU64::new(0),
+        server_share_bytes,
+        threads: AtomicUsize::new(1),
+        waiting: AtomicUsize::new(0),
+        threads_max: limits.threads,
+        stack_bytes: limits.stack_bytes,
+        thread_name: limits.thread_name,
+        on_end: Mutex::new(Some(on_end)),
     });
-    // Reached only if no thread panicked (the scope passes a panic on), so the input is whole.
-    let input = connection
-        .input
-        .into_inner()
-        .unwrap_or_else(PoisonError::into_inner);
-    assert!(input.ended, "threads left before reading stopped");
-    match input.error {
-        Some(error) => Err(error),
-        None => Ok(()),
+    connection.run_thread();
+}
+
+impl Drop for Connection {
+    /// The last thread has left (or unwound): report how the connection ended.
+    fn drop(&mut self) {
+        let input = self.input.get_mut().unwrap_or_else(|e| e.into_inner());
+        let result = match (input.ended, input.error.take()) {
+            (_, Some(error)) => Err(error),
+            (true, None) => Ok(()),
+            (false, None) => Err(Error::io(
+                "a connection thread panicked",
+                io::Error::other("connection thread panicked"),
+            )),
+        };
+        let on_end = self
+            .on_end
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(on_end) = on_end {
+            on_end(result);
+        }
     }
 }
 
@@ -362,12 +524,14 @@ impl Connection {
         }
     }
 
-    /// Takes a request slot and `bytes` from this connection's budget, then `bytes` from the
-    /// server's; always in this order, and released together, so waits cannot form a cycle.
+    /// Takes a request slot and `bytes` from this connection's budget, then (for payloads
+    /// too large for the threads' retained buffers) `bytes` from the server's; always in this
+    /// order, and released together, so waits cannot form a cycle.
     fn acquire(&self, bytes: u64) {
         self.budget.acquire(bytes);
-        if bytes > 0 {
-            self.server_bytes.acquire(bytes);
+        if bytes > RETAINED_BUFFER_BYTES as u64 {
+            self.server_bytes
+                .acquire_fair(bytes, &self.server_bytes_held, self.server_share_bytes);
         }
         self.in_flight.fetch_add(1, Ordering::SeqCst);
     }
@@ -375,29 +539,83 @@ impl Connection {
     fn release(&self, bytes: u64) {
         let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "released a request that was not in flight");
-        if bytes > 0 {
+        if bytes > RETAINED_BUFFER_BYTES as u64 {
+            self.server_bytes_held.fetch_sub(bytes, Ordering::SeqCst);
             self.server_bytes.release(bytes);
         }
         self.budget.release(bytes);
     }
 
+    /// Starts one more thread if none is waiting to read and the limit allows: called by a
+    /// thread that gives the input up to serve a request.
+    fn add_reader(self: &Arc<Self>) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            return;
+        }
+        let grown = self
+            .threads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
+                (threads < self.threads_max).then_some(threads + 1)
+            });
+        if grown.is_err() {
+            return;
+        }
+        let connection = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name(self.thread_name.clone())
+            .stack_size(self.stack_bytes)
+            .spawn(move || connection.run_thread());
+        if spawned.is_err() {
+            // Serve with the threads there are.
+            self.threads.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Lets this thread leave if it is not the last one; the others still read.
+    fn leave_if_not_last(&self) -> bool {
+        self.threads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
+                (threads > 1).then(|| threads - 1)
+            })
+            .is_ok()
+    }
+
     /// One thread's loop: take the input, read a request, serve it, answer; until reading
-    /// stops. See the module docs for when the input lock is kept while serving.
-    fn run_thread(&self) {
+    /// stops or the connection is quiet and other threads remain. See the module docs for
+    /// when the input lock is kept while serving.
+    fn run_thread(self: Arc<Self>) {
         let mut scratch = Scratch::default();
         let mut kept: Option<MutexGuard<'_, Input>> = None;
         loop {
             let mut input = match kept.take() {
                 Some(input) => input,
-                None => self.lock_input(),
+                None => {
+                    self.waiting.fetch_add(1, Ordering::SeqCst);
+                    let input = self.lock_input();
+                    self.waiting.fetch_sub(1, Ordering::SeqCst);
+                    input
+                }
             };
+            // A quiet connection needs one reader; the others leave as they get here.
+            if input.quiet_ticks > 0
+                && input.buffered() == 0
+                && self.in_flight.load(Ordering::SeqCst) == 0
+                && self.leave_if_not_last()
+            {
+                return;
+            }
             let job = match self.next(&mut input, &mut scratch) {
                 Next::Run(job) => job,
                 Next::Answered => {
                     kept = Some(input);
                     continue;
                 }
-                Next::End => return,
+                Next::End => {
+                    // Whoever leaves last reports, in `drop`.
+                    self.threads.fetch_sub(1, Ordering::SeqCst);
+                    return;
+                }
+                Next::Leave => return,
             };
             let inline = job.may_run_inline()
                 && input.buffered() == 0
@@ -406,6 +624,7 @@ impl Connection {
                 kept = Some(input);
             } else {
                 drop(input);
+                self.add_reader();
             }
             if !self.broken.load(Ordering::SeqCst) {
                 self.run(&job, &mut scratch);
@@ -444,13 +663,48 @@ impl Connection {
         }
     }
 
+    /// Buffers the next request header, waiting through the socket's read timeouts: with
+    /// requests in flight the connection is busy, not idle; otherwise each timeout is a quiet
+    /// tick, on which a thread other than the last leaves, and enough of them in a row end
+    /// the connection. `Ok(None)` if this thread should leave, `Ok(Some(false))` on a clean
+    /// hang-up.
+    fn fill_header(&self, input: &mut Input, size: usize) -> Result<Option<bool>> {
+        loop {
+            match input.fill(size) {
+                Ok(open) => return Ok(Some(open)),
+                Err(error) if is_timeout(&error) => {
+                    if self.in_flight.load(Ordering::SeqCst) > 0 {
+                        input.quiet_ticks = 0;
+                        continue;
+                    }
+                    if input.buffered() == 0 && self.leave_if_not_last() {
+                        input.quiet_ticks = input.quiet_ticks.max(1);
+                        return Ok(None);
+                    }
+                    input.count_quiet_tick().map_err(|e| {
+                        Error::io(
+                            format!(
+                                "closed after {} s without a request",
+                                self.idle_timeout.as_secs_f64()
+                            ),
+                            e,
+                        )
+                    })?;
+                }
+                Err(error) => return Err(Error::io("read request", error)),
+            }
+        }
+    }
+
     fn read_request(&self, input: &mut Input, scratch: &mut Scratch) -> Result<Next> {
         if self.broken.load(Ordering::SeqCst) {
             return Err(Error::protocol("reply could not be sent"));
         }
         let style = self.header_style();
         let size = style.request_size();
-        let open = input.fill(size).map_err(|e| Error::io("read request", e))?;
+        let Some(open) = self.fill_header(input, size)? else {
+            return Ok(Next::Leave);
+        };
         if !open {
             input.stop(Ok(()));
             return Ok(Next::End);
@@ -818,6 +1072,14 @@ fn descriptors(
         ));
     }
     Ok(out)
+}
+
+/// True for the error a read gives when the socket's read timeout passes.
+fn is_timeout(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
 }
 
 #[cfg(test)]

@@ -2,12 +2,13 @@
 //!
 //! Owns nothing but the file descriptor. `try_clone` gives the session a second handle, so
 //! requests are read under one lock and replies written under another, and the server keeps
-//! a third to shut the connection down from outside.
+//! a third to shut the connection down from outside. [`Deadline`] bounds the handshake as a
+//! whole.
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A Unix or TCP stream.
 #[derive(Debug)]
@@ -105,4 +106,57 @@ pub(crate) fn read_exact_or_eof(reader: &mut impl Read, buffer: &mut [u8]) -> io
         }
     }
     Ok(true)
+}
+
+/// A stream whose reads and writes must all finish before one instant: each operation's
+/// socket timeout is set to the time left (one extra `setsockopt` per read or write, which
+/// only the handshake pays), so a peer that trickles bytes cannot stretch the total.
+pub(crate) struct Deadline<'a> {
+    stream: &'a mut Stream,
+    deadline: Instant,
+    /// Longest wait for one write, even with more time left.
+    write_timeout: Duration,
+}
+
+impl<'a> Deadline<'a> {
+    pub(crate) fn new(stream: &'a mut Stream, deadline: Instant, write_timeout: Duration) -> Self {
+        Deadline {
+            stream,
+            deadline,
+            write_timeout,
+        }
+    }
+
+    /// Time left, or a timeout error once the deadline has passed.
+    fn left(&self) -> io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "handshake deadline passed",
+            ));
+        }
+        Ok(left)
+    }
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buffer: &mut [u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buffer)
+    }
+}
+
+impl Write for Deadline<'_> {
+    fn write(&mut self, buffer: &[u8]) -> io::Result<usize> {
+        let left = self.left()?;
+        self.stream
+            .set_write_timeout(Some(left.min(self.write_timeout)))?;
+        self.stream.write(buffer)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }

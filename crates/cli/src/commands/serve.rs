@@ -81,6 +81,15 @@ pub struct Args {
     /// Don't log connections on stderr.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
+    /// Most NBD connections served at once.
+    #[arg(long = "connections-max", value_name = "N", default_value_t = nbd::Config::default().connections_max)]
+    connections_max: usize,
+    /// Most NBD connections from one peer (uid on the Unix socket, address on TCP).
+    #[arg(long = "connections-per-peer-max", value_name = "N", default_value_t = nbd::Config::default().connections_per_peer_max)]
+    connections_per_peer_max: usize,
+    /// Close an NBD connection after this many seconds without a request.
+    #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout_seconds: u64,
 }
 
 /// Run the command.
@@ -137,6 +146,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     });
     let mut config = nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
+        connections_max: args.connections_max,
+        connections_per_peer_max: args.connections_per_peer_max,
+        idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
         ..nbd::Config::default()
     };
     if !args.quiet {
