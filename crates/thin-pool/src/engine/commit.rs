@@ -61,14 +61,25 @@ impl Shared {
     ) -> Result<T> {
         let md = meta.md()?;
         let result = change(md).and_then(|value| md.commit().map(|()| value));
-        let failed = md.transaction_failed();
+        let value = self.checked(meta, result)?;
+        self.pass_down(meta);
+        Ok(value)
+    }
+
+    /// Pass on the result of a metadata operation: an error after the operation changed
+    /// something (the transaction failed) abandons the transaction; a refusal changes
+    /// nothing and is only reported.
+    pub(crate) fn checked<T>(&self, meta: &mut MetaState, result: Result<T>) -> Result<T> {
         match result {
-            Ok(value) => {
-                self.pass_down(meta);
-                Ok(value)
+            Err(e)
+                if meta
+                    .md
+                    .as_ref()
+                    .is_some_and(PoolMetadata::transaction_failed) =>
+            {
+                Err(self.metadata_failed(meta, e))
             }
-            Err(e) if !failed => Err(e),
-            Err(e) => Err(self.metadata_failed(meta, e)),
+            other => other,
         }
     }
 

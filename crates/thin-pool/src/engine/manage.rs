@@ -198,7 +198,8 @@ impl Pool {
         if meta.md.as_ref().is_some_and(|md| md.needs_check()) {
             return Err(Error::ReadOnly { needs_check: true });
         }
-        let total = meta.md()?.extend_metadata(blocks)?;
+        let result = meta.md()?.extend_metadata(blocks);
+        let total = shared.checked(&mut meta, result)?;
         if shared.mode() == PoolMode::OutOfMetadataSpace {
             shared.set_mode(PoolMode::Write);
         }

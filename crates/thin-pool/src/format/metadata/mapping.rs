@@ -362,3 +362,90 @@ impl PoolMetadata {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::format::check::{check, CheckOptions};
+    use persistent_data::{BlockDevice, MemoryDevice};
+    use std::sync::Arc;
+
+    fn metadata() -> (Arc<dyn BlockDevice>, PoolMetadata) {
+        let device: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1024));
+        let md = PoolMetadata::format(device.clone(), 128, 1000).unwrap();
+        (device, md)
+    }
+
+    fn assert_clean(device: &Arc<dyn BlockDevice>) {
+        let report = check(device.clone(), &CheckOptions::default(), &mut |_| {});
+        assert!(report.is_clean(), "{report}");
+    }
+
+    /// Regression: `create_snap` took a reference to the origin's root before it refused
+    /// with "pool time exhausted", leaving a count one too high in a transaction that went on.
+    #[test]
+    fn create_snap_refused_for_time_changes_nothing() {
+        let (device, mut md) = metadata();
+        let origin = VolumeId::new(0);
+        md.create_thin(origin).unwrap();
+        for block in 0..20 {
+            let data_block = md.alloc_data_block().unwrap();
+            md.insert(origin, VirtualBlock::new(block), data_block)
+                .unwrap();
+        }
+        md.commit().unwrap();
+        md.superblock.time = Time::MAX.get();
+        let refused = md.create_snap(VolumeId::new(1), origin);
+        assert!(matches!(refused, Err(Error::Invalid(_))), "{refused:?}");
+        assert!(!md.transaction_failed(), "a refusal is not a failure");
+        assert!(!md.has_volume(VolumeId::new(1)));
+        md.superblock.time = 0;
+        md.commit().unwrap();
+        assert_clean(&device);
+    }
+
+    #[test]
+    fn refusals_leave_the_transaction_usable() {
+        let (device, mut md) = metadata();
+        let id = VolumeId::new(3);
+        md.create_thin(id).unwrap();
+        assert!(matches!(md.create_thin(id), Err(Error::VolumeExists(_))));
+        assert!(matches!(
+            md.create_thin(VolumeId::new(1 << 24)),
+            Err(Error::BadVolumeId(_))
+        ));
+        assert!(matches!(
+            md.delete(VolumeId::new(9)),
+            Err(Error::VolumeNotFound(_))
+        ));
+        let unreserved = DataBlock::new(5);
+        assert!(matches!(
+            md.insert(id, VirtualBlock::new(0), unreserved),
+            Err(Error::Internal(_))
+        ));
+        assert!(!md.transaction_failed());
+        let data_block = md.alloc_data_block().unwrap();
+        md.insert(id, VirtualBlock::new(0), data_block).unwrap();
+        md.commit().unwrap();
+        assert_eq!(md.data_block_count(data_block), 1);
+        assert_clean(&device);
+    }
+
+    #[test]
+    fn a_reservation_maps_once_and_a_released_one_is_free() {
+        let (device, mut md) = metadata();
+        let id = VolumeId::new(0);
+        md.create_thin(id).unwrap();
+        let mapped = md.alloc_data_block().unwrap();
+        let dropped = md.alloc_data_block().unwrap();
+        assert_eq!(md.usage().data_used_blocks, 2);
+        md.insert(id, VirtualBlock::new(7), mapped).unwrap();
+        assert!(md.insert(id, VirtualBlock::new(8), mapped).is_err());
+        md.commit().unwrap();
+        assert_clean(&device);
+        assert_eq!(md.data_space_map().core().allocated_count(), 1);
+        assert!(md.release_data_block(dropped));
+        assert!(!md.release_data_block(dropped));
+        assert_eq!(md.usage().data_used_blocks, 1);
+    }
+}
