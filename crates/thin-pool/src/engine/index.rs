@@ -257,7 +257,7 @@ mod tests {
         assert_eq!(index.lookup(b(5)), None);
         let e = BlockTime::new(DataBlock::new(0), time(0));
         index.set(b(5), e);
-        let last = BlockTime::new(DataBlock::new(INDEX_DATA_BLOCK_MAX), time(0xFF_FFFF));
+        let last = BlockTime::new(DataBlock::new(INDEX_DATA_BLOCK_MAX), crate::ids::Time::MAX);
         index.set(b(1999), last);
         assert_eq!(index.lookup(b(5)), Some(e));
         assert_eq!(index.lookup(b(1999)), Some(last));

@@ -255,7 +255,7 @@ impl PoolMetadata {
         btree::walk::<u64, _>(&*bm, mapping_root, &mut |key, root| {
             match u32::try_from(key)
                 .ok()
-                .and_then(|k| volumes.get_mut(&VolumeId(k)))
+                .and_then(|k| volumes.get_mut(&VolumeId::new(k)))
             {
                 Some(state) => {
                     state.root = MetadataBlock(root);
@@ -310,7 +310,7 @@ impl PoolMetadata {
 
     /// The user transaction id.
     pub fn transaction_id(&self) -> TransactionId {
-        TransactionId(self.superblock.transaction_id)
+        TransactionId::new(self.superblock.transaction_id)
     }
 
     /// Whether the needs_check flag is set.
