@@ -19,7 +19,8 @@ use crate::engine::options::PoolMode;
 use crate::engine::shared::{MetaState, Op, Shared};
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
-use crate::ids::DataBlock;
+use crate::ids::{DataBlock, VirtualBlock};
+use std::collections::BTreeMap;
 use std::sync::MutexGuard;
 
 /// Metadata blocks one commit may need per applied op: roughly a leaf split every 126
@@ -151,7 +152,6 @@ impl Shared {
     /// blocks).
     #[cfg(debug_assertions)]
     fn assert_unreferenced(&self, freed: &[DataBlock]) {
-        use crate::ids::VirtualBlock;
         if freed.is_empty() {
             return;
         }
@@ -204,6 +204,11 @@ impl Shared {
         }
         match PoolMetadata::open(self.metadata_device.clone()) {
             Ok(md) => {
+                if let Err(e) = self.resync_indexes(&md) {
+                    self.log(format!("reloading the index failed: {e}"));
+                    self.set_mode(PoolMode::Fail);
+                    return error;
+                }
                 meta.md = Some(md);
                 self.set_mode(if out_of_space {
                     PoolMode::OutOfMetadataSpace
@@ -217,6 +222,45 @@ impl Shared {
             }
         }
         error
+    }
+
+    /// After the metadata was reopened: make every volume's index equal its mapping tree
+    /// again. The abandoned ops' mappings leave the index (their blocks are free in the
+    /// reopened metadata and may be reserved again), and mappings whose removal was
+    /// abandoned come back. Provisioning cannot race this: it needs a reservation of the
+    /// current generation, and the caller holds the metadata lock.
+    fn resync_indexes(&self, md: &PoolMetadata) -> Result<()> {
+        for volume in self.volumes.load().values() {
+            if !md.has_volume(volume.id) {
+                continue;
+            }
+            let mut tree = BTreeMap::new();
+            md.walk_mappings(volume.id, &mut |block, mapping| {
+                tree.insert(block, mapping);
+                Ok(())
+            })?;
+            let mut stale = Vec::new();
+            volume.index.for_each_in(
+                VirtualBlock::new(0),
+                VirtualBlock::new(u64::MAX),
+                &mut |block, mapping| {
+                    if tree.get(&block) != Some(&mapping) {
+                        stale.push(block);
+                    }
+                },
+            );
+            for block in stale {
+                volume.index.clear(block);
+            }
+            for (block, mapping) in tree {
+                if block.get() < volume.index.block_count()
+                    && volume.index.lookup(block) != Some(mapping)
+                {
+                    volume.index.set(block, mapping);
+                }
+            }
+        }
+        Ok(())
     }
 }
 

@@ -12,7 +12,9 @@
 //!
 //! A [`Reservation`] not mapped (the write failed) is released when dropped. The caller
 //! holds the volume's block lock for `block` across `map` and `unmap`: that lock orders the
-//! index updates of one block, so a block is mapped once.
+//! index updates of one block, so a block is mapped once. The index is updated together
+//! with the op queue, under the metadata lock, so the index always equals the trees plus
+//! the queued ops, also when a metadata failure drops the queue.
 
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
@@ -191,8 +193,10 @@ impl Provisioner {
                 mapping,
             });
             reservation.mapped = true;
+            // Published under the metadata lock, so a metadata failure (which drops the
+            // queued ops and reloads the index under that lock) never misses it.
+            volume.index.set(block, mapping);
         }
-        volume.index.set(block, mapping);
         Ok(())
     }
 
@@ -200,8 +204,9 @@ impl Provisioner {
     /// removal. The caller holds the volume's block lock for `block`.
     pub(crate) fn unmap(&self, volume: &VolumeState, block: VirtualBlock) {
         if volume.index.lookup(block).is_some() {
+            let mut meta = self.shared.lock_meta();
             volume.index.clear(block);
-            self.shared.lock_meta().push(Op::Remove {
+            meta.push(Op::Remove {
                 volume: volume.id,
                 block,
             });
