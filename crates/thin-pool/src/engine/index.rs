@@ -20,7 +20,7 @@
 //! so a fully provisioned volume costs 8.06 bytes per mapped block (≤ 16 whenever at least
 //! half of each touched region is mapped); an isolated mapping costs at most 4 KiB.
 
-use crate::ids::{BlockTime, DataBlock, VirtualBlock, DATA_BLOCK_MAX};
+use crate::ids::{BlockTime, Time, VirtualBlock, DATA_BLOCK_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -81,20 +81,22 @@ impl Segment {
     }
 }
 
+/// What one data block adds to a packed mapping (its time takes the bits below): the bias
+/// that keeps every stored mapping nonzero.
+const ONE_DATA_BLOCK: u64 = Time::MAX.get() as u64 + 1;
+
 fn encode(mapping: BlockTime) -> u64 {
     let data_block = mapping.data_block().get();
     assert!(
         data_block <= INDEX_DATA_BLOCK_MAX,
         "data block {data_block} beyond the index's range"
     );
-    BlockTime::new(DataBlock::new(data_block + 1), mapping.time()).pack()
+    mapping.pack() + ONE_DATA_BLOCK
 }
 
+#[inline]
 fn decode(raw: u64) -> Option<BlockTime> {
-    (raw != 0).then(|| {
-        let biased = BlockTime::unpack(raw);
-        BlockTime::new(DataBlock::new(biased.data_block().get() - 1), biased.time())
-    })
+    (raw != 0).then(|| BlockTime::unpack(raw - ONE_DATA_BLOCK))
 }
 
 /// Leaf holding `block`, and the entry's position in it.
@@ -248,16 +250,17 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::DataBlock;
 
     #[test]
     fn set_lookup_clear_resize() {
         let b = VirtualBlock::new;
-        let time = |t| crate::ids::Time::new(t).unwrap();
+        let time = |t| Time::new(t).unwrap();
         let index = Index::new(2000);
         assert_eq!(index.lookup(b(5)), None);
         let e = BlockTime::new(DataBlock::new(0), time(0));
         index.set(b(5), e);
-        let last = BlockTime::new(DataBlock::new(INDEX_DATA_BLOCK_MAX), crate::ids::Time::MAX);
+        let last = BlockTime::new(DataBlock::new(INDEX_DATA_BLOCK_MAX), Time::MAX);
         index.set(b(1999), last);
         assert_eq!(index.lookup(b(5)), Some(e));
         assert_eq!(index.lookup(b(1999)), Some(last));
