@@ -21,7 +21,23 @@ impl FileDevice {
     /// Open an existing file or block device. Its size, rounded down to whole blocks, is the
     /// device size. With `writable` false every write fails.
     pub fn open(path: &Path, writable: bool) -> io::Result<FileDevice> {
-        let file = OpenOptions::new().read(true).write(writable).open(path)?;
+        FileDevice::open_with(path, writable, 0)
+    }
+
+    /// [`FileDevice::open`], refusing a symbolic link at `path` instead of following it (for
+    /// files a program owns, such as a pool directory's `metadata`: a link planted there
+    /// must not redirect its writes). User-named devices (`/dev/vg/lv` is a link) use `open`.
+    pub fn open_no_follow(path: &Path, writable: bool) -> io::Result<FileDevice> {
+        FileDevice::open_with(path, writable, libc::O_NOFOLLOW)
+    }
+
+    fn open_with(path: &Path, writable: bool, flags: i32) -> io::Result<FileDevice> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .custom_flags(flags)
+            .open(path)?;
         let size_bytes = device_size_bytes(&file)?;
         Ok(FileDevice {
             file,

@@ -50,7 +50,7 @@ fn file_device_conforms() {
 }
 
 #[test]
-fn file_device_create_is_private_and_refuses_links() {
+fn file_device_create_and_open_no_follow_refuse_links() {
     use std::os::unix::fs::PermissionsExt;
     let dir = std::env::temp_dir().join(format!("pd-io-link-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -60,6 +60,11 @@ fn file_device_create_is_private_and_refuses_links() {
     let link = dir.join("metadata");
     std::os::unix::fs::symlink(&victim, &link).unwrap();
     assert!(FileDevice::create(&link, 8).is_err());
+    assert!(FileDevice::open_no_follow(&link, true).is_err());
+    assert!(
+        FileDevice::open(&link, false).is_ok(),
+        "user-named links are followed"
+    );
     assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
     let path = dir.join("fresh");
     drop(FileDevice::create(&path, 8).unwrap());

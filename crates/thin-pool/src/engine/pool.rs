@@ -214,7 +214,7 @@ impl Pool {
     /// Open the pool in directory `dir`, taking an exclusive lock on its metadata.
     pub fn open(dir: &Path, options: PoolOptions) -> Result<Pool> {
         let metadata_path = dir.join(METADATA_FILE);
-        let metadata = FileDevice::open(&metadata_path, !options.read_only)
+        let metadata = FileDevice::open_no_follow(&metadata_path, !options.read_only)
             .map_err(io_error(format!("opening {}", metadata_path.display())))?;
         let lock = Arc::new(
             metadata
