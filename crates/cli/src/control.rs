@@ -471,6 +471,7 @@ impl Target {
 /// inner one is the pool's answer.
 pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
     dir.require_pool()?;
+    crate::commands::restore::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
     match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => {

@@ -103,6 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
+    super::restore::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(&dir)?;
     let pool = match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => pool,
