@@ -153,7 +153,7 @@ fn write_restored_catalog(dir: &Path) -> anyhow::Result<()> {
             .with_context(|| format!("volume {id} maps blocks beyond any volume size"))?;
         volumes.push(CatalogVolume {
             name: format!("thin-{id}"),
-            id: id.get(),
+            id,
             size_bytes,
             read_only: false,
             origin: None,
