@@ -238,7 +238,7 @@ impl Pool {
         let (mut meta, taken) = shared.flush_and_lock()?;
         shared.apply_ops(&mut meta, taken)?;
         let location = shared.commit_change(&mut meta, |md| md.reserve_metadata_snap())?;
-        Ok(location.0)
+        Ok(location.get())
     }
 
     /// Release the held metadata snapshot.

@@ -382,7 +382,7 @@ impl Pool {
             Some(md) => (
                 Some(md.usage()),
                 md.transaction_id().get(),
-                md.metadata_snap().map(|b| b.0),
+                md.metadata_snap().map(|b| b.get()),
                 md.needs_check(),
             ),
             None => (None, meta.catalog.transaction_id, None, true),

@@ -215,7 +215,7 @@ impl PoolMetadata {
                 id,
                 VolumeState {
                     details,
-                    root: MetadataBlock(0),
+                    root: MetadataBlock::new(0),
                     root_changed: false,
                     touched: false,
                     details_changed: false,
@@ -231,7 +231,7 @@ impl PoolMetadata {
                 .and_then(|k| volumes.get_mut(&VolumeId::new(k)))
             {
                 Some(state) => {
-                    state.root = MetadataBlock(root);
+                    state.root = MetadataBlock::new(root);
                     roots_found += 1;
                 }
                 None => mismatch = Some(key),
@@ -415,7 +415,7 @@ impl PoolMetadata {
                     &mut SubtreeUpdate,
                     self.mapping_root,
                     key,
-                    &state.root.0,
+                    &state.root.get(),
                 )?;
                 self.mapping_root = root;
             }
@@ -449,7 +449,7 @@ impl PoolMetadata {
     pub fn reserve_metadata_snap(&mut self) -> Result<MetadataBlock> {
         self.check_writable()?;
         if let Some(held) = self.metadata_snap() {
-            return Err(Error::MetadataSnapExists(held.0));
+            return Err(Error::MetadataSnapExists(held.get()));
         }
         self.commit()?;
         let location = self.change(|md| {

@@ -151,7 +151,7 @@ pub fn build_volume_trees(
         last = Some(volume.id);
         let key = u64::from(volume.id.get());
         details.push_value(tm, &mut NoRefs, key, volume.details)?;
-        roots.push_value(tm, &mut NoRefs, key, volume.root.0)?;
+        roots.push_value(tm, &mut NoRefs, key, volume.root.get())?;
     }
     let details_root = details.complete(tm, &mut NoRefs)?;
     let mapping_root = roots.complete(tm, &mut NoRefs)?;
@@ -220,7 +220,7 @@ mod tests {
         for volume in &volumes {
             let key = u64::from(volume.id.get());
             let root = btree::lookup::<u64, _>(&bm, read.data_mapping_root, key).unwrap();
-            assert_eq!(root, Some(volume.root.0));
+            assert_eq!(root, Some(volume.root.get()));
             let found = btree::lookup::<DeviceDetails, _>(&bm, read.device_details_root, key);
             assert_eq!(found.unwrap(), Some(details));
         }

@@ -227,7 +227,7 @@ pub(crate) struct SubtreeUpdate;
 
 impl RefCounter<u64> for SubtreeUpdate {
     fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        tm.inc(MetadataBlock(*value))
+        tm.inc(MetadataBlock::new(*value))
     }
     fn dec(&mut self, _: &mut dyn CopyOnWrite, _: &u64) -> persistent_data::Result<()> {
         Ok(())
@@ -239,10 +239,10 @@ pub(crate) struct SubtreeDelete<'a>(pub &'a mut DataSpace);
 
 impl RefCounter<u64> for SubtreeDelete<'_> {
     fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        tm.inc(MetadataBlock(*value))
+        tm.inc(MetadataBlock::new(*value))
     }
     fn dec(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        btree::delete_tree::<u64, _>(tm, &mut DataRefs(self.0), MetadataBlock(*value))
+        btree::delete_tree::<u64, _>(tm, &mut DataRefs(self.0), MetadataBlock::new(*value))
     }
 }
 

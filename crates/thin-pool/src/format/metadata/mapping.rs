@@ -118,7 +118,7 @@ impl PoolMetadata {
                     &mut SubtreeUpdate,
                     md.mapping_root,
                     key,
-                    &state.root.0,
+                    &state.root.get(),
                 )?;
                 md.mapping_root = root;
             }
@@ -216,7 +216,7 @@ impl PoolMetadata {
             &mut SubtreeUpdate,
             self.mapping_root,
             u64::from(id.get()),
-            &root.0,
+            &root.get(),
         )?;
         self.mapping_root = mapping_root;
         self.volumes.get_mut(&id).expect("volume exists").touched = true;
