@@ -7,8 +7,9 @@
 //! to the metadata, so the device holds exactly the last committed transaction, which our
 //! checker and both thin_check versions accept and which reopens read-write.
 //! Method: the engine's test-only fault hook (`PoolOptions::fault_hook`) panics at a chosen
-//! point: between two applied ops of a commit, just before the metadata commit, and inside
-//! a management operation's change. Each run commits a known state, queues more writes,
+//! point: between two applied ops of a commit, just before the metadata commit, inside
+//! a management operation's change, and in a provisioning write holding the metadata lock
+//! (a poisoned lock). Each run commits a known state, queues more writes,
 //! arms the hook, triggers it, checks the failed pool, then reopens the metadata device and
 //! compares every block with the committed state.
 
@@ -37,6 +38,10 @@ enum Trigger {
     Commit,
     /// Inside a management operation's change to the metadata (a snapshot).
     Management,
+    /// In a provisioning write holding the metadata lock, between queueing its mapping and
+    /// publishing it: the panic reaches the writer, the lock is poisoned, and the next
+    /// thread to take it must fail the pool.
+    Map,
 }
 
 fn block_bytes(volume: u8, block: u64, generation: u8) -> Vec<u8> {
@@ -55,6 +60,7 @@ fn run(trigger: Trigger, scratch: &ScratchDir) {
                 (Trigger::ApplyOp, FaultPoint::ApplyOp { applied }) => applied == 3,
                 (Trigger::Commit, FaultPoint::Commit) => true,
                 (Trigger::Management, FaultPoint::ManagementChange) => true,
+                (Trigger::Map, FaultPoint::Map) => true,
                 _ => false,
             };
             if hit && armed.swap(false, Ordering::SeqCst) {
@@ -107,6 +113,13 @@ fn run(trigger: Trigger, scratch: &ScratchDir) {
     let error = match trigger {
         Trigger::ApplyOp | Trigger::Commit => a.flush().unwrap_err(),
         Trigger::Management => pool.snapshot("a", "s", false).unwrap_err(),
+        Trigger::Map => {
+            let write = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                a.write(13 * BLOCK, &block_bytes(1, 13, 2), false)
+            }));
+            assert!(write.is_err(), "the provisioning write panics");
+            b.flush().unwrap_err()
+        }
     };
     assert!(!armed.load(Ordering::SeqCst), "{trigger:?}: the hook fired");
     assert_eq!(error.errno(), EIO, "{trigger:?}: {error}");
@@ -116,8 +129,12 @@ fn run(trigger: Trigger, scratch: &ScratchDir) {
     assert_eq!(status.mode, PoolMode::Fail, "{trigger:?}");
     let reason = status.fail_reason.clone().expect("a fail reason");
     assert!(reason.contains("panic"), "{trigger:?}: {reason}");
+    let logged = match trigger {
+        Trigger::Map => "panicked holding the metadata lock",
+        _ => "injected panic",
+    };
     assert!(
-        pool.events().iter().any(|e| e.contains("injected panic")),
+        pool.events().iter().any(|e| e.contains(logged)),
         "{trigger:?}: {:?}",
         pool.events()
     );
@@ -204,6 +221,11 @@ fn panic_between_applied_ops_commits_nothing() {
 #[test]
 fn panic_before_metadata_commit_commits_nothing() {
     run(Trigger::Commit, &ScratchDir::new("engine-panic-commit"));
+}
+
+#[test]
+fn panic_holding_the_metadata_lock_fails_the_pool() {
+    run(Trigger::Map, &ScratchDir::new("engine-panic-map"));
 }
 
 #[test]

@@ -40,6 +40,9 @@ pub enum FaultPoint {
     Commit,
     /// A management operation is about to change the metadata.
     ManagementChange,
+    /// A provisioning write has queued its mapping and not yet published it in the index
+    /// (the metadata lock is held).
+    Map,
 }
 
 /// A fault-injection hook (tests only): see [`PoolOptions::fault_hook`].

@@ -18,7 +18,7 @@
 
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
-use crate::engine::options::{PoolMode, PoolOptions};
+use crate::engine::options::{FaultPoint, PoolMode, PoolOptions};
 use crate::engine::shared::{Op, Shared, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{BlockTime, DataBlock, VirtualBlock};
@@ -201,6 +201,7 @@ impl Provisioner {
                 mapping,
             });
             reservation.mapped = true;
+            self.shared.fault_point(FaultPoint::Map);
             // Published under the metadata lock, so a metadata failure (which drops the
             // queued ops and reloads the index under that lock) never misses it.
             volume.index.set(block, mapping);
