@@ -227,6 +227,7 @@ impl Shared {
             Ok(md) => {
                 if let Err(e) = self.resync_indexes(&md) {
                     self.log(format!("reloading the index failed: {e}"));
+                    self.record_fail_reason(&format!("{error}; reloading the index failed: {e}"));
                     self.set_mode(PoolMode::Fail);
                     return error;
                 }
@@ -239,6 +240,7 @@ impl Shared {
             }
             Err(e) => {
                 self.log(format!("reopening the metadata failed: {e}"));
+                self.record_fail_reason(&format!("{error}; reopening the metadata failed: {e}"));
                 self.set_mode(PoolMode::Fail);
             }
         }

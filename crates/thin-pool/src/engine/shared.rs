@@ -267,18 +267,21 @@ impl Shared {
             .clone()
     }
 
+    /// Keep the first reason the pool failed for, for [`Shared::fail_reason`].
+    pub(crate) fn record_fail_reason(&self, reason: &str) {
+        let mut fail_reason = self.fail_reason.lock().unwrap_or_else(|e| e.into_inner());
+        if fail_reason.is_none() {
+            *fail_reason = Some(reason.to_string());
+        }
+    }
+
     /// Abandon the transaction and enter fail mode: the in-memory metadata (with whatever
     /// part of the transaction was applied) is dropped without writing anything, so the
     /// device keeps the last committed transaction; queued ops and reservations go with it
     /// (writes holding a reservation fail), and waiters for space wake up to fail.
     /// Reads, writes and changes then fail with EIO until the pool is reopened.
     pub(crate) fn fail(&self, meta: &mut MetaState, reason: String) {
-        {
-            let mut fail_reason = self.fail_reason.lock().unwrap_or_else(|e| e.into_inner());
-            if fail_reason.is_none() {
-                *fail_reason = Some(reason.clone());
-            }
-        }
+        self.record_fail_reason(&reason);
         self.log(format!(
             "pool failed: {reason}; the transaction is abandoned, the last commit stays on disk"
         ));
