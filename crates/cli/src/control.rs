@@ -170,6 +170,9 @@ pub struct StatusRecord {
     pub block_size_bytes: u64,
     /// dm-thin's mode word: rw, out_of_data_space, ro, fail.
     pub mode: String,
+    /// In fail mode: why (e.g. a panic inside the engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fail_reason: Option<String>,
     /// The metadata needs a check before the pool may write again.
     pub needs_check: bool,
     /// New blocks are zeroed where their first write does not cover them.
@@ -201,6 +204,7 @@ impl StatusRecord {
             ),
             block_size_bytes: status.block_size_bytes,
             mode: status.mode.as_str().to_string(),
+            fail_reason: status.fail_reason.clone(),
             needs_check: status.needs_check,
             zero_new_blocks: options.zero_new_blocks,
             error_if_no_space: status.error_if_no_space,
@@ -471,6 +475,7 @@ impl Target {
 /// inner one is the pool's answer.
 pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
     dir.require_pool()?;
+    crate::commands::restore::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
     match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => {

@@ -878,12 +878,14 @@ impl Connection {
         let result = match request.command {
             command::READ => return self.run_read(request, scratch),
             command::BLOCK_STATUS => return self.run_block_status(request),
-            command::WRITE => {
+            command::WRITE => call_export(request, || {
                 export.write_at(request.offset, scratch.current(job.payload_length), fua)
+            }),
+            command::FLUSH => call_export(request, || export.flush()),
+            command::TRIM => {
+                call_export(request, || export.trim(request.offset, request.length, fua))
             }
-            command::FLUSH => export.flush(),
-            command::TRIM => export.trim(request.offset, request.length, fua),
-            command::CACHE => export.cache(request.offset, request.length),
+            command::CACHE => call_export(request, || export.cache(request.offset, request.length)),
             command::WRITE_ZEROES => {
                 let fast = request.flags & command_flags::FAST_ZERO != 0;
                 let options = ZeroOptions {
@@ -891,20 +893,21 @@ impl Connection {
                     fast,
                     fua,
                 };
-                export
-                    .write_zeroes(request.offset, request.length, options)
-                    .map_err(|error| {
-                        if !fast && error.kind() == ErrorKind::NotSupported {
-                            // ENOTSUP is reserved for refused fast zeroes.
-                            Error::Export {
-                                kind: ErrorKind::Io,
-                                context: "write zeroes failed".to_owned(),
-                                source: Some(Box::new(error)),
-                            }
-                        } else {
-                            error
+                call_export(request, || {
+                    export.write_zeroes(request.offset, request.length, options)
+                })
+                .map_err(|error| {
+                    if !fast && error.kind() == ErrorKind::NotSupported {
+                        // ENOTSUP is reserved for refused fast zeroes.
+                        Error::Export {
+                            kind: ErrorKind::Io,
+                            context: "write zeroes failed".to_owned(),
+                            source: Some(Box::new(error)),
                         }
-                    })
+                    } else {
+                        error
+                    }
+                })
             }
             other => unreachable!("command {other} passed the checks"),
         };
@@ -917,7 +920,8 @@ impl Connection {
     fn run_read(&self, request: &Request, scratch: &mut Scratch) {
         let length = usize::try_from(request.length).expect("read length checked");
         let buffer = scratch.prepare(length);
-        match self.export.read_at(request.offset, buffer) {
+        let export = self.export.as_ref();
+        match call_export(request, || export.read_at(request.offset, buffer)) {
             Ok(()) => self.reply_data(request, buffer),
             Err(error) => self.reply_error(request, &error),
         }
@@ -929,17 +933,18 @@ impl Connection {
             .expect("checked before dispatch: context selected");
         let one = request.flags & command_flags::REQ_ONE != 0;
         let extents_max = if one { 1 } else { EXTENTS_PER_REPLY_MAX };
-        let result = self
-            .export
-            .block_status(request.offset, request.length, extents_max)
-            .and_then(|extents| {
-                descriptors(
-                    &extents,
-                    request.length,
-                    extents_max,
-                    self.export.as_ref().name(),
-                )
-            });
+        let export = self.export.as_ref();
+        let result = call_export(request, || {
+            export.block_status(request.offset, request.length, extents_max)
+        })
+        .and_then(|extents| {
+            descriptors(
+                &extents,
+                request.length,
+                extents_max,
+                self.export.as_ref().name(),
+            )
+        });
         match result {
             Ok(descriptors) => {
                 let chunk_type = match self.style {
@@ -1080,6 +1085,24 @@ fn is_timeout(error: &io::Error) -> bool {
         error.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
     )
+}
+
+/// Calls the export for `request`, turning a panic in it into an I/O error for that request
+/// alone: the request is answered and its budget released like any failed request, and the
+/// threads and locks of the session stay usable (the export's own state is its business; an
+/// export that cannot go on after a panic fails its later requests itself).
+fn call_export<T>(request: &Request, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(result) => result,
+        Err(_) => Err(Error::Export {
+            kind: ErrorKind::Io,
+            context: format!(
+                "the export panicked serving command {} at offset {}",
+                request.command, request.offset
+            ),
+            source: None,
+        }),
+    }
 }
 
 #[cfg(test)]

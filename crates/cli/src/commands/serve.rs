@@ -103,6 +103,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
+    super::restore::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(&dir)?;
     let pool = match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => pool,
@@ -199,8 +200,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
     )?;
 
+    let (stop_fail_watch, fail_watch) = start_fail_watch(pool.clone())?;
+
     let signal = signals.forever().next().unwrap_or(SIGTERM);
     eprintln!("thinpool: {}: stopping", signal_name(signal));
+    drop(stop_fail_watch);
+    let _ = fail_watch.join();
     start_shutdown_watchdog(signals)?;
     drop(target);
     Ok(shut_down(control, servers, &pool))
@@ -265,6 +270,36 @@ fn shut_down(control: ControlServer, servers: Vec<nbd::Server>, pool: &Pool) -> 
             ExitCode::FAILURE
         }
     }
+}
+
+/// How often the server looks whether the pool failed.
+const FAIL_WATCH_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Say on stderr, once, when the pool goes to fail mode (a panic or an I/O failure inside
+/// the engine): the server keeps running and answering (every I/O gets EIO), and a restart
+/// opens the last committed state. The thread stops when the returned sender is dropped.
+fn start_fail_watch(
+    pool: Pool,
+) -> anyhow::Result<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)> {
+    let (stop, stopped) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::Builder::new()
+        .name("fail-watch".into())
+        .spawn(move || {
+            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                stopped.recv_timeout(FAIL_WATCH_INTERVAL)
+            {
+                let status = pool.status();
+                if status.mode == PoolMode::Fail {
+                    eprintln!(
+                        "thinpool: the pool failed ({}): every I/O now gets EIO; the last committed state is intact on disk, restart the server to reopen it",
+                        status.fail_reason.as_deref().unwrap_or("no reason recorded")
+                    );
+                    return;
+                }
+            }
+        })
+        .context("cannot start the fail-watch thread")?;
+    Ok((stop, thread))
 }
 
 fn signal_name(signal: i32) -> &'static str {

@@ -69,7 +69,13 @@ pub fn render(status: &StatusRecord) -> String {
             ),
         ),
         ("transaction id", status.transaction_id.to_string()),
-        ("mode", status.mode.clone()),
+        (
+            "mode",
+            match &status.fail_reason {
+                Some(reason) => format!("{} ({reason})", status.mode),
+                None => status.mode.clone(),
+            },
+        ),
         ("needs_check", yes_no(status.needs_check).to_string()),
         ("volumes", status.volume_count.to_string()),
         (

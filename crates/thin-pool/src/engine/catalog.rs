@@ -8,6 +8,16 @@
 //! one; a newer one is a change whose metadata commit never happened and is discarded. So no
 //! crash can leave the two disagreeing.
 //!
+//! Ancestry: a snapshot records its origin by thin id (`"origin_id"` in the JSON), and only
+//! while the origin exists: deleting a volume clears it from its snapshots, so a later
+//! volume that takes its name or its id is never shown as their origin, and a revert by
+//! delete-and-resnapshot cannot make two volumes each other's origin. Volumes are listed in
+//! creation order, so an origin always comes before its snapshots; on load an origin that
+//! does not is dropped, which also rules out cycles. Catalogs of older versions recorded
+//! the origin's name (`"origin"`): on load each name becomes the id of the volume of that
+//! name listed before the snapshot (a volume of that name created later is not its origin),
+//! and the next catalog written has ids.
+//!
 //! [`DirCatalog`] keeps one file per transaction (`catalog-<id>.json`), written to a temporary
 //! name, synced, renamed and the directory synced; older files are removed after the next
 //! commit.
@@ -32,7 +42,7 @@ pub const NAME_RULE: &str = "letters, digits and + _ . - only, not starting with
                              1 to 127 characters, not . or ..";
 
 /// One volume in the catalog.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct CatalogVolume {
     /// The volume's name (its NBD export name).
     pub name: String,
@@ -43,12 +53,22 @@ pub struct CatalogVolume {
     pub size_bytes: u64,
     /// Whether writes are refused.
     pub read_only: bool,
-    /// Name of the volume it was snapshotted from, if it was (informational).
-    pub origin: Option<String>,
+    /// Thin id of the volume it was snapshotted from, while that volume exists (stored as
+    /// `origin_id`, the raw number or null).
+    #[serde(rename = "origin_id", serialize_with = "raw_origin_id")]
+    pub origin: Option<VolumeId>,
+}
+
+fn raw_origin_id<S: serde::Serializer>(
+    origin: &Option<VolumeId>,
+    serializer: S,
+) -> std::result::Result<S::Ok, S::Error> {
+    origin.map(VolumeId::get).serialize(serializer)
 }
 
 /// The whole catalog as of one transaction.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "CatalogFile")]
 pub struct Catalog {
     /// The metadata transaction id this catalog belongs to.
     pub transaction_id: u64,
@@ -56,7 +76,78 @@ pub struct Catalog {
     pub volumes: Vec<CatalogVolume>,
 }
 
+/// A catalog as stored, in this version's form or an older one's.
+#[derive(Deserialize)]
+struct CatalogFile {
+    transaction_id: u64,
+    volumes: Vec<CatalogVolumeFile>,
+}
+
+#[derive(Deserialize)]
+struct CatalogVolumeFile {
+    name: String,
+    #[serde(with = "raw_volume_id")]
+    id: VolumeId,
+    size_bytes: u64,
+    read_only: bool,
+    #[serde(default)]
+    origin_id: Option<u32>,
+    /// Older versions: the origin's name.
+    #[serde(default)]
+    origin: Option<String>,
+}
+
+impl From<CatalogFile> for Catalog {
+    /// Resolve origins against the volumes listed before each one (see the module doc).
+    fn from(file: CatalogFile) -> Catalog {
+        let mut volumes: Vec<CatalogVolume> = Vec::with_capacity(file.volumes.len());
+        for v in file.volumes {
+            let origin = match (v.origin_id, &v.origin) {
+                (Some(raw), _) => volumes
+                    .iter()
+                    .map(|earlier| earlier.id)
+                    .find(|id| id.get() == raw),
+                (None, Some(name)) => volumes
+                    .iter()
+                    .rev()
+                    .find(|earlier| earlier.name == *name)
+                    .map(|earlier| earlier.id),
+                (None, None) => None,
+            };
+            volumes.push(CatalogVolume {
+                name: v.name,
+                id: v.id,
+                size_bytes: v.size_bytes,
+                read_only: v.read_only,
+                origin,
+            });
+        }
+        Catalog {
+            transaction_id: file.transaction_id,
+            volumes,
+        }
+    }
+}
+
 impl Catalog {
+    /// Remove the volume with thin id `id`, and clear it as the origin of its snapshots.
+    pub fn remove(&mut self, id: VolumeId) {
+        self.volumes.retain(|v| v.id != id);
+        for v in &mut self.volumes {
+            if v.origin == Some(id) {
+                v.origin = None;
+            }
+        }
+    }
+
+    /// The name of the volume with thin id `id`.
+    pub fn name_of(&self, id: VolumeId) -> Option<&str> {
+        self.volumes
+            .iter()
+            .find(|v| v.id == id)
+            .map(|v| v.name.as_str())
+    }
+
     /// The volume called `name`.
     pub fn find(&self, name: &str) -> Option<&CatalogVolume> {
         self.volumes.iter().find(|v| v.name == name)

@@ -12,10 +12,12 @@
 //!
 //! Failure: a metadata operation refused before any change (see
 //! [`PoolMetadata::transaction_failed`]) is reported and the transaction goes on; any other
-//! failure abandons the transaction as dm-thin does ([`Shared::metadata_failed`]).
+//! failure abandons the transaction as dm-thin does ([`Shared::metadata_failed`]). A panic
+//! while applying ops or committing abandons it too, and the pool fails
+//! ([`Shared::contained`], [`Shared::fail`]): nothing of that transaction is written.
 
 use crate::engine::catalog::Catalog;
-use crate::engine::options::PoolMode;
+use crate::engine::options::{FaultPoint, PoolMode};
 use crate::engine::shared::{MetaState, Op, Shared};
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
@@ -60,11 +62,23 @@ impl Shared {
         meta: &mut MetaState,
         change: impl FnOnce(&mut PoolMetadata) -> Result<T>,
     ) -> Result<T> {
-        let md = meta.md()?;
-        let result = change(md).and_then(|value| md.commit().map(|()| value));
-        let value = self.checked(meta, result)?;
-        self.pass_down(meta);
-        Ok(value)
+        self.contained(meta, "a metadata commit", |meta| {
+            let md = meta.md()?;
+            let result = change(md).and_then(|value| {
+                self.fault_point(FaultPoint::Commit);
+                md.commit().map(|()| value)
+            });
+            let value = self.checked(meta, result)?;
+            self.pass_down(meta);
+            Ok(value)
+        })
+    }
+
+    /// Call the test-only fault hook, if any.
+    pub(crate) fn fault_point(&self, point: FaultPoint) {
+        if let Some(hook) = &self.options.fault_hook {
+            hook.call(point);
+        }
     }
 
     /// Pass on the result of a metadata operation: an error after the operation changed
@@ -99,6 +113,7 @@ impl Shared {
         catalog.transaction_id = next.get();
         self.catalog_store.store(&catalog)?;
         self.commit_change(meta, |md| {
+            self.fault_point(FaultPoint::ManagementChange);
             change(md)?;
             md.set_transaction_id(current, next)
         })?;
@@ -114,15 +129,21 @@ impl Shared {
             return Ok(());
         }
         self.check_metadata_room(meta, count)?;
-        let ops = meta.take_ops(count);
-        let mut freed = Vec::new();
-        let md = meta.md()?;
-        let result = ops
-            .into_iter()
-            .try_for_each(|op| apply_op(md, op, &mut freed));
-        if let Err(e) = result {
-            return Err(self.metadata_failed(meta, e));
-        }
+        // A panic part-way leaves the trees half-updated and the ops drained: `contained`
+        // abandons that transaction (fail mode) so no later commit can make it durable.
+        let freed = self.contained(meta, "applying queued ops", |meta| {
+            let ops = meta.take_ops(count);
+            let mut freed = Vec::new();
+            let md = meta.md()?;
+            let result = ops.into_iter().enumerate().try_for_each(|(applied, op)| {
+                self.fault_point(FaultPoint::ApplyOp { applied });
+                apply_op(md, op, &mut freed)
+            });
+            match result {
+                Ok(()) => Ok(freed),
+                Err(e) => Err(self.metadata_failed(meta, e)),
+            }
+        })?;
         #[cfg(debug_assertions)]
         self.assert_unreferenced(&freed);
         if self.options.discard_passdown {
@@ -206,6 +227,7 @@ impl Shared {
             Ok(md) => {
                 if let Err(e) = self.resync_indexes(&md) {
                     self.log(format!("reloading the index failed: {e}"));
+                    self.record_fail_reason(&format!("{error}; reloading the index failed: {e}"));
                     self.set_mode(PoolMode::Fail);
                     return error;
                 }
@@ -218,6 +240,7 @@ impl Shared {
             }
             Err(e) => {
                 self.log(format!("reopening the metadata failed: {e}"));
+                self.record_fail_reason(&format!("{error}; reopening the metadata failed: {e}"));
                 self.set_mode(PoolMode::Fail);
             }
         }

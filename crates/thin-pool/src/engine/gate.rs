@@ -109,6 +109,11 @@ impl WriteGate {
         }
     }
 
+    /// Whether a pauser has stopped new writers (and waits for those inside to leave).
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
+    }
+
     /// Stop new writers and wait until none is inside. One pauser at a time (callers
     /// serialize pauses of a volume themselves).
     pub fn pause(&self) -> Pause<'_> {

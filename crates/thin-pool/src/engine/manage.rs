@@ -71,7 +71,7 @@ impl Pool {
             id,
             size_bytes: origin_volume.size_bytes.load(Ordering::Acquire),
             read_only,
-            origin: Some(origin.to_string()),
+            origin: Some(origin_volume.id),
         };
         let mut catalog = meta.catalog.clone();
         catalog.volumes.push(entry.clone());
@@ -105,10 +105,14 @@ impl Pool {
         }
         let (mut meta, taken) = shared.flush_and_lock()?;
         let mut catalog = meta.catalog.clone();
-        catalog.volumes.retain(|v| v.name != name);
         let id = volume.id;
+        // Its snapshots lose their origin: the id and the name may be reused.
+        catalog.remove(id);
         shared.catalog_transaction(&mut meta, taken, catalog, |md| md.delete(id))?;
         shared.unpublish_volume(name);
+        for snapshot in shared.volumes.load().values() {
+            snapshot.forget_origin(id);
+        }
         drop(meta);
         shared.space.notify_all();
         Ok(())

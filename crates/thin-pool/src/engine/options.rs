@@ -2,6 +2,7 @@
 //! volume information. Plain data, no behaviour beyond formatting.
 
 use crate::ids::VolumeId;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Options of a pool, as dm-thin's feature arguments.
@@ -21,6 +22,49 @@ pub struct PoolOptions {
     pub low_water_mark_blocks: u64,
     /// Commit this often when something changed (None: only on flush and management).
     pub commit_interval: Option<Duration>,
+    /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
+    #[doc(hidden)]
+    pub fault_hook: Option<FaultHook>,
+}
+
+/// Where the engine calls [`PoolOptions::fault_hook`] (tests only).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// A commit is about to apply its queued op number `applied` (from 0).
+    ApplyOp {
+        /// Ops of this commit applied so far.
+        applied: usize,
+    },
+    /// The metadata is about to be committed.
+    Commit,
+    /// A management operation is about to change the metadata.
+    ManagementChange,
+    /// A provisioning write has queued its mapping and not yet published it in the index
+    /// (the metadata lock is held).
+    Map,
+}
+
+/// A fault-injection hook (tests only): see [`PoolOptions::fault_hook`].
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct FaultHook(Arc<dyn Fn(FaultPoint) + Send + Sync>);
+
+impl FaultHook {
+    /// A hook calling `hook` at every [`FaultPoint`].
+    pub fn new(hook: impl Fn(FaultPoint) + Send + Sync + 'static) -> FaultHook {
+        FaultHook(Arc::new(hook))
+    }
+
+    pub(crate) fn call(&self, point: FaultPoint) {
+        (self.0)(point)
+    }
+}
+
+impl std::fmt::Debug for FaultHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FaultHook")
+    }
 }
 
 impl Default for PoolOptions {
@@ -33,6 +77,7 @@ impl Default for PoolOptions {
             read_only: false,
             low_water_mark_blocks: 0,
             commit_interval: Some(Duration::from_secs(1)),
+            fault_hook: None,
         }
     }
 }
@@ -105,6 +150,8 @@ pub struct PoolStatus {
     pub metadata_snap: Option<u64>,
     /// Mode.
     pub mode: PoolMode,
+    /// In fail mode: why (e.g. the panic that abandoned the transaction).
+    pub fail_reason: Option<String>,
     /// Whether the metadata needs a check.
     pub needs_check: bool,
     /// Discard passdown enabled.
@@ -130,7 +177,7 @@ pub struct VolumeInfo {
     pub mapped_blocks: u64,
     /// Data block size.
     pub block_size_bytes: u64,
-    /// The volume it was snapshotted from.
+    /// The volume it was snapshotted from, if that volume still exists.
     pub origin: Option<String>,
     /// Read-only.
     pub read_only: bool,

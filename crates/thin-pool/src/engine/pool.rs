@@ -34,7 +34,7 @@ use crate::engine::shared::{io_error, MetaState, Shared, VolumeState};
 use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
-use crate::ids::{Time, VirtualBlock};
+use crate::ids::{Time, VirtualBlock, VolumeId};
 use persistent_data::{BlockDevice, FileDevice};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -346,6 +346,8 @@ impl Pool {
     pub fn list(&self) -> Vec<VolumeInfo> {
         // The index holds every mapping, committed or queued: no need for the metadata.
         let volumes = self.shared.volumes.load();
+        let names: std::collections::HashMap<VolumeId, &str> =
+            volumes.values().map(|v| (v.id, v.name.as_str())).collect();
         volumes
             .values()
             .map(|v| VolumeInfo {
@@ -354,7 +356,10 @@ impl Pool {
                 size_bytes: v.size_bytes.load(Ordering::Acquire),
                 mapped_blocks: v.index.mapped_count(),
                 block_size_bytes: self.shared.block_size_bytes,
-                origin: v.origin.clone(),
+                origin: v
+                    .origin()
+                    .and_then(|id| names.get(&id))
+                    .map(|name| name.to_string()),
                 read_only: v.read_only.load(Ordering::Acquire),
                 open_count: v.open_count.load(Ordering::Acquire),
             })
@@ -392,6 +397,7 @@ impl Pool {
             block_size_bytes: self.shared.block_size_bytes,
             metadata_snap: snap,
             mode,
+            fail_reason: self.shared.fail_reason(),
             needs_check: needs_check
                 || (mode == PoolMode::ReadOnly && !self.shared.options.read_only),
             discard_passdown: self.shared.options.discard_passdown,

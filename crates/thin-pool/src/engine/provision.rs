@@ -4,7 +4,7 @@
 //! three steps that change mappings:
 //!
 //! ```text
-//!   alloc()                   reserve a data block in the metadata (short metadata lock);
+//!   alloc(volume)             reserve a data block in the metadata (short metadata lock);
 //!                             out of space: commit once, then fail or wait per the policy
 //!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
 //!   unmap(volume, block)      clear the index entry, queue Op::Remove
@@ -18,7 +18,7 @@
 
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
-use crate::engine::options::{PoolMode, PoolOptions};
+use crate::engine::options::{FaultPoint, PoolMode, PoolOptions};
 use crate::engine::shared::{Op, Shared, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{BlockTime, DataBlock, VirtualBlock};
@@ -95,9 +95,14 @@ impl Provisioner {
         }
     }
 
-    /// Reserve a data block for provisioning. Out of space: commit (releasing blocks freed
-    /// by discards), then error or wait per the pool's policy.
-    pub(crate) fn alloc(&self) -> Result<Reservation<'_>> {
+    /// Reserve a data block for provisioning a block of `volume`. Out of space: commit
+    /// (releasing blocks freed by discards), then error or wait per the pool's policy.
+    ///
+    /// A write waiting for space gives up (out of data space) as soon as a management
+    /// operation pauses its volume (snapshot, resize): that operation waits for the writers
+    /// inside the gate, and must not wait up to the no-space timeout. The write has changed
+    /// nothing yet, and out of data space is what it gets at the timeout anyway.
+    pub(crate) fn alloc(&self, volume: &VolumeState) -> Result<Reservation<'_>> {
         let shared = &*self.shared;
         let deadline = Instant::now() + shared.options.no_space_timeout;
         let mut committed_once = false;
@@ -133,7 +138,10 @@ impl Provisioner {
                     }
                     shared.set_mode(PoolMode::OutOfDataSpace);
                     let now = Instant::now();
-                    if shared.options.error_if_no_space || now >= deadline {
+                    if shared.options.error_if_no_space
+                        || now >= deadline
+                        || volume.gate.is_paused()
+                    {
                         return Err(Error::OutOfDataSpace { block_count });
                     }
                     let meta = shared.lock_meta();
@@ -193,6 +201,7 @@ impl Provisioner {
                 mapping,
             });
             reservation.mapped = true;
+            self.shared.fault_point(FaultPoint::Map);
             // Published under the metadata lock, so a metadata failure (which drops the
             // queued ops and reloads the index under that lock) never misses it.
             volume.index.set(block, mapping);

@@ -6,6 +6,14 @@
 //! commit lock (one commit or management operation at a time), a volume's block lock (per
 //! virtual block, provisioning only), the metadata mutex (short critical sections: queue an
 //! op, reserve a block, or a whole commit's apply-and-write).
+//!
+//! Panics: a thread that panics holding the metadata or the commit lock may have left the
+//! transaction half-applied (some ops in the trees, others drained from the queue). So a
+//! poisoned lock is never used as if nothing happened: whoever takes it next abandons the
+//! transaction without writing anything ([`Shared::fail`]) and the pool goes to fail mode,
+//! with the last committed transaction intact on disk. Commits and management changes catch
+//! their own panics the same way ([`Shared::contained`]), so their caller gets an error, not
+//! an unwind. Block locks and the event log guard nothing a panic can leave half-done.
 
 use crate::engine::catalog::{Catalog, CatalogStore, CatalogVolume};
 use crate::engine::committer::Signal;
@@ -19,6 +27,7 @@ use crate::ids::{BlockTime, DataBlock, Time, VirtualBlock, VolumeId};
 use arc_swap::ArcSwap;
 use persistent_data::BlockDevice;
 use std::collections::BTreeMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -114,8 +123,12 @@ pub(crate) struct VolumeState {
     pub(crate) gate: WriteGate,
     block_locks: Vec<Mutex<()>>,
     pub(crate) open_count: AtomicUsize,
-    pub(crate) origin: Option<String>,
+    /// The thin id of the volume it was snapshotted from ([`NO_ORIGIN`]: none, or deleted).
+    origin: AtomicU32,
 }
+
+/// [`VolumeState`]'s origin when it has none (thin ids are 24 bits).
+const NO_ORIGIN: u32 = u32::MAX;
 
 impl VolumeState {
     pub(crate) fn new(entry: &CatalogVolume, index: Index, snapshotted_time: Time) -> VolumeState {
@@ -129,8 +142,26 @@ impl VolumeState {
             gate: WriteGate::default(),
             block_locks: (0..BLOCK_LOCKS).map(|_| Mutex::new(())).collect(),
             open_count: AtomicUsize::new(0),
-            origin: entry.origin.clone(),
+            origin: AtomicU32::new(entry.origin.map_or(NO_ORIGIN, VolumeId::get)),
         }
+    }
+
+    /// The thin id of the volume this one was snapshotted from, while that volume exists.
+    pub(crate) fn origin(&self) -> Option<VolumeId> {
+        match self.origin.load(Ordering::Acquire) {
+            NO_ORIGIN => None,
+            id => Some(VolumeId::new(id)),
+        }
+    }
+
+    /// Forget the origin if it is `deleted` (its thin id may be reused).
+    pub(crate) fn forget_origin(&self, deleted: VolumeId) {
+        let _ = self.origin.compare_exchange(
+            deleted.get(),
+            NO_ORIGIN,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
     }
 
     /// The lock ordering provisioning of `block` (hashed: one of [`BLOCK_LOCKS`]).
@@ -168,6 +199,8 @@ pub(crate) struct Shared {
     pub(crate) committer: Signal,
     pub(crate) catalog_store: Box<dyn CatalogStore>,
     events: Mutex<Vec<String>>,
+    /// Why the pool is in fail mode, once it is.
+    fail_reason: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -199,6 +232,7 @@ impl Shared {
             committer: Signal::default(),
             catalog_store,
             events: Mutex::new(Vec::new()),
+            fail_reason: Mutex::new(None),
         }
     }
 
@@ -206,11 +240,74 @@ impl Shared {
         PoolMode::from_u8(self.mode.load(Ordering::Acquire))
     }
 
+    /// Change the mode. Fail mode is final: nothing leaves it but a reopen.
     pub(crate) fn set_mode(&self, mode: PoolMode) {
-        let old = PoolMode::from_u8(self.mode.swap(mode as u8, Ordering::AcqRel));
-        if old != mode {
-            self.log(format!("pool mode {old:?} -> {mode:?}"));
+        let fail = PoolMode::Fail as u8;
+        let changed = self
+            .mode
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |old| {
+                (old != fail && old != mode as u8).then_some(mode as u8)
+            });
+        if let Ok(old) = changed {
+            self.log(format!(
+                "pool mode {:?} -> {mode:?}",
+                PoolMode::from_u8(old)
+            ));
         }
+    }
+
+    /// Why the pool is in fail mode (None in any other mode).
+    pub(crate) fn fail_reason(&self) -> Option<String> {
+        if self.mode() != PoolMode::Fail {
+            return None;
+        }
+        self.fail_reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Keep the first reason the pool failed for, for [`Shared::fail_reason`].
+    pub(crate) fn record_fail_reason(&self, reason: &str) {
+        let mut fail_reason = self.fail_reason.lock().unwrap_or_else(|e| e.into_inner());
+        if fail_reason.is_none() {
+            *fail_reason = Some(reason.to_string());
+        }
+    }
+
+    /// Abandon the transaction and enter fail mode: the in-memory metadata (with whatever
+    /// part of the transaction was applied) is dropped without writing anything, so the
+    /// device keeps the last committed transaction; queued ops and reservations go with it
+    /// (writes holding a reservation fail), and waiters for space wake up to fail.
+    /// Reads, writes and changes then fail with EIO until the pool is reopened.
+    pub(crate) fn fail(&self, meta: &mut MetaState, reason: String) {
+        self.record_fail_reason(&reason);
+        self.log(format!(
+            "pool failed: {reason}; the transaction is abandoned, the last commit stays on disk"
+        ));
+        meta.md = None;
+        meta.generation += 1;
+        meta.ops.clear();
+        meta.ops_taken = meta.ops_queued;
+        meta.passdown.clear();
+        self.set_mode(PoolMode::Fail);
+        self.space.notify_all();
+    }
+
+    /// Run `operation` on the locked metadata; if it panics, fail the pool ([`Shared::fail`])
+    /// and return the panic as an error instead of unwinding further.
+    pub(crate) fn contained<T>(
+        &self,
+        meta: &mut MetaState,
+        what: &str,
+        operation: impl FnOnce(&mut MetaState) -> Result<T>,
+    ) -> Result<T> {
+        let result = catch_unwind(AssertUnwindSafe(|| operation(&mut *meta)));
+        result.unwrap_or_else(|payload| {
+            let reason = format!("{what} panicked: {}", panic_message(&*payload));
+            self.fail(meta, reason.clone());
+            Err(Error::Internal(reason))
+        })
     }
 
     /// The pool time new mappings are made at.
@@ -237,12 +334,42 @@ impl Shared {
             .clone()
     }
 
+    /// The metadata lock. Poisoned (a thread panicked holding it, maybe half-way through
+    /// changing the transaction): the pool fails first ([`Shared::fail`]).
     pub(crate) fn lock_meta(&self) -> MutexGuard<'_, MetaState> {
-        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+        match self.meta.lock() {
+            Ok(meta) => meta,
+            Err(poisoned) => {
+                let mut meta = poisoned.into_inner();
+                self.fail(
+                    &mut meta,
+                    "a thread panicked holding the metadata lock".to_string(),
+                );
+                self.meta.clear_poison();
+                meta
+            }
+        }
     }
 
+    /// The commit lock. Poisoned (a commit or management operation panicked, maybe between
+    /// its catalog and its metadata change): the pool fails first ([`Shared::fail`]).
     pub(crate) fn lock_commit(&self) -> MutexGuard<'_, ()> {
-        self.commit_lock.lock().unwrap_or_else(|e| e.into_inner())
+        match self.commit_lock.lock() {
+            Ok(guard) => guard,
+            Err(poisoned) => {
+                let guard = poisoned.into_inner();
+                let mut meta = self.lock_meta();
+                if self.mode() != PoolMode::Fail {
+                    self.fail(
+                        &mut meta,
+                        "a commit or management operation panicked".to_string(),
+                    );
+                }
+                drop(meta);
+                self.commit_lock.clear_poison();
+                guard
+            }
+        }
     }
 
     /// Whether the mode lets metadata change (allocations, commits, management).
@@ -282,6 +409,17 @@ impl Shared {
         let mut volumes = (**self.volumes.load()).clone();
         volumes.remove(name);
         self.volumes.store(Arc::new(volumes));
+    }
+}
+
+/// The message of a panic's payload (a `&str` or a `String`, as `panic!` makes them).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(message) = payload.downcast_ref::<&str>() {
+        (*message).to_string()
+    } else if let Some(message) = payload.downcast_ref::<String>() {
+        message.clone()
+    } else {
+        "a panic without a message".to_string()
     }
 }
 

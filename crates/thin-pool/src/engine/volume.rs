@@ -331,7 +331,7 @@ impl Volume {
             }
             None if !provision => Ok(()),
             _ => {
-                let reservation = self.pool.alloc()?;
+                let reservation = self.pool.alloc(&self.volume)?;
                 let base = reservation
                     .data_block()
                     .offset_bytes(self.pool.block_size_bytes());
