@@ -85,7 +85,6 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
                 pool,
                 options,
                 reserved_names: Vec::new(),
-                data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
             };
             let result = target.execute(request);
             target
