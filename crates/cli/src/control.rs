@@ -109,6 +109,11 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
     }
 }
 
+/// [`perform`] for a command that reports the pool's refusal as its own error.
+pub fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
+    Ok(perform(dir, request)??)
+}
+
 /// Sends one request to a control socket and returns the answer.
 pub fn call(socket: &Path, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
     let mut stream = UnixStream::connect(socket)

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use thin_pool::format::dump::metadata::{self, DumpOptions, Source};
 use thin_pool::format::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
 
+use super::{tools_exit, ToolsVersion};
+
 /// Output format.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
@@ -21,17 +23,6 @@ enum Format {
     /// Indented text.
     #[value(name = "human_readable")]
     HumanReadable,
-}
-
-/// Which thin_dump to imitate.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum ToolsVersion {
-    /// thin-provisioning-tools 1.x: shared leaves as `<def>`/`<ref>`.
-    #[value(name = "1")]
-    V1,
-    /// thin-provisioning-tools 0.9.0: every device expanded.
-    #[value(name = "0.9.0")]
-    V0_9,
 }
 
 /// Arguments (those of `thin_dump`).
@@ -82,26 +73,16 @@ pub struct Args {
     /// Override the number of data blocks.
     #[arg(long = "nr-data-blocks", value_name = "NUM")]
     nr_data_blocks: Option<u64>,
-    /// Which thin_dump's output to reproduce.
+    /// Which thin_dump's output to reproduce: 1 writes shared leaves as `<def>`/`<ref>`,
+    /// 0.9.0 expands every device.
     #[arg(long = "tools-version", value_name = "VERSION", default_value = "1")]
     tools_version: ToolsVersion,
 }
 
-/// Exit status of thin-provisioning-tools 1.x on any failure.
-const EXIT_FAILURE: u8 = 64;
-
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    match dump_file(&args) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(error) => {
-            if !args.quiet {
-                eprintln!("thinpool: {error:#}");
-            }
-            Ok(ExitCode::from(EXIT_FAILURE))
-        }
-    }
+    Ok(tools_exit(dump_file(&args), args.quiet))
 }
 
 fn dump_file(args: &Args) -> anyhow::Result<()> {

@@ -10,3 +10,33 @@ pub mod restore;
 pub mod serve;
 pub mod status;
 pub mod volume;
+
+use std::process::ExitCode;
+
+/// Which release of thin-provisioning-tools `check` and `dump` imitate.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolsVersion {
+    /// thin-provisioning-tools 1.x.
+    #[value(name = "1")]
+    V1,
+    /// thin-provisioning-tools 0.9.0.
+    #[value(name = "0.9.0")]
+    V0_9,
+}
+
+/// Exit status of thin-provisioning-tools 1.x on any failure.
+const TOOLS_EXIT_FAILURE: u8 = 64;
+
+/// How a command that imitates a 1.x tool ends: success, or its error printed as
+/// `thinpool: <error with context>` (unless `quiet`) and status 64.
+pub fn tools_exit(result: anyhow::Result<()>, quiet: bool) -> ExitCode {
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            if !quiet {
+                eprintln!("thinpool: {error:#}");
+            }
+            ExitCode::from(TOOLS_EXIT_FAILURE)
+        }
+    }
+}

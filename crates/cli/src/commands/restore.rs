@@ -13,6 +13,8 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use thin_pool::format::restore::{self, RestoreOptions};
 
+use super::tools_exit;
+
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -36,21 +38,10 @@ pub struct Args {
     nr_data_blocks: Option<u64>,
 }
 
-/// Exit status of thin-provisioning-tools 1.x on any failure.
-const EXIT_FAILURE: u8 = 64;
-
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    match restore_file(&args) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(error) => {
-            if !args.quiet {
-                eprintln!("thinpool: {error:#}");
-            }
-            Ok(ExitCode::from(EXIT_FAILURE))
-        }
-    }
+    Ok(tools_exit(restore_file(&args), args.quiet))
 }
 
 fn restore_file(args: &Args) -> anyhow::Result<()> {

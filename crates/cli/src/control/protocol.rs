@@ -168,6 +168,24 @@ pub enum Outcome {
     Done,
 }
 
+impl Outcome {
+    /// The volumes of a `list` answer.
+    pub fn into_volumes(self) -> anyhow::Result<Vec<VolumeRecord>> {
+        match self {
+            Outcome::Volumes(volumes) => Ok(volumes),
+            other => bail!("unexpected answer: {other:?}"),
+        }
+    }
+
+    /// The status of a `status` or `grow_data` answer.
+    pub fn into_status(self) -> anyhow::Result<StatusRecord> {
+        match self {
+            Outcome::Status(status) => Ok(status),
+            other => bail!("unexpected answer: {other:?}"),
+        }
+    }
+}
+
 /// A refused or failed request: an errno, its symbolic name, and the engine's message.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpError {
