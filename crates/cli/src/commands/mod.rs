@@ -24,6 +24,20 @@ pub enum ToolsVersion {
     V0_9,
 }
 
+/// The superblock fields `dump` and `restore` can override, as thin_dump and thin_restore do.
+#[derive(clap::Args, Debug)]
+pub struct SuperblockOverrides {
+    /// Override the transaction id.
+    #[arg(long = "transaction-id", value_name = "NUM")]
+    pub transaction_id: Option<u64>,
+    /// Override the data block size.
+    #[arg(long = "data-block-size", value_name = "SECTORS")]
+    pub data_block_size: Option<u32>,
+    /// Override the number of data blocks.
+    #[arg(long = "nr-data-blocks", value_name = "NUM")]
+    pub nr_data_blocks: Option<u64>,
+}
+
 /// Exit status of thin-provisioning-tools 1.x on any failure.
 const TOOLS_EXIT_FAILURE: u8 = 64;
 

@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use thin_pool::format::restore::{self, RestoreOptions};
 
-use super::tools_exit;
+use super::{tools_exit, SuperblockOverrides};
 
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
@@ -27,15 +27,8 @@ pub struct Args {
     /// Suppress output messages, return only the exit code.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
-    /// Override the transaction id of the dump.
-    #[arg(long = "transaction-id", value_name = "NUM")]
-    transaction_id: Option<u64>,
-    /// Override the data block size of the dump.
-    #[arg(long = "data-block-size", value_name = "SECTORS")]
-    data_block_size: Option<u32>,
-    /// Override the number of data blocks of the dump.
-    #[arg(long = "nr-data-blocks", value_name = "NUM")]
-    nr_data_blocks: Option<u64>,
+    #[command(flatten)]
+    overrides: SuperblockOverrides,
 }
 
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
@@ -59,9 +52,9 @@ fn restore_file(args: &Args) -> anyhow::Result<()> {
         bail!("output {} is too small for metadata", args.output.display());
     }
     let options = RestoreOptions {
-        transaction_id: args.transaction_id,
-        data_block_size_sectors: args.data_block_size,
-        data_block_count: args.nr_data_blocks,
+        transaction_id: args.overrides.transaction_id,
+        data_block_size_sectors: args.overrides.data_block_size,
+        data_block_count: args.overrides.nr_data_blocks,
         ..RestoreOptions::default()
     };
     restore::restore(BufReader::new(input), Arc::new(device), &options).with_context(|| {
