@@ -105,6 +105,40 @@ fn check_below<V: Value, S: BlockSource + ?Sized>(
     if !node.is_leaf() && n == 0 {
         return Err(Error::corrupt(block, "internal btree node with no entries"));
     }
+    check_keys(block, &node, lower_bound, upper_bound)?;
+    if node.is_leaf() {
+        return check_leaf(block, &node, depth, state, stats, visit_value);
+    }
+    for i in 0..n {
+        let hi = if i + 1 < n {
+            Some(node.key(i + 1))
+        } else {
+            upper_bound
+        };
+        check_below(
+            source,
+            node.child(i),
+            Some(node.key(i)),
+            hi,
+            depth + 1,
+            state,
+            stats,
+            visit_node,
+            visit_value,
+        )?;
+    }
+    Ok(())
+}
+
+/// Keys within a node strictly increase and lie in `[lower_bound, upper_bound)`, the range
+/// the parent gives the node.
+fn check_keys(
+    block: MetadataBlock,
+    node: &Node<'_>,
+    lower_bound: Option<u64>,
+    upper_bound: Option<u64>,
+) -> Result<()> {
+    let n = node.len();
     for i in 0..n {
         let key = node.key(i);
         if i > 0 && key <= node.key(i - 1) {
@@ -135,51 +169,44 @@ fn check_below<V: Value, S: BlockSource + ?Sized>(
             ));
         }
     }
-    if node.is_leaf() {
-        match state.leaf_depth {
-            None => state.leaf_depth = Some(depth),
-            Some(d) if d != depth => {
-                return Err(Error::corrupt(
-                    block,
-                    format!("leaf at depth {depth}, other leaves at depth {d}"),
-                ));
-            }
-            Some(_) => {}
+    Ok(())
+}
+
+/// A leaf is at the depth of every other leaf, and its keys continue the order of the
+/// leaves before it; each entry goes to `visit_value`.
+fn check_leaf<V: Value>(
+    block: MetadataBlock,
+    node: &Node<'_>,
+    depth: usize,
+    state: &mut CheckState,
+    stats: &mut TreeStats,
+    visit_value: &mut dyn FnMut(u64, V) -> Result<()>,
+) -> Result<()> {
+    let n = node.len();
+    match state.leaf_depth {
+        None => state.leaf_depth = Some(depth),
+        Some(d) if d != depth => {
+            return Err(Error::corrupt(
+                block,
+                format!("leaf at depth {depth}, other leaves at depth {d}"),
+            ));
         }
-        for i in 0..n {
-            let key = node.key(i);
-            if state.last_key.is_some_and(|last| key <= last) {
-                return Err(Error::corrupt(
-                    block,
-                    format!(
-                        "btree keys out of order across leaves: {key} after {}",
-                        state.last_key.unwrap_or(0)
-                    ),
-                ));
-            }
-            state.last_key = Some(key);
-            stats.entry_count += 1;
-            visit_value(key, V::unpack(node.value_bytes(i)))?;
-        }
-        return Ok(());
+        Some(_) => {}
     }
     for i in 0..n {
-        let hi = if i + 1 < n {
-            Some(node.key(i + 1))
-        } else {
-            upper_bound
-        };
-        check_below(
-            source,
-            node.child(i),
-            Some(node.key(i)),
-            hi,
-            depth + 1,
-            state,
-            stats,
-            visit_node,
-            visit_value,
-        )?;
+        let key = node.key(i);
+        if state.last_key.is_some_and(|last| key <= last) {
+            return Err(Error::corrupt(
+                block,
+                format!(
+                    "btree keys out of order across leaves: {key} after {}",
+                    state.last_key.unwrap_or(0)
+                ),
+            ));
+        }
+        state.last_key = Some(key);
+        stats.entry_count += 1;
+        visit_value(key, V::unpack(node.value_bytes(i)))?;
     }
     Ok(())
 }

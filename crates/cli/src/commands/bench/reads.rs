@@ -65,10 +65,21 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             direct[1][repetition]
         ));
     }
+    let rows = random_rows(engine, direct, added_ns);
+    drop(volume);
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
+}
+
+/// The random-read rows from the samples: IOPS of the engine and of pread at 1 and 2
+/// threads (in thousands), and the engine's added cost per read in nanoseconds.
+fn random_rows(engine: [Vec<f64>; 2], direct: [Vec<f64>; 2], added_ns: Vec<f64>) -> Vec<Row> {
     let [engine_1, engine_2] = engine.map(median);
     let [direct_1, direct_2] = direct.map(median);
     let direct_ns = 1e6 / direct_1;
-    let rows = vec![
+    vec![
         Row::new(
             "random 4 KiB reads, 1 thread: engine vs pread",
             engine_1,
@@ -103,12 +114,7 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             direct_1,
             "kIOPS",
         ),
-    ];
-    drop(volume);
-    pool.close()?;
-    drop(pool);
-    dir.remove_pool(POOL)?;
-    Ok(rows)
+    ]
 }
 
 /// Sequential 4 KiB reads of a volume with 8 MiB data blocks (the first report's `dd`), engine
