@@ -8,6 +8,9 @@
 //! [`STRING_LENGTH_MAX`]; a parser returns an [`Error`] for malformed input and never panics.
 //! Encoders assert their own preconditions (a compact header cannot carry a 64-bit length).
 //!
+//! This file holds the constants and the bounds-checked reader; `negotiation.rs` the
+//! handshake's structures, `transmission.rs` requests and reply chunks.
+//!
 //! NBD is big-endian on the wire by specification, so this module (and only this module in
 //! the crate) converts integers with `to_be_bytes`/`from_be_bytes`; the workspace lint against
 //! big-endian conversions guards on-disk formats, which are little-endian.

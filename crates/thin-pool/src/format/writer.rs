@@ -21,8 +21,8 @@ use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManage
 use std::sync::Arc;
 
 /// Something that counts references to data blocks: the data space map itself (restore), or
-/// the pool's `DataSpace` (in `format::metadata`), which also keeps the
-/// blocks reserved for writes in flight.
+/// the pool's `DataSpace` (in `format::metadata`), which also keeps the blocks reserved for
+/// writes in flight.
 pub trait DataRefCounter {
     /// Take one reference to `block`.
     fn inc(&mut self, block: DataBlock) -> persistent_data::Result<()>;
