@@ -192,15 +192,7 @@ impl TransactionManager {
             assert_eq!(*dirty_kind, kind, "block {block} read as another kind");
             return Ok(data.clone());
         }
-        if block.get() >= self.sm.block_count() {
-            return Err(Error::corrupt(
-                block,
-                format!(
-                    "reference beyond the metadata space map ({} blocks)",
-                    self.sm.block_count()
-                ),
-            ));
-        }
+        self.check_in_map(block)?;
         self.bm.read(block, kind)
     }
 

@@ -17,20 +17,10 @@ use std::time::{Duration, Instant};
 use thin_pool::format::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
 use thin_pool::PoolMetadata;
 
+use super::ToolsVersion;
+
 /// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).
 const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
-
-/// Which thin_check's leaf occupancy rule to apply.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum ToolsVersion {
-    /// thin-provisioning-tools 1.x: bottom-level mapping leaves may be less than a third full.
-    #[value(name = "1")]
-    V1,
-    /// thin-provisioning-tools 0.9.0 (the kernel's invariant): every non-root node at least
-    /// a third full.
-    #[value(name = "0.9.0")]
-    V0_9,
-}
 
 /// Arguments (those of `thin_check`).
 #[derive(clap::Args, Debug)]
@@ -59,7 +49,8 @@ pub struct Args {
     /// Auto repair trivial issues (not supported).
     #[arg(long = "auto-repair")]
     auto_repair: bool,
-    /// Whose leaf occupancy rule to apply.
+    /// Whose leaf occupancy rule to apply: 1 lets bottom-level mapping leaves be less than a
+    /// third full; 0.9.0 (the kernel's invariant) wants every non-root node a third full.
     #[arg(
         long = "tools-version",
         value_name = "VERSION",

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use thin_pool::format::dump::metadata::{self, DumpOptions, Source};
 use thin_pool::format::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
 
+use super::{tools_exit, SuperblockOverrides, ToolsVersion};
+
 /// Output format.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 enum Format {
@@ -21,17 +23,6 @@ enum Format {
     /// Indented text.
     #[value(name = "human_readable")]
     HumanReadable,
-}
-
-/// Which thin_dump to imitate.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-enum ToolsVersion {
-    /// thin-provisioning-tools 1.x: shared leaves as `<def>`/`<ref>`.
-    #[value(name = "1")]
-    V1,
-    /// thin-provisioning-tools 0.9.0: every device expanded.
-    #[value(name = "0.9.0")]
-    V0_9,
 }
 
 /// Arguments (those of `thin_dump`).
@@ -73,35 +64,18 @@ pub struct Args {
     /// Dump only this device (may be repeated).
     #[arg(long = "dev-id", value_name = "THIN_ID")]
     dev_id: Vec<u32>,
-    /// Override the transaction id.
-    #[arg(long = "transaction-id", value_name = "NUM")]
-    transaction_id: Option<u64>,
-    /// Override the data block size.
-    #[arg(long = "data-block-size", value_name = "SECTORS")]
-    data_block_size: Option<u32>,
-    /// Override the number of data blocks.
-    #[arg(long = "nr-data-blocks", value_name = "NUM")]
-    nr_data_blocks: Option<u64>,
-    /// Which thin_dump's output to reproduce.
+    #[command(flatten)]
+    overrides: SuperblockOverrides,
+    /// Which thin_dump's output to reproduce: 1 writes shared leaves as `<def>`/`<ref>`,
+    /// 0.9.0 expands every device.
     #[arg(long = "tools-version", value_name = "VERSION", default_value = "1")]
     tools_version: ToolsVersion,
 }
 
-/// Exit status of thin-provisioning-tools 1.x on any failure.
-const EXIT_FAILURE: u8 = 64;
-
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    match dump_file(&args) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(error) => {
-            if !args.quiet {
-                eprintln!("thinpool: {error:#}");
-            }
-            Ok(ExitCode::from(EXIT_FAILURE))
-        }
-    }
+    Ok(tools_exit(dump_file(&args), args.quiet))
 }
 
 fn dump_file(args: &Args) -> anyhow::Result<()> {
@@ -122,9 +96,9 @@ fn dump_file(args: &Args) -> anyhow::Result<()> {
         },
         skip_mappings: args.skip_mappings,
         dev_ids: (!args.dev_id.is_empty()).then(|| args.dev_id.clone()),
-        transaction_id: args.transaction_id,
-        data_block_size_sectors: args.data_block_size,
-        data_block_count: args.nr_data_blocks,
+        transaction_id: args.overrides.transaction_id,
+        data_block_size_sectors: args.overrides.data_block_size,
+        data_block_count: args.overrides.nr_data_blocks,
     };
     let output: Box<dyn Write> = match &args.output {
         Some(path) => Box::new(BufWriter::new(

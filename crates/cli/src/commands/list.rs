@@ -1,10 +1,10 @@
 //! `thinpool list`: the volumes, one row each like `lvs` (name, id, size, mapped %, origin,
 //! read-only), or `--json` (`{"volumes":[...]}`), from the pool or its server.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::Context;
 use std::process::ExitCode;
 
-use crate::control::{self, Outcome, Request, VolumeRecord};
+use crate::control::{self, Request, VolumeRecord};
 use crate::pool_dir::{format_size, table, PoolArg};
 
 /// Arguments.
@@ -20,13 +20,9 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let volumes = match control::perform(&dir, &Request::List)?
-        .map_err(|error| anyhow!(error))
+    let volumes = control::ask(&dir, &Request::List)
         .context("cannot list volumes")?
-    {
-        Outcome::Volumes(volumes) => volumes,
-        other => bail!("unexpected answer: {other:?}"),
-    };
+        .into_volumes()?;
     if args.json {
         println!(
             "{}",

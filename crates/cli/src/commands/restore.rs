@@ -25,6 +25,8 @@ use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
 use thin_pool::format::restore::{self, RestoreOptions};
 use thin_pool::PoolMetadata;
 
+use super::{tools_exit, SuperblockOverrides};
+
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -37,32 +39,14 @@ pub struct Args {
     /// Suppress output messages, return only the exit code.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
-    /// Override the transaction id of the dump.
-    #[arg(long = "transaction-id", value_name = "NUM")]
-    transaction_id: Option<u64>,
-    /// Override the data block size of the dump.
-    #[arg(long = "data-block-size", value_name = "SECTORS")]
-    data_block_size: Option<u32>,
-    /// Override the number of data blocks of the dump.
-    #[arg(long = "nr-data-blocks", value_name = "NUM")]
-    nr_data_blocks: Option<u64>,
+    #[command(flatten)]
+    overrides: SuperblockOverrides,
 }
-
-/// Exit status of thin-provisioning-tools 1.x on any failure.
-const EXIT_FAILURE: u8 = 64;
 
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    match restore_file(&args) {
-        Ok(()) => Ok(ExitCode::SUCCESS),
-        Err(error) => {
-            if !args.quiet {
-                eprintln!("thinpool: {error:#}");
-            }
-            Ok(ExitCode::from(EXIT_FAILURE))
-        }
-    }
+    Ok(tools_exit(restore_file(&args), args.quiet))
 }
 
 fn restore_file(args: &Args) -> anyhow::Result<()> {
@@ -80,9 +64,9 @@ fn restore_file(args: &Args) -> anyhow::Result<()> {
         bail!("output {} is too small for metadata", args.output.display());
     }
     let options = RestoreOptions {
-        transaction_id: args.transaction_id,
-        data_block_size_sectors: args.data_block_size,
-        data_block_count: args.nr_data_blocks,
+        transaction_id: args.overrides.transaction_id,
+        data_block_size_sectors: args.overrides.data_block_size,
+        data_block_count: args.overrides.nr_data_blocks,
         ..RestoreOptions::default()
     };
     restore::restore(BufReader::new(input), Arc::new(device), &options).with_context(|| {

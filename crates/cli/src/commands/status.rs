@@ -1,10 +1,10 @@
 //! `thinpool status`: the pool's data and metadata use (used/total blocks and %), transaction
 //! id, mode and `needs_check`, or `--json`, from the pool or its server.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::Context;
 use std::process::ExitCode;
 
-use crate::control::{self, Outcome, Request, StatusRecord};
+use crate::control::{self, Request, StatusRecord};
 use crate::pool_dir::{format_size, PoolArg};
 
 /// Arguments.
@@ -20,13 +20,9 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let status = match control::perform(&dir, &Request::Status)?
-        .map_err(|error| anyhow!(error))
+    let status = control::ask(&dir, &Request::Status)
         .context("cannot read the pool status")?
-    {
-        Outcome::Status(status) => status,
-        other => bail!("unexpected answer: {other:?}"),
-    };
+        .into_status()?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

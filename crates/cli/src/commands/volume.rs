@@ -1,7 +1,7 @@
 //! `thinpool volume create|snapshot|delete|resize`: manage volumes, on the pool directly or
 //! through the control socket of the server holding it (same syntax, same output).
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use std::process::ExitCode;
 
 use crate::control::{self, Outcome, Request, VolumeRecord};
@@ -97,9 +97,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         }
     };
     let dir = common.pool.resolve();
-    let outcome = control::perform(&dir, &request)?
-        .map_err(|error| anyhow!(error))
-        .context(what)?;
+    let outcome = control::ask(&dir, &request).context(what)?;
     match (&request, outcome) {
         (Request::DeleteVolume { name }, Outcome::Done) => {
             if common.json {

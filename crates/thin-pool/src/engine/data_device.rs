@@ -177,11 +177,13 @@ impl FileDataDevice {
         &self.path
     }
 
-    /// Grow a regular file to `size_bytes` (never shrinks).
+    /// Grow a regular file to `size_bytes` (never shrinks), and sync the new length before
+    /// the pool's metadata can name a block in it.
     pub fn grow_file(&self, size_bytes: u64) -> io::Result<()> {
         let _guard = self.resize.write().unwrap_or_else(|e| e.into_inner());
         if size_bytes > self.size_bytes.load(Ordering::Acquire) {
             self.file.set_len(size_bytes)?;
+            self.file.sync_all()?;
             self.size_bytes.store(size_bytes, Ordering::Release);
         }
         Ok(())

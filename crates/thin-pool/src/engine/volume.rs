@@ -16,8 +16,8 @@
 //! A mapping is *shared* when the volume was snapshotted after it was made (spec §8.5);
 //! the test is conservative, as in dm-thin.
 //!
-//! The pool is reached only through [`Provisioner`] (data device, mode, alloc / map /
-//! unmap); the volume's own state is its [`VolumeState`].
+//! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
+//! unmap); the volume's own state is its `VolumeState`.
 
 use crate::engine::options::PoolMode;
 use crate::engine::provision::Provisioner;

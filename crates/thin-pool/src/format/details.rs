@@ -1,7 +1,6 @@
 //! Per-volume details, the values of the device-details tree (spec §6.2, 24 bytes):
 //! `mapped_blocks u64 | transaction_id u64 | creation_time u32 | snapshotted_time u32`.
 
-use crate::ids::{BlockTime, DataBlock, Time};
 use persistent_data::btree::Value;
 
 /// What the metadata records about one volume.
@@ -33,18 +32,4 @@ impl Value for DeviceDetails {
         out[16..20].copy_from_slice(&self.creation_time.to_le_bytes());
         out[20..24].copy_from_slice(&self.snapshotted_time.to_le_bytes());
     }
-}
-
-/// Pack a mapping value, for `metadata.rs` until it uses [`BlockTime`] directly (the
-/// time is cut to its 24 bits, as the format stores it).
-pub fn pack_block_time(data_block: u64, time: u32) -> u64 {
-    let time = Time::new(time & Time::MAX.get()).expect("24 bits fit");
-    BlockTime::new(DataBlock::new(data_block), time).pack()
-}
-
-/// Unpack a mapping value into (data block, time), for `metadata.rs` until it uses
-/// [`BlockTime`] directly.
-pub fn unpack_block_time(value: u64) -> (u64, u32) {
-    let value = BlockTime::unpack(value);
-    (value.data_block().get(), value.time().get())
 }

@@ -15,7 +15,7 @@
 //! - a top-level leaf entry holds one reference to its subtree root.
 //!
 //! Data blocks for writes in flight are *reserved* here, outside the space map
-//! ([`data_space`]); the volume and mapping operations are in [`mapping`].
+//! (`data_space`); the volume and mapping operations are in `mapping`.
 //!
 //! Failure rule: every operation checks its preconditions before it changes anything, so a
 //! refused operation (an error before the first change) leaves the transaction intact. An

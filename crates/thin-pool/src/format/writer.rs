@@ -12,7 +12,7 @@
 use crate::error::{Error, Result};
 use crate::format::details::DeviceDetails;
 use crate::format::superblock::{valid_data_block_size, Superblock};
-use crate::ids::{BlockTime, Time, TransactionId, VolumeId, DATA_BLOCK_MAX};
+use crate::ids::{BlockTime, DataBlock, Time, TransactionId, VolumeId, DATA_BLOCK_MAX};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::builder::TreeBuilder;
 use persistent_data::btree::{NoRefs, RefCounter};
@@ -20,17 +20,34 @@ use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
 use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManager};
 use std::sync::Arc;
 
-/// Mapping values (bottom-level leaf entries) hold one reference to their data block.
-pub struct DataRefs<'a>(pub &'a mut DataSpaceMap);
+/// Something that counts references to data blocks: the data space map itself (restore), or
+/// the pool's `DataSpace` (in `format::metadata`), which also keeps the blocks reserved for
+/// writes in flight.
+pub trait DataRefCounter {
+    /// Take one reference to `block`.
+    fn inc(&mut self, block: DataBlock) -> persistent_data::Result<()>;
+    /// Drop one reference to `block`.
+    fn dec(&mut self, block: DataBlock) -> persistent_data::Result<()>;
+}
 
-impl RefCounter<u64> for DataRefs<'_> {
+impl DataRefCounter for DataSpaceMap {
+    fn inc(&mut self, block: DataBlock) -> persistent_data::Result<()> {
+        DataSpaceMap::inc(self, block.get())
+    }
+    fn dec(&mut self, block: DataBlock) -> persistent_data::Result<()> {
+        DataSpaceMap::dec(self, block.get()).map(|_| ())
+    }
+}
+
+/// Mapping values (bottom-level leaf entries) hold one reference to their data block.
+pub struct DataRefs<'a, C: DataRefCounter>(pub &'a mut C);
+
+impl<C: DataRefCounter> RefCounter<u64> for DataRefs<'_, C> {
     fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        self.0.inc(BlockTime::unpack(*value).data_block().get())
+        self.0.inc(BlockTime::unpack(*value).data_block())
     }
     fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        self.0
-            .dec(BlockTime::unpack(*value).data_block().get())
-            .map(|_| ())
+        self.0.dec(BlockTime::unpack(*value).data_block())
     }
 }
 

@@ -16,7 +16,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Barrier;
 use thin_pool::engine::pool::DATA_FILE;
-use thin_pool::Volume;
+use thin_pool::{Pool, Volume};
 
 /// Data block size of the sequential-read pool: the first report's 8 MiB.
 const SEQUENTIAL_BLOCK_SIZE_BYTES: u64 = 8 << 20;
@@ -30,17 +30,7 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         "random reads: filling a {} MiB volume (64 KiB blocks)",
         volume_bytes >> 20
     ));
-    let pool = create_pool(
-        dir,
-        POOL,
-        volume_bytes + 16 * BLOCK_SIZE_BYTES,
-        BLOCK_SIZE_BYTES,
-    )?;
-    pool.create_volume("reads", volume_bytes)?;
-    let volume = pool.volume("reads")?;
-    fill(dir, &volume)?;
-    let raw = open_data_file(dir, POOL)?;
-    check_layout(&volume, &raw)?;
+    let (pool, volume, raw) = filled_volume(dir, POOL, volume_bytes, BLOCK_SIZE_BYTES, 16)?;
     let offsets: Vec<Vec<u64>> = (0..2)
         .map(|thread| random_offsets(volume_bytes, sizes.random_read_count, thread))
         .collect();
@@ -75,10 +65,21 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             direct[1][repetition]
         ));
     }
+    let rows = random_rows(engine, direct, added_ns);
+    drop(volume);
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
+}
+
+/// The random-read rows from the samples: IOPS of the engine and of pread at 1 and 2
+/// threads (in thousands), and the engine's added cost per read in nanoseconds.
+fn random_rows(engine: [Vec<f64>; 2], direct: [Vec<f64>; 2], added_ns: Vec<f64>) -> Vec<Row> {
     let [engine_1, engine_2] = engine.map(median);
     let [direct_1, direct_2] = direct.map(median);
     let direct_ns = 1e6 / direct_1;
-    let rows = vec![
+    vec![
         Row::new(
             "random 4 KiB reads, 1 thread: engine vs pread",
             engine_1,
@@ -113,12 +114,7 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             direct_1,
             "kIOPS",
         ),
-    ];
-    drop(volume);
-    pool.close()?;
-    drop(pool);
-    dir.remove_pool(POOL)?;
-    Ok(rows)
+    ]
 }
 
 /// Sequential 4 KiB reads of a volume with 8 MiB data blocks (the first report's `dd`), engine
@@ -130,17 +126,8 @@ pub fn sequential(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         "sequential reads: filling a {} MiB volume (8 MiB blocks)",
         volume_bytes >> 20
     ));
-    let pool = create_pool(
-        dir,
-        POOL,
-        volume_bytes + 2 * SEQUENTIAL_BLOCK_SIZE_BYTES,
-        SEQUENTIAL_BLOCK_SIZE_BYTES,
-    )?;
-    pool.create_volume("reads", volume_bytes)?;
-    let volume = pool.volume("reads")?;
-    fill(dir, &volume)?;
-    let raw = open_data_file(dir, POOL)?;
-    check_layout(&volume, &raw)?;
+    let (pool, volume, raw) =
+        filled_volume(dir, POOL, volume_bytes, SEQUENTIAL_BLOCK_SIZE_BYTES, 2)?;
     let offsets = vec![(0..volume_bytes)
         .step_by(IO_SIZE_BYTES)
         .collect::<Vec<u64>>()];
@@ -175,6 +162,26 @@ pub fn sequential(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     drop(pool);
     dir.remove_pool(POOL)?;
     Ok(vec![row])
+}
+
+/// A fresh pool named `pool_name` with one volume of `volume_bytes`, in data blocks of
+/// `block_size_bytes` (and `spare_blocks` more), filled in order; and the pool's data file,
+/// open for the pread baseline, its layout checked.
+fn filled_volume(
+    dir: &BenchDir,
+    pool_name: &str,
+    volume_bytes: u64,
+    block_size_bytes: u64,
+    spare_blocks: u64,
+) -> anyhow::Result<(Pool, Volume, File)> {
+    let data_size_bytes = volume_bytes + spare_blocks * block_size_bytes;
+    let pool = create_pool(dir, pool_name, data_size_bytes, block_size_bytes)?;
+    pool.create_volume("reads", volume_bytes)?;
+    let volume = pool.volume("reads")?;
+    fill(dir, &volume)?;
+    let raw = open_data_file(dir, pool_name)?;
+    check_layout(&volume, &raw)?;
+    Ok((pool, volume, raw))
 }
 
 fn open_data_file(dir: &BenchDir, pool: &str) -> anyhow::Result<File> {

@@ -17,7 +17,8 @@
 //! every reference taken); reserved ∩ freed = ∅.
 
 use crate::error::{Error, Result};
-use crate::ids::{BlockTime, DataBlock};
+use crate::format::writer::{DataRefCounter, DataRefs};
+use crate::ids::DataBlock;
 use persistent_data::btree::{self, RefCounter};
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
@@ -171,24 +172,6 @@ impl DataSpace {
         Ok(())
     }
 
-    /// One more reference to a block a mapping holds (a copied leaf, a shared subtree).
-    fn inc(&mut self, block: DataBlock) -> persistent_data::Result<()> {
-        debug_assert!(
-            !self.reserved.contains(&block),
-            "reserved data block {block} referenced by a mapping"
-        );
-        self.map.inc(block.get())
-    }
-
-    /// One reference less; a block whose count falls to zero is freed for this transaction.
-    fn dec(&mut self, block: DataBlock) -> persistent_data::Result<u32> {
-        let left = self.map.dec(block.get())?;
-        if left == 0 {
-            self.freed.insert(block);
-        }
-        Ok(left)
-    }
-
     /// Grow to `block_count` blocks.
     pub(crate) fn extend(&mut self, block_count: u64) {
         self.map.extend(block_count);
@@ -207,17 +190,22 @@ impl DataSpace {
     }
 }
 
-/// Bottom-level values (mappings) reference data blocks.
-pub(crate) struct DataRefs<'a>(pub &'a mut DataSpace);
-
-impl RefCounter<u64> for DataRefs<'_> {
-    fn inc(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        self.0.inc(BlockTime::unpack(*value).data_block())
+impl DataRefCounter for DataSpace {
+    /// One more reference to a block a mapping holds (a copied leaf, a shared subtree).
+    fn inc(&mut self, block: DataBlock) -> persistent_data::Result<()> {
+        debug_assert!(
+            !self.reserved.contains(&block),
+            "reserved data block {block} referenced by a mapping"
+        );
+        self.map.inc(block.get())
     }
-    fn dec(&mut self, _: &mut dyn CopyOnWrite, value: &u64) -> persistent_data::Result<()> {
-        self.0
-            .dec(BlockTime::unpack(*value).data_block())
-            .map(|_| ())
+
+    /// One reference less; a block whose count falls to zero is freed for this transaction.
+    fn dec(&mut self, block: DataBlock) -> persistent_data::Result<()> {
+        if self.map.dec(block.get())? == 0 {
+            self.freed.insert(block);
+        }
+        Ok(())
     }
 }
 
@@ -284,7 +272,8 @@ mod tests {
         let a = space.reserve().unwrap();
         space.take_reserved(a).unwrap();
         space.commit(&mut tm).unwrap();
-        assert_eq!(space.dec(a).unwrap(), 0);
+        space.dec(a).unwrap();
+        assert_eq!(space.count(a), 0, "the last reference to {a} is gone");
         let b = space.reserve().unwrap();
         assert_ne!(a, b);
         assert!(matches!(

@@ -6,10 +6,11 @@
 //! first change (I/O, out of metadata space, corruption found on the way) marks the
 //! transaction failed (see `PoolMetadata::change`).
 
-use super::data_space::{DataRefs, SubtreeDelete, SubtreeUpdate};
+use super::data_space::{SubtreeDelete, SubtreeUpdate};
 use super::{check_volume_id, Mapping, PoolMetadata, VolumeState};
 use crate::error::{Error, Result};
 use crate::format::details::DeviceDetails;
+use crate::format::writer::DataRefs;
 use crate::ids::{BlockTime, DataBlock, Time, VirtualBlock, VolumeId};
 use persistent_data::btree::{self, NoRefs};
 use persistent_data::MetadataBlock;

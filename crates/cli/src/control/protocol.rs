@@ -1,0 +1,371 @@
+//! The control protocol's wire forms: [`Request`], the records answers carry, [`OpError`],
+//! the response line, and bounded line reading and strict request parsing.
+
+use std::io::{BufRead, Read};
+
+use anyhow::{bail, Context};
+use serde::{Deserialize, Serialize};
+use thin_pool::{PoolStatus, VolumeInfo};
+
+use crate::pool_dir::{percent, StoredOptions};
+
+/// One management request.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Request {
+    /// Create a thin volume.
+    CreateVolume {
+        /// Volume name.
+        name: String,
+        /// Virtual size.
+        size_bytes: u64,
+    },
+    /// Snapshot `origin` as `name`.
+    Snapshot {
+        /// The volume to snapshot.
+        origin: String,
+        /// The new volume's name.
+        name: String,
+        /// Refuse writes to the snapshot.
+        #[serde(default)]
+        read_only: bool,
+    },
+    /// Delete a volume (refused while a client has it open).
+    DeleteVolume {
+        /// Volume name.
+        name: String,
+    },
+    /// Change a volume's virtual size.
+    ResizeVolume {
+        /// Volume name.
+        name: String,
+        /// New virtual size.
+        size_bytes: u64,
+    },
+    /// Grow the data device.
+    GrowData {
+        /// New data size.
+        size_bytes: u64,
+    },
+    /// List volumes.
+    List,
+    /// Pool status.
+    Status,
+}
+
+/// One volume, as `list` and the volume commands report it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// Name (also the NBD export name).
+    pub name: String,
+    /// Id in the metadata (dm-thin's device id).
+    pub id: u64,
+    /// Virtual size.
+    pub size_bytes: u64,
+    /// Mapped data blocks.
+    pub mapped_blocks: u64,
+    /// Mapped share of the virtual size, in percent.
+    pub mapped_percent: f64,
+    /// Data block size.
+    pub block_size_bytes: u64,
+    /// The volume it is a snapshot of.
+    pub origin: Option<String>,
+    /// Writes refused.
+    pub read_only: bool,
+    /// Open handles (NBD connections using it).
+    pub open_count: usize,
+}
+
+impl From<&VolumeInfo> for VolumeRecord {
+    fn from(info: &VolumeInfo) -> Self {
+        VolumeRecord {
+            name: info.name.clone(),
+            id: u64::from(info.id.get()),
+            size_bytes: info.size_bytes,
+            mapped_blocks: info.mapped_blocks,
+            mapped_percent: info.mapped_percent(),
+            block_size_bytes: info.block_size_bytes,
+            origin: info.origin.clone(),
+            read_only: info.read_only,
+            open_count: info.open_count,
+        }
+    }
+}
+
+/// The pool's status, as `status` reports it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StatusRecord {
+    /// Committed transaction id.
+    pub transaction_id: u64,
+    /// Data blocks in use.
+    pub data_used_blocks: u64,
+    /// Data blocks in the pool.
+    pub data_total_blocks: u64,
+    /// Data use in percent.
+    pub data_used_percent: f64,
+    /// Metadata blocks in use.
+    pub metadata_used_blocks: u64,
+    /// Metadata blocks in the pool.
+    pub metadata_total_blocks: u64,
+    /// Metadata use in percent.
+    pub metadata_used_percent: f64,
+    /// Data block size.
+    pub block_size_bytes: u64,
+    /// dm-thin's mode word: rw, out_of_data_space, ro, fail.
+    pub mode: String,
+    /// In fail mode: why (e.g. a panic inside the engine).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fail_reason: Option<String>,
+    /// The metadata needs a check before the pool may write again.
+    pub needs_check: bool,
+    /// New blocks are zeroed where their first write does not cover them.
+    pub zero_new_blocks: bool,
+    /// Writes fail at once when out of data space.
+    pub error_if_no_space: bool,
+    /// Freed data blocks are discarded on the data device.
+    pub discard_passdown: bool,
+    /// Free data blocks fell to the low-water mark.
+    pub low_water_reached: bool,
+    /// Metadata block of a held metadata snapshot.
+    pub metadata_snap: Option<u64>,
+    /// Volumes in the pool.
+    pub volume_count: usize,
+}
+
+impl StatusRecord {
+    pub(super) fn new(status: &PoolStatus, options: &StoredOptions) -> Self {
+        StatusRecord {
+            transaction_id: status.transaction_id,
+            data_used_blocks: status.data_used_blocks,
+            data_total_blocks: status.data_total_blocks,
+            data_used_percent: percent(status.data_used_blocks, status.data_total_blocks),
+            metadata_used_blocks: status.metadata_used_blocks,
+            metadata_total_blocks: status.metadata_total_blocks,
+            metadata_used_percent: percent(
+                status.metadata_used_blocks,
+                status.metadata_total_blocks,
+            ),
+            block_size_bytes: status.block_size_bytes,
+            mode: status.mode.as_str().to_string(),
+            fail_reason: status.fail_reason.clone(),
+            needs_check: status.needs_check,
+            zero_new_blocks: options.zero_new_blocks,
+            error_if_no_space: status.error_if_no_space,
+            discard_passdown: status.discard_passdown,
+            low_water_reached: status.low_water_reached,
+            metadata_snap: status.metadata_snap,
+            volume_count: status.volume_count,
+        }
+    }
+}
+
+/// What a successful request produced.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    /// A volume was created, snapshotted or resized.
+    Volume(VolumeRecord),
+    /// The volume list.
+    Volumes(Vec<VolumeRecord>),
+    /// The pool status (also after growing the data device).
+    Status(StatusRecord),
+    /// Done; nothing to report (delete).
+    Done,
+}
+
+impl Outcome {
+    /// The volumes of a `list` answer.
+    pub fn into_volumes(self) -> anyhow::Result<Vec<VolumeRecord>> {
+        match self {
+            Outcome::Volumes(volumes) => Ok(volumes),
+            other => bail!("unexpected answer: {other:?}"),
+        }
+    }
+
+    /// The status of a `status` or `grow_data` answer.
+    pub fn into_status(self) -> anyhow::Result<StatusRecord> {
+        match self {
+            Outcome::Status(status) => Ok(status),
+            other => bail!("unexpected answer: {other:?}"),
+        }
+    }
+}
+
+/// A refused or failed request: an errno, its symbolic name, and the engine's message.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OpError {
+    /// Linux errno.
+    pub errno: i32,
+    /// Its name, e.g. `EBUSY`.
+    pub code: String,
+    /// What went wrong.
+    pub message: String,
+}
+
+impl OpError {
+    pub(super) fn new(errno: i32, message: impl Into<String>) -> Self {
+        OpError {
+            errno,
+            code: errno_name(errno).to_string(),
+            message: message.into(),
+        }
+    }
+}
+
+impl From<thin_pool::Error> for OpError {
+    /// The engine's errno ([`thin_pool::Error::errno`], the one the NBD adapter uses too) and
+    /// its message with every cause.
+    fn from(error: thin_pool::Error) -> Self {
+        OpError::new(error.errno(), error.report().to_string())
+    }
+}
+
+impl std::fmt::Display for OpError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.code)
+    }
+}
+
+impl std::error::Error for OpError {}
+
+/// The symbolic name of an errno: those the engine and this module give, and those a device
+/// commonly fails with (an I/O error keeps the device's errno).
+fn errno_name(errno: i32) -> &'static str {
+    match errno {
+        libc::EPERM => "EPERM",
+        libc::ENOENT => "ENOENT",
+        libc::EINTR => "EINTR",
+        libc::EIO => "EIO",
+        libc::ENXIO => "ENXIO",
+        libc::EBADF => "EBADF",
+        libc::EAGAIN => "EAGAIN",
+        libc::ENOMEM => "ENOMEM",
+        libc::EACCES => "EACCES",
+        libc::EBUSY => "EBUSY",
+        libc::EEXIST => "EEXIST",
+        libc::ENODEV => "ENODEV",
+        libc::EINVAL => "EINVAL",
+        libc::EFBIG => "EFBIG",
+        libc::ENOSPC => "ENOSPC",
+        libc::EROFS => "EROFS",
+        libc::ENODATA => "ENODATA",
+        libc::EPROTO => "EPROTO",
+        libc::EOVERFLOW => "EOVERFLOW",
+        libc::ENOTSUP => "ENOTSUP",
+        libc::ESHUTDOWN => "ESHUTDOWN",
+        libc::ETIMEDOUT => "ETIMEDOUT",
+        libc::EDQUOT => "EDQUOT",
+        _ => "EUNKNOWN",
+    }
+}
+
+/// The wire form of an answer.
+#[derive(Debug, Default, Serialize, Deserialize)]
+pub(super) struct Response {
+    ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    volume: Option<VolumeRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    volumes: Option<Vec<VolumeRecord>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    status: Option<StatusRecord>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    error: Option<OpError>,
+}
+
+impl From<Result<Outcome, OpError>> for Response {
+    fn from(result: Result<Outcome, OpError>) -> Self {
+        match result {
+            Ok(Outcome::Volume(volume)) => Response {
+                ok: true,
+                volume: Some(volume),
+                ..Response::default()
+            },
+            Ok(Outcome::Volumes(volumes)) => Response {
+                ok: true,
+                volumes: Some(volumes),
+                ..Response::default()
+            },
+            Ok(Outcome::Status(status)) => Response {
+                ok: true,
+                status: Some(status),
+                ..Response::default()
+            },
+            Ok(Outcome::Done) => Response {
+                ok: true,
+                ..Response::default()
+            },
+            Err(error) => Response {
+                ok: false,
+                error: Some(error),
+                ..Response::default()
+            },
+        }
+    }
+}
+
+impl Response {
+    pub(super) fn into_result(self) -> anyhow::Result<Result<Outcome, OpError>> {
+        if !self.ok {
+            return Ok(Err(self
+                .error
+                .context("control socket answered ok=false without an error")?));
+        }
+        Ok(Ok(match (self.volume, self.volumes, self.status) {
+            (Some(volume), None, None) => Outcome::Volume(volume),
+            (None, Some(volumes), None) => Outcome::Volumes(volumes),
+            (None, None, Some(status)) => Outcome::Status(status),
+            (None, None, None) => Outcome::Done,
+            _ => bail!("control socket answered with more than one result"),
+        }))
+    }
+}
+
+/// One line read with a length limit.
+pub(super) enum Line {
+    /// A line without its newline (the last line may lack one).
+    Complete(Vec<u8>),
+    /// End of stream before any byte.
+    End,
+    /// More than the limit without a newline.
+    TooLong,
+}
+
+pub(super) fn read_line(reader: &mut impl BufRead, limit: usize) -> std::io::Result<Line> {
+    let mut line = Vec::new();
+    reader
+        .by_ref()
+        .take(limit as u64 + 1)
+        .read_until(b'\n', &mut line)?;
+    if line.is_empty() {
+        return Ok(Line::End);
+    }
+    if line.last() == Some(&b'\n') {
+        line.pop();
+        return Ok(Line::Complete(line));
+    }
+    if line.len() > limit {
+        return Ok(Line::TooLong);
+    }
+    Ok(Line::Complete(line))
+}
+
+/// Parses one request line, refusing fields the request does not have. `deny_unknown_fields`
+/// on [`Request`] covers the variants with fields, but serde lets a unit variant of an
+/// internally tagged enum (`list`, `status`) accept any map; so the keys sent are also checked
+/// against the request's own wire form.
+pub(super) fn parse_request(line: &[u8]) -> Result<Request, String> {
+    let value: serde_json::Value =
+        serde_json::from_slice(line).map_err(|error| format!("bad request: {error}"))?;
+    let request: Request =
+        serde_json::from_value(value.clone()).map_err(|error| format!("bad request: {error}"))?;
+    let known = serde_json::to_value(&request).map_err(|error| format!("bad request: {error}"))?;
+    if let (Some(sent), Some(known)) = (value.as_object(), known.as_object()) {
+        if let Some(unknown) = sent.keys().find(|key| !known.contains_key(*key)) {
+            return Err(format!(
+                "bad request: unknown field {unknown:?} for op {:?}",
+                known.get("op").and_then(|op| op.as_str()).unwrap_or("?")
+            ));
+        }
+    }
+    Ok(request)
+}

@@ -1,0 +1,90 @@
+//! [`Target`]: the pool a management request is carried out on, and the operations.
+
+use thin_pool::Pool;
+
+use super::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
+use crate::pool_dir::StoredOptions;
+
+/// A pool and what the binary knows about it: the options it was opened with and the names
+/// raw exports took.
+pub struct Target {
+    /// The open pool.
+    pub pool: Pool,
+    /// Options from `pool.json`.
+    pub options: StoredOptions,
+    /// Names volumes may not take (raw exports).
+    pub reserved_names: Vec<String>,
+}
+
+impl Target {
+    /// Carries out one request.
+    pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        match request {
+            Request::CreateVolume { name, size_bytes } => {
+                self.check_name_free(name)?;
+                let info = pool.create_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::Snapshot {
+                origin,
+                name,
+                read_only,
+            } => {
+                self.check_name_free(name)?;
+                let info = pool.snapshot(origin, name, *read_only)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::DeleteVolume { name } => {
+                pool.delete_volume(name)?;
+                Ok(Outcome::Done)
+            }
+            Request::ResizeVolume { name, size_bytes } => {
+                let info = pool.resize_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::GrowData { size_bytes } => {
+                let block_size = pool.block_size_bytes();
+                let wanted_blocks = size_bytes / block_size;
+                let before = pool.status().data_total_blocks;
+                if wanted_blocks < before {
+                    return Err(OpError::new(
+                        libc::EINVAL,
+                        format!(
+                            "data holds {before} blocks; {size_bytes} bytes is {wanted_blocks}: it cannot shrink"
+                        ),
+                    ));
+                }
+                pool.grow_data(*size_bytes)?;
+                let status = pool.status();
+                if status.data_total_blocks < wanted_blocks {
+                    return Err(OpError::new(
+                        libc::ENOSPC,
+                        format!(
+                            "the data device holds {} blocks, not the {wanted_blocks} asked for",
+                            status.data_total_blocks
+                        ),
+                    ));
+                }
+                Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
+            }
+            Request::List => Ok(Outcome::Volumes(
+                pool.list().iter().map(VolumeRecord::from).collect(),
+            )),
+            Request::Status => Ok(Outcome::Status(StatusRecord::new(
+                &pool.status(),
+                &self.options,
+            ))),
+        }
+    }
+
+    fn check_name_free(&self, name: &str) -> Result<(), OpError> {
+        if self.reserved_names.iter().any(|reserved| reserved == name) {
+            return Err(OpError::new(
+                libc::EEXIST,
+                format!("{name:?} is the name of a raw export"),
+            ));
+        }
+        Ok(())
+    }
+}
