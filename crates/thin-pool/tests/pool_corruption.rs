@@ -52,6 +52,8 @@ const CASE_DEADLINE: Duration = Duration::from_secs(60);
 const ADDRESS_SPACE_LIMIT: u64 = 3 << 30;
 /// Environment variable naming the test a child process runs.
 const CHILD_VARIABLE: &str = "THINPOOL_CORRUPTION_CHILD";
+/// Set: print each case's damage before running it (to name the one that aborts).
+const VERBOSE_VARIABLE: &str = "THINPOOL_CORRUPTION_VERBOSE";
 /// Cases of the seeded run in `scripts/test` (scaled by `THINPOOL_CASES`).
 const DEFAULT_CASES: u64 = 1500;
 
@@ -756,7 +758,7 @@ fn in_limited_child(name: &str, body: impl FnOnce()) {
     };
     assert!(
         status.success(),
-        "{name} failed in its memory-limited child ({status}); {}",
+        "{name} failed in its memory-limited child ({status}); {} (and {VERBOSE_VARIABLE}=1 to name each case)",
         report.message()
     );
 }
@@ -770,10 +772,12 @@ fn seeded_cases(default: u64) {
     let cases = testkit::case_count(default);
     let mut totals = HashMap::<&str, usize>::new();
     let started = Instant::now();
+    let verbose = std::env::var_os(VERBOSE_VARIABLE).is_some();
     for _ in 0..cases {
         let damage = damage(&mut rng, &image);
-        let mut case_rng = StdRng::seed_from_u64(rng.gen());
-        let _ = &mut case_rng;
+        if verbose {
+            eprintln!("case: {:?}", damage.what);
+        }
         let outcome = with_deadline(damage, image.clone());
         *totals.entry("cases").or_default() += 1;
         for (flag, key) in [
@@ -892,4 +896,97 @@ fn a_huge_data_nr_blocks_is_an_error_not_an_allocation() {
         );
         assert!(report.has(Rule::DataDeviceSize), "{report}");
     });
+}
+
+/// The id of volume `name` in `image`'s catalog.
+fn volume_id(image: &Image, name: &str) -> u64 {
+    u64::from(image.catalog.find(name).unwrap().id)
+}
+
+/// The value slot of `key` in the leaf at `block` (whose values are `value_size` bytes).
+fn leaf_value_at(metadata: &[u8], block: usize, key: u64) -> usize {
+    let b = &metadata[block * BLOCK_SIZE..(block + 1) * BLOCK_SIZE];
+    assert_eq!(u32_at(b, 4), 2, "block {block} is a leaf");
+    let (nr, max, value_size) = (
+        u32_at(b, 16) as usize,
+        u32_at(b, 20) as usize,
+        u32_at(b, 24) as usize,
+    );
+    let i = (0..nr).find(|&i| u64_at(b, 32 + 8 * i) == key).unwrap();
+    block * BLOCK_SIZE + 32 + 8 * max + value_size * i
+}
+
+/// The first leaf of the tree rooted at `block`.
+fn first_leaf(metadata: &[u8], mut block: usize) -> usize {
+    loop {
+        let b = &metadata[block * BLOCK_SIZE..(block + 1) * BLOCK_SIZE];
+        if u32_at(b, 4) == 2 {
+            return block;
+        }
+        let max = u32_at(b, 20) as usize;
+        block = u64_at(b, 32 + 8 * max) as usize;
+    }
+}
+
+/// Repro 6, second part: a mapping to data block 2^40 - 1 (valid checksum) panicked
+/// `list`, `serve` and `volume` in the index. Now every reader answers with an error.
+#[test]
+fn a_mapping_beyond_the_data_device_is_an_error() {
+    let image = Arc::new(build());
+    let mut damaged = pristine_damage(&image);
+    let top = u64_at(&image.metadata, 320) as usize;
+    let slot = leaf_value_at(&image.metadata, top, volume_id(&image, "a"));
+    let root = u64_at(&image.metadata, slot) as usize;
+    let leaf = first_leaf(&image.metadata, root);
+    let b = block_of(&mut damaged.metadata, leaf);
+    let max = u32_at(b, 20) as usize;
+    let old = u64_at(b, 32 + 8 * max);
+    put_u64(b, 32 + 8 * max, (((1u64 << 40) - 1) << 24) | (old & 0xff_ffff));
+    restamp(&mut damaged.metadata, leaf, BlockKind::Node);
+    damaged.what = vec![format!("leaf {leaf}: first mapping to data block 2^40 - 1")];
+    let report = check_before_open(
+        Arc::new(MemoryDevice::from_bytes(&damaged.metadata)),
+        image.data.len() as u64,
+    );
+    assert!(report.has(Rule::DataBlockOutOfRange), "{report}");
+    for read_only in [true, false] {
+        let data: Arc<dyn DataDevice> = Arc::new(OverlayData::new(image.data.clone()));
+        let opened = open(&damaged.metadata, data, &damaged.catalog, read_only);
+        assert!(opened.is_err(), "read_only {read_only}: opened");
+    }
+    let outcome = with_deadline(damaged, image.clone());
+    assert!(!outcome.check_passed);
+}
+
+/// Repro 6, third part: details whose `mapped_blocks` undercount the tree panicked a
+/// connection thread inside the commit (and the client's FLUSH never returned). Now the
+/// start-up check refuses it and the engine does not open it read-write.
+#[test]
+fn mapped_blocks_that_undercount_the_tree_are_an_error() {
+    let image = Arc::new(build());
+    let details_root = u64_at(&image.metadata, 328) as usize;
+    for mapped in [0u64, 5] {
+        let mut damaged = pristine_damage(&image);
+        let slot = leaf_value_at(&image.metadata, details_root, volume_id(&image, "c"));
+        put_u64(&mut damaged.metadata, slot, mapped);
+        restamp(&mut damaged.metadata, details_root, BlockKind::Node);
+        damaged.what = vec![format!("details of c: mapped_blocks 10 -> {mapped}")];
+        let report = check_before_open(
+            Arc::new(MemoryDevice::from_bytes(&damaged.metadata)),
+            image.data.len() as u64,
+        );
+        assert!(report.has(Rule::MappedBlocks), "{report}");
+        let data: Arc<dyn DataDevice> = Arc::new(OverlayData::new(image.data.clone()));
+        if let Ok(pool) = open(&damaged.metadata, data, &damaged.catalog, false) {
+            // Opened: it must not be writable, or survive discarding every mapped block.
+            if pool.mode() == PoolMode::Write {
+                let v = pool.volume("c").unwrap();
+                let discarded = v.write_zeroes(100 * BLOCK_BYTES, 10 * BLOCK_BYTES, true, false);
+                let flushed = v.flush();
+                panic!("mapped_blocks {mapped}: opened read-write ({discarded:?}, {flushed:?})");
+            }
+        }
+        let outcome = with_deadline(damaged, image.clone());
+        assert!(!outcome.check_passed && !outcome.opened_read_write_raw);
+    }
 }
