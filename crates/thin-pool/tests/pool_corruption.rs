@@ -25,7 +25,7 @@
 use persistent_data::checksum::{self, BlockKind};
 use persistent_data::{Block, BlockDevice, MemoryDevice, BLOCK_SIZE};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::Rng;
 use std::collections::HashMap;
 use std::io;
 use std::process::Command;
@@ -37,7 +37,7 @@ use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice}
 use thin_pool::format::check::{check, check_before_open, CheckOptions, Rule};
 use thin_pool::format::dump::metadata::{dump, DumpOptions};
 use thin_pool::format::dump::XmlWriter;
-use thin_pool::{Pool, PoolMode, PoolOptions};
+use thin_pool::{Pool, PoolMode, PoolOptions, VolumeId};
 
 const BLOCK_BYTES: u64 = 64 * 1024;
 const DATA_BLOCKS: u64 = 1024;
@@ -152,7 +152,7 @@ fn build() -> Image {
     let transaction = thin_pool::PoolMetadata::open(Arc::new(MemoryDevice::from_bytes(&bytes)))
         .unwrap()
         .transaction_id()
-        .0;
+        .get();
     Image {
         metadata: bytes,
         data: Arc::new(data.contents()),
@@ -507,7 +507,7 @@ fn mutate_catalog(rng: &mut StdRng, catalog: &mut Catalog) -> String {
         }
         1 => {
             let old = catalog.volumes[i].id;
-            let new = interesting(rng, u64::from(old)) as u32;
+            let new = VolumeId::new(interesting(rng, u64::from(old.get())) as u32);
             catalog.volumes[i].id = new;
             format!("catalog: id of volume {i} {old} -> {new}")
         }
@@ -900,7 +900,7 @@ fn a_huge_data_nr_blocks_is_an_error_not_an_allocation() {
 
 /// The id of volume `name` in `image`'s catalog.
 fn volume_id(image: &Image, name: &str) -> u64 {
-    u64::from(image.catalog.find(name).unwrap().id)
+    u64::from(image.catalog.find(name).unwrap().id.get())
 }
 
 /// The value slot of `key` in the leaf at `block` (whose values are `value_size` bytes).
