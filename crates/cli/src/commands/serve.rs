@@ -51,8 +51,6 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// bounded on their own (control socket 5 s, NBD accept 2 s plus twice the grace), so this
 /// only fires if the final commit hangs in I/O.
 const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(60);
-/// Problems of a failed start-up check quoted in the error.
-const CHECK_PROBLEMS_SHOWN: usize = 10;
 /// Exit status when shutdown was cut short (second signal or deadline).
 const EXIT_FORCED: i32 = 2;
 
@@ -99,49 +97,6 @@ pub struct Args {
     idle_timeout_seconds: u64,
 }
 
-/// Check the metadata before the pool is opened read-write (as LVM runs thin_check before
-/// activation): metadata that fails is not opened, and the message lists what the check
-/// found. The pool's lock is held during the check, so that no server changes the metadata
-/// under it; it is released just before [`Pool::open`] takes it again.
-fn check_before_open(dir: &Path) -> anyhow::Result<()> {
-    use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
-    let metadata_path = dir.join(METADATA_FILE);
-    let lock = std::fs::File::open(&metadata_path)
-        .with_context(|| format!("cannot open {}", metadata_path.display()))?;
-    match lock.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => bail!(
-            "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`)",
-            dir.display(),
-            dir.display()
-        ),
-        Err(std::fs::TryLockError::Error(error)) => {
-            return Err(error).with_context(|| format!("locking {}", metadata_path.display()))
-        }
-    }
-    let data_path = dir.join(DATA_FILE);
-    let data_bytes = std::fs::metadata(&data_path)
-        .with_context(|| format!("cannot read the size of {}", data_path.display()))?
-        .len();
-    let device = persistent_data::FileDevice::open(&metadata_path, false)
-        .with_context(|| format!("cannot open {}", metadata_path.display()))?;
-    let report = thin_pool::format::check::check_before_open(Arc::new(device), data_bytes);
-    drop(lock);
-    if !report.passes(true) {
-        let mut findings = String::new();
-        for problem in report.problems.iter().take(CHECK_PROBLEMS_SHOWN) {
-            findings.push_str(&format!("  {problem}\n"));
-        }
-        bail!(
-            "the metadata of the pool in {} fails its check ({} fatal problems), so it is not opened:\n{findings}run `thinpool check {}` for the full report (`--skip-check` opens it regardless, at the risk of one volume's writes landing on another's data)",
-            dir.display(),
-            report.fatal_count,
-            metadata_path.display()
-        );
-    }
-    Ok(())
-}
-
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
@@ -154,10 +109,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
     let options = StoredOptions::load(&dir)?;
-    if !args.skip_check {
-        check_before_open(&dir.path)?;
-    }
-    let pool = match Pool::open(&dir.path, options.pool_options()) {
+    // Pool::open checks the metadata before opening it read-write (as LVM runs thin_check
+    // before activation), unless told not to.
+    let pool_options = thin_pool::PoolOptions {
+        skip_check: args.skip_check,
+        ..options.pool_options()
+    };
+    let pool = match Pool::open(&dir.path, pool_options) {
         Ok(pool) => pool,
         Err(thin_pool::Error::Locked { .. }) => bail!(
             "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`)",

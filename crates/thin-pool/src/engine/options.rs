@@ -21,6 +21,10 @@ pub struct PoolOptions {
     pub low_water_mark_blocks: u64,
     /// Commit this often when something changed (None: only on flush and management).
     pub commit_interval: Option<Duration>,
+    /// Open read-write without checking the metadata first (the check, thin_check's rules,
+    /// refuses metadata whose damage could make one volume's writes land on another's
+    /// data).
+    pub skip_check: bool,
 }
 
 impl Default for PoolOptions {
@@ -33,6 +37,7 @@ impl Default for PoolOptions {
             read_only: false,
             low_water_mark_blocks: 0,
             commit_interval: Some(Duration::from_secs(1)),
+            skip_check: false,
         }
     }
 }
