@@ -70,7 +70,9 @@ struct Image {
 fn pattern(volume: &str, block: u64, generation: u32) -> Vec<u8> {
     let mut buf = vec![0u8; BLOCK_BYTES as usize];
     let header = format!("{volume}:{block}:{generation};");
-    let seed = header.bytes().fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
+    let seed = header
+        .bytes()
+        .fold(0u8, |a, b| a.wrapping_mul(31).wrapping_add(b));
     for (i, byte) in buf.iter_mut().enumerate() {
         *byte = seed.wrapping_add(i as u8);
     }
@@ -167,7 +169,12 @@ fn live_blocks(metadata: &[u8]) -> Vec<bool> {
     for bitmap in 0..live.len().div_ceil(16_320) {
         let location = u64_at(index_block, 16 + 16 * bitmap) as usize;
         let b = &metadata[location * BLOCK_SIZE..(location + 1) * BLOCK_SIZE];
-        for (e, slot) in live.iter_mut().enumerate().skip(bitmap * 16_320).take(16_320) {
+        for (e, slot) in live
+            .iter_mut()
+            .enumerate()
+            .skip(bitmap * 16_320)
+            .take(16_320)
+        {
             let entry = e - bitmap * 16_320;
             *slot = (b[16 + entry / 4] >> (2 * (entry % 4))) & 3 != 0;
         }
@@ -464,7 +471,11 @@ fn mutate_index(rng: &mut StdRng, metadata: &mut [u8], index: usize) -> String {
         0 => (8, 8, "blocknr".to_string()),
         1 => (16 + 16 * entry, 8, format!("entry {entry} blocknr")),
         2 => (24 + 16 * entry, 4, format!("entry {entry} nr_free")),
-        _ => (28 + 16 * entry, 4, format!("entry {entry} none_free_before")),
+        _ => (
+            28 + 16 * entry,
+            4,
+            format!("entry {entry} none_free_before"),
+        ),
     };
     let (old, new) = set_field(rng, b, at, width);
     restamp(metadata, index, BlockKind::Index);
@@ -634,7 +645,9 @@ fn write_and_compare(pool: &Pool, image: &Image) -> Result<bool, String> {
         for (block, probe) in probes {
             let mut now = vec![0u8; PROBE_BYTES];
             if v.read(block * BLOCK_BYTES, &mut now).is_ok() && &now != probe {
-                let written = targets.iter().any(|t| now.starts_with(format!("{t}:").as_bytes()));
+                let written = targets
+                    .iter()
+                    .any(|t| now.starts_with(format!("{t}:").as_bytes()));
                 crossed |= written;
             }
         }
@@ -645,7 +658,8 @@ fn write_and_compare(pool: &Pool, image: &Image) -> Result<bool, String> {
 /// Every reader on one damaged image.
 fn run_case(damage: &Damage, image: &Image) -> Outcome {
     let mut outcome = Outcome::default();
-    let device = || -> Arc<dyn BlockDevice> { Arc::new(MemoryDevice::from_bytes(&damage.metadata)) };
+    let device =
+        || -> Arc<dyn BlockDevice> { Arc::new(MemoryDevice::from_bytes(&damage.metadata)) };
     let _ = check(device(), &CheckOptions::default(), &mut |_| {});
     let report = check_before_open(device(), image.data.len() as u64);
     outcome.check_passed = report.passes(true);
@@ -727,7 +741,10 @@ fn in_limited_child(name: &str, body: impl FnOnce()) {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_VARIABLE, name)
-        .env(testkit::seed::SEED_VARIABLE, format!("{:#x}", report.seed()))
+        .env(
+            testkit::seed::SEED_VARIABLE,
+            format!("{:#x}", report.seed()),
+        )
         .env("MALLOC_ARENA_MAX", "2")
         .spawn()
         .unwrap();
@@ -850,36 +867,39 @@ fn a_zeroed_data_bitmap_fails_the_start_up_check() {
 /// whose address space is limited.
 #[test]
 fn a_huge_data_nr_blocks_is_an_error_not_an_allocation() {
-    in_limited_child("a_huge_data_nr_blocks_is_an_error_not_an_allocation", || {
-        let image = Arc::new(build());
-        for nr_blocks in [1u64 << 32, 1 << 40, (1 << 40) + 1, 1 << 63, u64::MAX] {
+    in_limited_child(
+        "a_huge_data_nr_blocks_is_an_error_not_an_allocation",
+        || {
+            let image = Arc::new(build());
+            for nr_blocks in [1u64 << 32, 1 << 40, (1 << 40) + 1, 1 << 63, u64::MAX] {
+                let mut damaged = pristine_damage(&image);
+                put_u64(block_of(&mut damaged.metadata, 0), 64, nr_blocks);
+                restamp(&mut damaged.metadata, 0, BlockKind::Superblock);
+                damaged.what = vec![format!("data nr_blocks {nr_blocks}")];
+                let device = || -> Arc<dyn BlockDevice> {
+                    Arc::new(MemoryDevice::from_bytes(&damaged.metadata))
+                };
+                let report = check(device(), &CheckOptions::default(), &mut |_| {});
+                assert!(report.has(Rule::DataDeviceSize), "{nr_blocks}: {report}");
+                let report = check_before_open(device(), image.data.len() as u64);
+                assert!(!report.passes(true), "{nr_blocks}: {report}");
+                let mut xml = XmlWriter::new(io::sink());
+                assert!(dump(device(), &DumpOptions::default(), &mut xml).is_err());
+                let outcome = with_deadline(damaged, image.clone());
+                assert!(!outcome.opened_read_write);
+            }
+            // Within what the metadata can hold but beyond the data device: the start-up check
+            // says so.
             let mut damaged = pristine_damage(&image);
-            put_u64(block_of(&mut damaged.metadata, 0), 64, nr_blocks);
+            put_u64(block_of(&mut damaged.metadata, 0), 64, 2 * DATA_BLOCKS);
             restamp(&mut damaged.metadata, 0, BlockKind::Superblock);
-            damaged.what = vec![format!("data nr_blocks {nr_blocks}")];
-            let device = || -> Arc<dyn BlockDevice> {
-                Arc::new(MemoryDevice::from_bytes(&damaged.metadata))
-            };
-            let report = check(device(), &CheckOptions::default(), &mut |_| {});
-            assert!(report.has(Rule::DataDeviceSize), "{nr_blocks}: {report}");
-            let report = check_before_open(device(), image.data.len() as u64);
-            assert!(!report.passes(true), "{nr_blocks}: {report}");
-            let mut xml = XmlWriter::new(io::sink());
-            assert!(dump(device(), &DumpOptions::default(), &mut xml).is_err());
-            let outcome = with_deadline(damaged, image.clone());
-            assert!(!outcome.opened_read_write);
-        }
-        // Within what the metadata can hold but beyond the data device: the start-up check
-        // says so.
-        let mut damaged = pristine_damage(&image);
-        put_u64(block_of(&mut damaged.metadata, 0), 64, 2 * DATA_BLOCKS);
-        restamp(&mut damaged.metadata, 0, BlockKind::Superblock);
-        let report = check_before_open(
-            Arc::new(MemoryDevice::from_bytes(&damaged.metadata)),
-            image.data.len() as u64,
-        );
-        assert!(report.has(Rule::DataDeviceSize), "{report}");
-    });
+            let report = check_before_open(
+                Arc::new(MemoryDevice::from_bytes(&damaged.metadata)),
+                image.data.len() as u64,
+            );
+            assert!(report.has(Rule::DataDeviceSize), "{report}");
+        },
+    );
 }
 
 /// The id of volume `name` in `image`'s catalog.
@@ -925,7 +945,11 @@ fn a_mapping_beyond_the_data_device_is_an_error() {
     let b = block_of(&mut damaged.metadata, leaf);
     let max = u32_at(b, 20) as usize;
     let old = u64_at(b, 32 + 8 * max);
-    put_u64(b, 32 + 8 * max, (((1u64 << 40) - 1) << 24) | (old & 0xff_ffff));
+    put_u64(
+        b,
+        32 + 8 * max,
+        (((1u64 << 40) - 1) << 24) | (old & 0xff_ffff),
+    );
     restamp(&mut damaged.metadata, leaf, BlockKind::Node);
     damaged.what = vec![format!("leaf {leaf}: first mapping to data block 2^40 - 1")];
     let report = check_before_open(

@@ -136,6 +136,40 @@ fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> {
     Ok(())
 }
 
+/// Which data blocks the volumes map, and which of them a volume would write in place
+/// (two bits a data block; built only for a pool opened read-write, whose data space map
+/// the check bounded by the data device).
+struct Sharing {
+    seen: Vec<u64>,
+    in_place: Vec<u64>,
+}
+
+impl Sharing {
+    fn new(data_blocks: u64) -> Sharing {
+        let words = usize::try_from(data_blocks.div_ceil(64)).unwrap_or(0);
+        Sharing {
+            seen: vec![0; words],
+            in_place: vec![0; words],
+        }
+    }
+
+    /// One more mapping of `block` (below the data space map's size); false if it is
+    /// mapped twice and either mapping would write it in place.
+    fn claim(&mut self, block: u64, in_place: bool) -> bool {
+        let (word, bit) = ((block / 64) as usize, 1u64 << (block % 64));
+        let (Some(seen), Some(exclusive)) = (self.seen.get_mut(word), self.in_place.get_mut(word))
+        else {
+            return false;
+        };
+        let conflict = *seen & bit != 0 && (in_place || *exclusive & bit != 0);
+        *seen |= bit;
+        if in_place {
+            *exclusive |= bit;
+        }
+        !conflict
+    }
+}
+
 /// Problems of a failed check quoted in the error.
 const CHECK_PROBLEMS_SHOWN: usize = 10;
 
@@ -152,7 +186,9 @@ fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: u64) -> Res
     for problem in report.problems.iter().take(CHECK_PROBLEMS_SHOWN) {
         findings.push_str(&format!("\n  {problem}"));
     }
-    let more = report.fatal_count.saturating_sub(CHECK_PROBLEMS_SHOWN as u64);
+    let more = report
+        .fatal_count
+        .saturating_sub(CHECK_PROBLEMS_SHOWN as u64);
     if more > 0 {
         findings.push_str(&format!("\n  ... and {more} more"));
     }
@@ -167,11 +203,13 @@ fn load_volumes(
     md: &PoolMetadata,
     catalog: &Catalog,
     block_size_bytes: u64,
+    writable: bool,
 ) -> Result<BTreeMap<String, Arc<VolumeState>>> {
     let mut volumes = BTreeMap::new();
     // Every mapping read from disk is bounded before the index holds it: its data block
     // inside the data space map, the count the details give.
     let data_blocks = md.data_space_map().block_count();
+    let mut sharing = writable.then(|| Sharing::new(data_blocks));
     for v in &catalog.volumes {
         let details = md.details(v.id)?;
         let block_count = v.size_bytes.div_ceil(block_size_bytes);
@@ -190,6 +228,20 @@ fn load_volumes(
                     "volume {:?} maps block {block} beyond its size of {} bytes",
                     v.name, v.size_bytes
                 )));
+            }
+            if let Some(sharing) = sharing.as_mut() {
+                // Written in place unless older than the volume's last snapshot: such a
+                // block must be this volume's alone.
+                let in_place = mapping.time().get() >= details.snapshotted_time;
+                let references = md.data_space_map().count(data_block);
+                if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
+                    return Err(Error::Corrupt(format!(
+                        "volume {:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
+                        v.name,
+                        mapping.time().get(),
+                        details.snapshotted_time
+                    )));
+                }
             }
             index.set(block, mapping);
             mapped += 1;
@@ -355,7 +407,7 @@ impl Pool {
             md.commit()?;
         }
         let time = md.pool_time()?;
-        let volumes = load_volumes(&md, &catalog, block_size_bytes)?;
+        let volumes = load_volumes(&md, &catalog, block_size_bytes, mode != PoolMode::ReadOnly)?;
         let shared = Arc::new(Shared::new(
             data,
             metadata,

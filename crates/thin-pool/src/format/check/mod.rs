@@ -42,8 +42,8 @@ pub use report::{Problem, Report, Rule, Severity, Structure, Summary, PROBLEMS_M
 
 use crate::format::superblock as superblock_codec;
 use counts::Counts;
-use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::block_manager::BlockManager;
+use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::BlockDevice;
 use std::fmt;
