@@ -59,13 +59,16 @@ const DEFAULT_BUDGET: Duration = Duration::from_secs(30);
 // ---------------------------------------------------------------------------------------
 // The pristine pool.
 
+/// A virtual block and the first bytes it held.
+type Probe = (u64, Vec<u8>);
+
 /// A pool image: metadata blocks, data, catalog, and what each volume's mapped blocks hold.
 struct Image {
     metadata: Vec<u8>,
     data: Arc<Vec<u8>>,
     catalog: Catalog,
     /// Per volume: (virtual block, probe of its first bytes) for every block written.
-    contents: Vec<(String, Vec<(u64, Vec<u8>)>)>,
+    contents: Vec<(String, Vec<Probe>)>,
     /// Kind of every metadata block whose checksum is valid.
     kinds: Vec<Option<BlockKind>>,
 }

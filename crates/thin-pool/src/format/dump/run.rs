@@ -12,7 +12,7 @@ use super::Mapping;
 /// Collects single mappings into maximal runs.
 ///
 /// ```
-/// use thin_pool::dump::{Mapping, RunBuilder};
+/// use thin_pool::format::dump::{Mapping, RunBuilder};
 /// let mut runs = RunBuilder::new();
 /// assert_eq!(runs.push(0, 100, 1), None);
 /// assert_eq!(runs.push(1, 101, 1), None);
