@@ -13,6 +13,10 @@
 //! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
 //! are separate NBD servers, each with its own connection limits).
 //!
+//! Before the pool opens read-write its metadata is checked (thin_check's rules, as LVM runs
+//! thin_check before activation): metadata that fails is not served, and the error lists
+//! what the check found; `--skip-check` opens it regardless.
+//!
 //! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
 //! the control socket closes (idle clients are cut, running requests get a few seconds), the
 //! NBD listeners close and connections finish their requests (cut off after a grace period),
