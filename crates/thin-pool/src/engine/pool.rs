@@ -138,7 +138,7 @@ fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> {
 
 /// Which data blocks the volumes map, and which of them a volume would write in place
 /// (two bits a data block; built only for a pool opened read-write, whose data space map
-/// the check bounded by the data device).
+/// is no larger than the data device: `open_parts` refuses one that is).
 struct Sharing {
     seen: Vec<u64>,
     in_place: Vec<u64>,
