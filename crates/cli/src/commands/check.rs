@@ -76,6 +76,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             ToolsVersion::V0_9 => LeafOccupancy::Strict,
         },
         metadata_snap: args.metadata_snap,
+        data_device_bytes: None,
     };
     let mut display = Display::new(args.quiet);
     let report = check::check(device, &options, &mut |progress| display.update(progress));

@@ -13,6 +13,10 @@
 //! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
 //! are separate NBD servers, each with its own connection limits).
 //!
+//! Before the pool opens read-write its metadata is checked (thin_check's rules, as LVM runs
+//! thin_check before activation): metadata that fails is not served, and the error lists
+//! what the check found; `--skip-check` opens it regardless.
+//!
 //! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
 //! the control socket closes (idle clients are cut, running requests get a few seconds), the
 //! NBD listeners close and connections finish their requests (cut off after a grace period),
@@ -87,6 +91,11 @@ pub struct Args {
     /// Most NBD connections from one peer (uid on the Unix socket, address on TCP).
     #[arg(long = "connections-per-peer-max", value_name = "N", default_value_t = nbd::Config::default().connections_per_peer_max)]
     connections_per_peer_max: usize,
+    /// Open the pool without checking its metadata first (the check, thin_check's rules,
+    /// refuses metadata that could make one volume's writes land on another's data; skip it
+    /// only if you accept that risk).
+    #[arg(long = "skip-check")]
+    skip_check: bool,
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
@@ -105,7 +114,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     dir.require_pool()?;
     super::restore::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(&dir)?;
-    let pool = match Pool::open(&dir.path, options.pool_options()) {
+    // Pool::open checks the metadata before opening it read-write (as LVM runs thin_check
+    // before activation), unless told not to.
+    let pool_options = thin_pool::PoolOptions {
+        skip_check: args.skip_check,
+        ..options.pool_options()
+    };
+    let pool = match Pool::open(&dir.path, pool_options) {
         Ok(pool) => pool,
         Err(thin_pool::Error::Locked { .. }) => bail!(
             "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`)",

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// Largest volume size accepted, in bytes.
-const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
+pub(crate) const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
 
 impl Pool {
     /// Create a thin volume of `size_bytes` (a multiple of 512).

@@ -22,6 +22,10 @@ pub struct PoolOptions {
     pub low_water_mark_blocks: u64,
     /// Commit this often when something changed (None: only on flush and management).
     pub commit_interval: Option<Duration>,
+    /// Open read-write without checking the metadata first (the check, thin_check's rules,
+    /// refuses metadata whose damage could make one volume's writes land on another's
+    /// data).
+    pub skip_check: bool,
     /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
     #[doc(hidden)]
     pub fault_hook: Option<FaultHook>,
@@ -78,6 +82,7 @@ impl Default for PoolOptions {
             low_water_mark_blocks: 0,
             commit_interval: Some(Duration::from_secs(1)),
             fault_hook: None,
+            skip_check: false,
         }
     }
 }

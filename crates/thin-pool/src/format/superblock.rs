@@ -26,6 +26,7 @@
 use crate::ids::DATA_BLOCK_MAX;
 use persistent_data::block_manager::BlockManager;
 use persistent_data::checksum::{self, BlockKind};
+use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::SpaceMapRoot;
 use persistent_data::{Block, Error as PdError, MetadataBlock, BLOCK_SIZE};
 use std::fmt;
@@ -292,6 +293,18 @@ impl Unchecked {
             return Err(PdError::corrupt(
                 location,
                 format!("superblock data space map has {data_blocks} blocks, beyond 2^40"),
+            ));
+        }
+        // Each bitmap of the data space map is a metadata block: a count whose bitmaps
+        // could not fit the device is corrupt (and would size the in-core map from a
+        // number nothing on disk backs).
+        let bitmaps = data_blocks.div_ceil(ENTRIES_PER_BITMAP);
+        if bitmaps > device_block_count {
+            return Err(PdError::corrupt(
+                location,
+                format!(
+                    "superblock data space map has {data_blocks} blocks: its {bitmaps} bitmaps cannot fit the device's {device_block_count} blocks"
+                ),
             ));
         }
         Ok(sb)

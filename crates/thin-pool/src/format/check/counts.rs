@@ -1,31 +1,60 @@
 //! The reference counts the checker recomputes while walking: one per metadata block and
-//! one per data block, in arrays sized by the devices (never by the number of mappings).
+//! one per data block. Storage is bounded by what is present, never by a number read from
+//! disk alone: a dense array (one byte a block) when the block count is plausible, else a
+//! sparse map holding only the blocks a reference was found for (bounded by the mappings,
+//! and so by the metadata device).
 
 use std::collections::HashMap;
+
+/// Largest block count given a dense array (one byte a block: 64 MiB).
+pub(super) const DENSE_MAX: u64 = 1 << 26;
 
 /// Reference counts for every block of a device: one byte each, counts of 255 and more in
 /// a map.
 #[derive(Debug)]
 pub(super) struct Counts {
-    small: Vec<u8>,
+    /// Blocks counted (references at or beyond are the caller's to refuse).
+    len: u64,
+    small: Small,
     big: HashMap<u64, u32>,
 }
 
+#[derive(Debug)]
+enum Small {
+    Dense(Vec<u8>),
+    Sparse(HashMap<u64, u8>),
+}
+
 impl Counts {
-    pub(super) fn new(block_count: u64) -> Counts {
+    /// Counts for `block_count` blocks: dense up to `dense_max` blocks, sparse beyond.
+    pub(super) fn new(block_count: u64, dense_max: u64) -> Counts {
+        let small = match usize::try_from(block_count) {
+            Ok(n) if block_count <= dense_max => Small::Dense(vec![0; n]),
+            _ => Small::Sparse(HashMap::new()),
+        };
         Counts {
-            small: vec![0; usize::try_from(block_count).expect("block count fits memory")],
+            len: block_count,
+            small,
             big: HashMap::new(),
         }
     }
 
     pub(super) fn len(&self) -> u64 {
-        self.small.len() as u64
+        self.len
     }
 
-    /// Add one reference to `block` (which must be below `len()`).
+    /// Add one reference to `block` (ignored at or beyond `len()`: callers refuse those).
     pub(super) fn inc(&mut self, block: u64) {
-        let slot = &mut self.small[block as usize];
+        if block >= self.len {
+            return;
+        }
+        let slot = match &mut self.small {
+            Small::Dense(v) => match v.get_mut(block as usize) {
+                Some(slot) => slot,
+                None => return,
+            },
+            Small::Sparse(map) => map.entry(block).or_insert(0),
+        };
         if *slot < u8::MAX {
             *slot += 1;
             if *slot == u8::MAX {
@@ -38,9 +67,42 @@ impl Counts {
     }
 
     pub(super) fn get(&self, block: u64) -> u32 {
-        match self.small[block as usize] {
+        let small = match &self.small {
+            Small::Dense(v) => v.get(block as usize).copied().unwrap_or(0),
+            Small::Sparse(map) => map.get(&block).copied().unwrap_or(0),
+        };
+        match small {
             u8::MAX => self.big.get(&block).copied().unwrap_or(u32::from(u8::MAX)),
             small => u32::from(small),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dense_and_sparse_count_alike() {
+        for dense_max in [0, 1 << 20] {
+            let mut counts = Counts::new(1000, dense_max);
+            for _ in 0..300 {
+                counts.inc(7);
+            }
+            counts.inc(999);
+            counts.inc(1000);
+            assert_eq!(counts.get(7), 300);
+            assert_eq!(counts.get(999), 1);
+            assert_eq!(counts.get(1000), 0);
+            assert_eq!(counts.get(3), 0);
+        }
+    }
+
+    #[test]
+    fn a_huge_count_allocates_nothing_up_front() {
+        let mut counts = Counts::new(u64::MAX, DENSE_MAX);
+        counts.inc(1 << 40);
+        assert_eq!(counts.get(1 << 40), 1);
+        assert_eq!(counts.len(), u64::MAX);
     }
 }

@@ -40,8 +40,10 @@ mod trees;
 
 pub use report::{Problem, Report, Rule, Severity, Structure, Summary, PROBLEMS_MAX};
 
+use crate::format::superblock as superblock_codec;
 use counts::Counts;
 use persistent_data::block_manager::BlockManager;
+use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::BlockDevice;
 use std::fmt;
@@ -79,6 +81,10 @@ pub struct CheckOptions {
     /// Check the trees of the metadata snapshot instead of the live ones, without the
     /// space maps (`--metadata-snap`).
     pub metadata_snap: bool,
+    /// The data device's size in bytes, when it is known (`serve`'s check before opening
+    /// a pool): a data space map larger than the device is fatal, and the per-data-block
+    /// counts are sized by the device.
+    pub data_device_bytes: Option<u64>,
 }
 
 /// A phase of the check.
@@ -181,7 +187,12 @@ pub fn check(
         return walker.report;
     }
     let data_block_count = sb.data_space_map.block_count;
-    let mut data_counts = Counts::new(data_block_count);
+    let data_sm_plausible = check_data_size(&mut walker, &sb, options, metadata_blocks);
+    // Dense counts for what the data device (or a modest default) holds; a larger count
+    // read from disk gets a sparse map, bounded by the mappings actually found.
+    let data_device_blocks = data_device_blocks(&sb, options).unwrap_or(0);
+    let dense_max = counts::DENSE_MAX.max(data_device_blocks);
+    let mut data_counts = Counts::new(data_block_count, dense_max);
     trees::check(&mut walker, &sb, options, Some(&mut data_counts));
     if let Some(snap) = &snapshot {
         trees::check(&mut walker, snap, options, Some(&mut data_counts));
@@ -189,6 +200,67 @@ pub fn check(
     if options.skip_mappings {
         return walker.report;
     }
-    space_map::check(&mut walker, &sb, &data_counts);
+    space_map::check(&mut walker, &sb, &data_counts, data_sm_plausible);
     walker.report
+}
+
+/// Blocks of the data device, when its size is known and the block size valid.
+fn data_device_blocks(sb: &superblock_codec::Superblock, options: &CheckOptions) -> Option<u64> {
+    let block_bytes = u64::from(sb.data_block_size_sectors) * 512;
+    options
+        .data_device_bytes
+        .filter(|_| block_bytes > 0)
+        .map(|bytes| bytes / block_bytes)
+}
+
+/// Bound the data space map's `nr_blocks` by what is present: its bitmaps must fit the
+/// metadata space map (each is a metadata block), and, when the data device's size is
+/// known, its blocks the data device. Returns whether the data space map can be read
+/// (false: its bitmaps cannot exist, so it is not read; the problem is reported).
+fn check_data_size(
+    walker: &mut Walker<'_>,
+    sb: &superblock_codec::Superblock,
+    options: &CheckOptions,
+    metadata_blocks: u64,
+) -> bool {
+    let data_blocks = sb.data_space_map.block_count;
+    let bitmaps = data_blocks.div_ceil(ENTRIES_PER_BITMAP);
+    let mut plausible = true;
+    if bitmaps > metadata_blocks {
+        walker.report.push(superblock::problem(
+            Severity::Fatal,
+            Rule::DataDeviceSize,
+            format!(
+                "data space map has {data_blocks} blocks: its {bitmaps} bitmaps cannot fit the metadata space map's {metadata_blocks} blocks"
+            ),
+        ));
+        plausible = false;
+    }
+    if let Some(device_blocks) = data_device_blocks(sb, options) {
+        if data_blocks > device_blocks {
+            walker.report.push(superblock::problem(
+                Severity::Fatal,
+                Rule::DataDeviceSize,
+                format!(
+                    "data space map has {data_blocks} blocks; the data device holds {device_blocks}"
+                ),
+            ));
+        }
+    }
+    plausible
+}
+
+/// The check a server runs before it opens a pool read-write (as LVM runs thin_check
+/// before activating one): every rule, thin_check 1.x's occupancy rule, the data space map
+/// bounded by the data device of `data_device_bytes`. The pool may be opened read-write
+/// only if the report [`passes`](Report::passes) with non-fatal problems ignored (a leaked
+/// metadata block harms no volume).
+pub fn check_before_open(metadata: Arc<dyn BlockDevice>, data_device_bytes: u64) -> Report {
+    let options = CheckOptions {
+        leaf_occupancy: LeafOccupancy::SkipBottomLeaves,
+        ignore_non_fatal: true,
+        data_device_bytes: Some(data_device_bytes),
+        ..CheckOptions::default()
+    };
+    check(metadata, &options, &mut |_| {})
 }

@@ -93,6 +93,9 @@ pub enum Rule {
     MetadataUnderCount,
     /// §11.14: a data block's stored count differs from the leaves referencing it.
     DataCount,
+    /// The data space map's `nr_blocks` is more than its bitmaps could be (each is a
+    /// metadata block) or, when the data device is known, more than it holds.
+    DataDeviceSize,
 }
 
 impl fmt::Display for Rule {
@@ -123,6 +126,7 @@ impl fmt::Display for Rule {
             Rule::MetadataOverCount => f.write_str("metadata reference count too high"),
             Rule::MetadataUnderCount => f.write_str("metadata reference count too low"),
             Rule::DataCount => f.write_str("data reference count"),
+            Rule::DataDeviceSize => f.write_str("data space map size"),
         }
     }
 }

@@ -16,10 +16,21 @@ use std::collections::HashMap;
 
 /// Read both space maps of the live superblock `sb` and compare their counts with the
 /// walk's: the data map's with `data_counts`, the metadata map's with the walker's.
-pub(super) fn check(walker: &mut Walker<'_>, sb: &Superblock, data_counts: &Counts) {
+/// `data_sm_plausible` false (its bitmaps could not fit the metadata; already reported):
+/// the data space map is not read.
+pub(super) fn check(
+    walker: &mut Walker<'_>,
+    sb: &Superblock,
+    data_counts: &Counts,
+    data_sm_plausible: bool,
+) {
     // Counts below a broken tree are unknown: comparing them would only add noise, so
     // counts are compared only while no structural problem was found.
-    let data_sm = read_data(walker, &sb.data_space_map);
+    let data_sm = if data_sm_plausible {
+        read_data(walker, &sb.data_space_map)
+    } else {
+        None
+    };
     let structural_fatal = walker.report.fatal_count;
     if let (Some(stored), 0) = (data_sm, structural_fatal) {
         compare_counts(walker, Structure::DataSpaceMap, &stored, data_counts);
@@ -31,7 +42,7 @@ pub(super) fn check(walker: &mut Walker<'_>, sb: &Superblock, data_counts: &Coun
         structural_fatal,
         walker.report.fatal_count == after_data,
     ) {
-        let expected = std::mem::replace(&mut walker.counts, Counts::new(0));
+        let expected = std::mem::replace(&mut walker.counts, Counts::new(0, 0));
         compare_counts(walker, Structure::MetadataSpaceMap, &stored, &expected);
         walker.counts = expected;
     }

@@ -100,10 +100,11 @@ impl<'a> Walker<'a> {
         report: Report,
         progress: &'a mut dyn FnMut(Progress),
     ) -> Walker<'a> {
-        let n = usize::try_from(block_count).expect("metadata block count fits memory");
+        // The caller bounds `block_count` by the metadata device (and METADATA_BLOCKS_MAX).
+        let n = usize::try_from(block_count).unwrap_or(0);
         Walker {
             bm,
-            counts: Counts::new(block_count),
+            counts: Counts::new(block_count, u64::MAX),
             height: vec![UNVISITED; n],
             entries: vec![0; n],
             bottom_leaf_occupancy,
