@@ -1,0 +1,295 @@
+//! Serving a checked request: calling the export, then writing the reply in the style the
+//! handshake negotiated (simple, structured or extended).
+//!
+//! Invariants: every request that reaches [`Connection::run`] gets exactly one reply; a panic
+//! in the export becomes an I/O error reply for that request alone ([`call_export`]); every
+//! reply goes out whole in one vectored write under the writer lock, so replies never
+//! interleave byte-wise, and once a write fails (or a thread panicked mid-reply) the
+//! connection is marked broken, its socket shut, and nothing more is written.
+
+use std::io::IoSlice;
+use std::net::Shutdown;
+use std::sync::atomic::Ordering;
+
+use super::{Connection, Job, Scratch};
+use crate::error::{nbd_error_code, Error, ErrorKind, Result};
+use crate::export::ZeroOptions;
+use crate::handshake::ReplyStyle;
+use crate::protocol::{
+    self, chunk, command, command_flags, encode_simple_reply, state, ChunkHeader, Descriptor,
+    Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
+};
+use crate::stream::write_all_vectored;
+
+impl Connection {
+    pub(super) fn run(&self, job: &Job, scratch: &mut Scratch) {
+        let request = &job.request;
+        let fua = request.flags & command_flags::FUA != 0;
+        let export = self.export.as_ref();
+        let result = match request.command {
+            command::READ => return self.run_read(request, scratch),
+            command::BLOCK_STATUS => return self.run_block_status(request),
+            command::WRITE => call_export(request, || {
+                export.write_at(request.offset, scratch.current(job.payload_length), fua)
+            }),
+            command::FLUSH => call_export(request, || export.flush()),
+            command::TRIM => {
+                call_export(request, || export.trim(request.offset, request.length, fua))
+            }
+            command::CACHE => call_export(request, || export.cache(request.offset, request.length)),
+            command::WRITE_ZEROES => {
+                let fast = request.flags & command_flags::FAST_ZERO != 0;
+                let options = ZeroOptions {
+                    may_trim: request.flags & command_flags::NO_HOLE == 0,
+                    fast,
+                    fua,
+                };
+                call_export(request, || {
+                    export.write_zeroes(request.offset, request.length, options)
+                })
+                .map_err(|error| {
+                    if !fast && error.kind() == ErrorKind::NotSupported {
+                        // ENOTSUP is reserved for refused fast zeroes.
+                        Error::Export {
+                            kind: ErrorKind::Io,
+                            context: "write zeroes failed".to_owned(),
+                            source: Some(Box::new(error)),
+                        }
+                    } else {
+                        error
+                    }
+                })
+            }
+            other => unreachable!("command {other} passed the checks"),
+        };
+        match result {
+            Ok(()) => self.reply_done(request),
+            Err(error) => self.reply_error(request, &error),
+        }
+    }
+
+    fn run_read(&self, request: &Request, scratch: &mut Scratch) {
+        let length = usize::try_from(request.length).expect("read length checked");
+        let buffer = scratch.prepare(length);
+        let export = self.export.as_ref();
+        match call_export(request, || export.read_at(request.offset, buffer)) {
+            Ok(()) => self.reply_data(request, buffer),
+            Err(error) => self.reply_error(request, &error),
+        }
+    }
+
+    fn run_block_status(&self, request: &Request) {
+        let id = self
+            .base_allocation_id
+            .expect("checked before dispatch: context selected");
+        let one = request.flags & command_flags::REQ_ONE != 0;
+        let extents_max = if one { 1 } else { EXTENTS_PER_REPLY_MAX };
+        let export = self.export.as_ref();
+        let result = call_export(request, || {
+            export.block_status(request.offset, request.length, extents_max)
+        })
+        .and_then(|extents| {
+            descriptors(
+                &extents,
+                request.length,
+                extents_max,
+                self.export.as_ref().name(),
+            )
+        });
+        match result {
+            Ok(descriptors) => {
+                let chunk_type = match self.style {
+                    ReplyStyle::Extended => chunk::BLOCK_STATUS_EXT,
+                    _ => chunk::BLOCK_STATUS,
+                };
+                let payload = protocol::encode_block_status(self.header_style(), id, &descriptors);
+                self.reply_chunk(request, chunk_type, &[&payload]);
+            }
+            Err(error) => self.reply_error(request, &error),
+        }
+    }
+
+    /// Writes one reply with a single vectored write; a failure marks the connection broken
+    /// and shuts the socket so the reader stops too.
+    fn send(&self, buffers: &mut [IoSlice<'_>]) {
+        let mut writer = match self.writer.lock() {
+            Ok(writer) => writer,
+            Err(poisoned) => {
+                // A thread panicked mid-reply: the stream may hold half a reply, so nothing
+                // more can be framed on it (see [`crate::sync`]).
+                self.broken.store(true, Ordering::SeqCst);
+                let _ = poisoned.into_inner().shutdown(Shutdown::Both);
+                return;
+            }
+        };
+        if self.broken.load(Ordering::SeqCst) {
+            return;
+        }
+        if write_all_vectored(&mut *writer, buffers).is_err() {
+            self.broken.store(true, Ordering::SeqCst);
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+    }
+
+    fn reply_chunk(&self, request: &Request, chunk_type: u16, payload: &[&[u8]]) {
+        let header = ChunkHeader {
+            flags: REPLY_FLAG_DONE,
+            chunk_type,
+            cookie: request.cookie,
+            offset: request.offset,
+            payload_length: payload.iter().map(|part| part.len() as u64).sum(),
+        }
+        .encode(self.header_style());
+        let mut buffers = [IoSlice::new(&[]); 3];
+        buffers[0] = IoSlice::new(header.as_slice());
+        assert!(payload.len() < buffers.len(), "too many payload parts");
+        for (slot, part) in buffers[1..].iter_mut().zip(payload) {
+            *slot = IoSlice::new(part);
+        }
+        self.send(&mut buffers[..1 + payload.len()]);
+    }
+
+    /// Success without data.
+    fn reply_done(&self, request: &Request) {
+        match self.style {
+            ReplyStyle::Simple | ReplyStyle::Structured => {
+                let header = encode_simple_reply(0, request.cookie);
+                self.send(&mut [IoSlice::new(&header)]);
+            }
+            ReplyStyle::Extended => self.reply_chunk(request, chunk::NONE, &[]),
+        }
+    }
+
+    fn reply_data(&self, request: &Request, data: &[u8]) {
+        match self.style {
+            ReplyStyle::Simple => {
+                let header = encode_simple_reply(0, request.cookie);
+                self.send(&mut [IoSlice::new(&header), IoSlice::new(data)]);
+            }
+            _ if data.is_empty() => self.reply_chunk(request, chunk::NONE, &[]),
+            _ => {
+                let offset = protocol::encode_offset(request.offset);
+                self.reply_chunk(request, chunk::OFFSET_DATA, &[&offset, data]);
+            }
+        }
+    }
+
+    pub(super) fn reply_error(&self, request: &Request, error: &Error) {
+        let code = nbd_error_code(error);
+        match self.style {
+            ReplyStyle::Simple => {
+                let header = encode_simple_reply(code, request.cookie);
+                self.send(&mut [IoSlice::new(&header)]);
+            }
+            ReplyStyle::Structured | ReplyStyle::Extended => {
+                let payload = protocol::encode_error_payload(code, &error.to_string());
+                self.reply_chunk(request, chunk::ERROR, &[&payload]);
+            }
+        }
+    }
+}
+
+/// Turns the export's extents into wire descriptors for a request of `length` bytes: drops
+/// empty extents, merges neighbours with equal flags, stops at the request end (clipping the
+/// last one) and at `descriptors_max`.
+fn descriptors(
+    extents: &[crate::export::Extent],
+    length: u64,
+    descriptors_max: usize,
+    export_name: &str,
+) -> Result<Vec<Descriptor>> {
+    let mut out: Vec<Descriptor> = Vec::new();
+    let mut covered = 0u64;
+    for extent in extents {
+        if covered >= length {
+            break;
+        }
+        if extent.length_bytes == 0 {
+            continue;
+        }
+        let flags =
+            if extent.hole { state::HOLE } else { 0 } | if extent.zero { state::ZERO } else { 0 };
+        let piece = extent.length_bytes.min(length - covered);
+        covered += piece;
+        let full = out.len() >= descriptors_max;
+        match out.last_mut() {
+            Some(last) if last.flags == flags => last.length += piece,
+            _ if full => break,
+            _ => out.push(Descriptor {
+                length: piece,
+                flags,
+            }),
+        }
+    }
+    if out.is_empty() {
+        return Err(Error::export(
+            ErrorKind::Io,
+            format!("export {export_name} returned no extents"),
+        ));
+    }
+    Ok(out)
+}
+
+/// Calls the export for `request`, turning a panic in it into an I/O error for that request
+/// alone: the request is answered and its budget released like any failed request, and the
+/// threads and locks of the session stay usable (the export's own state is its business; an
+/// export that cannot go on after a panic fails its later requests itself).
+fn call_export<T>(request: &Request, call: impl FnOnce() -> Result<T>) -> Result<T> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)) {
+        Ok(result) => result,
+        Err(_) => Err(Error::Export {
+            kind: ErrorKind::Io,
+            context: format!(
+                "the export panicked serving command {} at offset {}",
+                request.command, request.offset
+            ),
+            source: None,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::Extent;
+
+    fn extent(length_bytes: u64, hole: bool) -> Extent {
+        Extent {
+            length_bytes,
+            hole,
+            zero: hole,
+        }
+    }
+
+    #[test]
+    fn descriptors_merge_clip_and_cap() {
+        let extents = [
+            extent(512, true),
+            extent(512, true),
+            extent(0, false),
+            extent(1024, false),
+            extent(4096, true),
+        ];
+        let out = descriptors(&extents, 2048 + 512, 100, "e").unwrap();
+        assert_eq!(
+            out,
+            vec![
+                Descriptor {
+                    length: 1024,
+                    flags: 3
+                },
+                Descriptor {
+                    length: 1024,
+                    flags: 0
+                },
+                Descriptor {
+                    length: 512,
+                    flags: 3
+                },
+            ]
+        );
+        let one = descriptors(&extents, 4096, 1, "e").unwrap();
+        assert_eq!(one.len(), 1);
+        assert!(descriptors(&[], 512, 1, "e").is_err());
+    }
+}

@@ -1,0 +1,410 @@
+//! The read side of a connection: the buffered socket ([`Input`]) and reading, checking and
+//! taking the next request ([`Connection::next`]).
+//!
+//! Invariants: bytes are consumed from the socket only under the input lock, whole requests
+//! at a time (header, then its payload or its discarding), so the stream stays framed
+//! between requests; a request becomes a [`Job`] only after [`Connection::check`] passed it
+//! (range inside the export, aligned, payload within [`PAYLOAD_LENGTH_MAX`], known command and
+//! flags) and its budget is reserved, and the budget is released again if its payload cannot
+//! be read. A refused request's payload is discarded and an error reply is written before the
+//! next request is read.
+
+use std::io::{self, Read};
+use std::sync::atomic::Ordering;
+
+use super::{Connection, Job, Next, Scratch};
+use crate::error::{Error, ErrorKind, Result};
+use crate::handshake::ReplyStyle;
+use crate::protocol::{command, command_flags, Request, BLOCK_SIZE_MIN, PAYLOAD_LENGTH_MAX};
+use crate::stream::Stream;
+
+/// Size of each connection's input buffer: room for the headers of many queued requests in
+/// one `recv`. Bytes of a WRITE payload that land in it are copied out once.
+const INPUT_BUFFER_BYTES: usize = 64 * 1024;
+
+/// The read side of the socket, buffered, shared by the connection's threads under a lock.
+pub(super) struct Input {
+    stream: Stream,
+    buffer: Box<[u8]>,
+    /// Unconsumed bytes are `buffer[start..end]`.
+    start: usize,
+    end: usize,
+    /// Reading has stopped; every thread that takes the input from now on leaves.
+    pub(super) ended: bool,
+    /// Why reading stopped, if not cleanly.
+    pub(super) error: Option<Error>,
+    /// Read timeouts in a row with nothing received (and, between requests, nothing in
+    /// flight); reset by every byte received.
+    pub(super) quiet_ticks: u32,
+    idle_ticks_max: u32,
+}
+
+impl Input {
+    pub(super) fn new(stream: Stream, idle_ticks_max: u32) -> Self {
+        Input {
+            stream,
+            buffer: vec![0u8; INPUT_BUFFER_BYTES].into_boxed_slice(),
+            start: 0,
+            end: 0,
+            ended: false,
+            error: None,
+            quiet_ticks: 0,
+            idle_ticks_max,
+        }
+    }
+
+    pub(super) fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Stops reading; the first reason given is kept.
+    pub(super) fn stop(&mut self, result: Result<()>) {
+        if !self.ended {
+            self.ended = true;
+            self.error = result.err();
+        }
+    }
+
+    /// Buffers at least `length` bytes, reading as much as the socket has; `Ok(false)` if the
+    /// peer closed with nothing buffered. A read timeout comes back as an error (see
+    /// [`is_timeout`]) with what arrived so far kept, so the caller can decide to wait on.
+    fn fill(&mut self, length: usize) -> io::Result<bool> {
+        assert!(length <= self.buffer.len(), "fill beyond the input buffer");
+        if self.buffered() == 0 {
+            self.start = 0;
+            self.end = 0;
+        } else if self.start + length > self.buffer.len() {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        while self.buffered() < length {
+            match self.stream.read(&mut self.buffer[self.end..]) {
+                Ok(0) if self.buffered() == 0 => return Ok(false),
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(count) => {
+                    self.end += count;
+                    self.quiet_ticks = 0;
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Counts one quiet tick; an error once the connection has been quiet for too long.
+    fn count_quiet_tick(&mut self) -> io::Result<()> {
+        self.quiet_ticks += 1;
+        if self.quiet_ticks >= self.idle_ticks_max {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "idle timeout"));
+        }
+        Ok(())
+    }
+
+    /// One read into `target`, or into the whole input buffer if `None` (for discarding),
+    /// waiting through read timeouts until the connection has been quiet for the idle timeout
+    /// (a client may pause inside a payload, but not for longer than between requests); end
+    /// of stream is an error, since a request is incomplete.
+    fn read_patiently(&mut self, mut target: Option<&mut [u8]>) -> io::Result<usize> {
+        loop {
+            let result = match target.as_deref_mut() {
+                Some(target) => self.stream.read(target),
+                None => self.stream.read(&mut self.buffer),
+            };
+            match result {
+                Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Ok(count) => {
+                    self.quiet_ticks = 0;
+                    return Ok(count);
+                }
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) if is_timeout(&error) => self.count_quiet_tick()?,
+                Err(error) => return Err(error),
+            }
+        }
+    }
+
+    /// The next `length` buffered bytes, consumed; [`Input::fill`] must have buffered them.
+    fn consume(&mut self, length: usize) -> &[u8] {
+        assert!(
+            length <= self.buffered(),
+            "consume beyond the buffered bytes"
+        );
+        let bytes = &self.buffer[self.start..self.start + length];
+        self.start += length;
+        bytes
+    }
+
+    /// Fills `payload` from the buffer, then straight from the socket.
+    fn read_payload(&mut self, payload: &mut [u8]) -> io::Result<()> {
+        let from_buffer = self.buffered().min(payload.len());
+        payload[..from_buffer].copy_from_slice(&self.buffer[self.start..self.start + from_buffer]);
+        self.start += from_buffer;
+        let mut filled = from_buffer;
+        while filled < payload.len() {
+            filled += self.read_patiently(Some(&mut payload[filled..]))?;
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `length` payload bytes.
+    fn discard(&mut self, length: u64) -> io::Result<()> {
+        let from_buffer = (self.buffered() as u64).min(length);
+        self.start += from_buffer as usize;
+        let mut rest = length - from_buffer;
+        // Everything buffered is consumed now, so the buffer is free for the rest.
+        while rest > 0 {
+            self.start = 0;
+            self.end = 0;
+            let count = self.read_patiently(None)? as u64;
+            if count > rest {
+                // The bytes after the payload are the next requests: keep them.
+                self.start = rest as usize;
+                self.end = count as usize;
+            }
+            rest -= count.min(rest);
+        }
+        Ok(())
+    }
+}
+
+/// What the checks decided about one request.
+enum Verdict {
+    /// Serve it.
+    Run,
+    /// Answer at once with this error (after discarding any payload).
+    Refuse(Error),
+}
+
+impl Connection {
+    /// Reads and checks the next request; a WRITE payload goes into `scratch`.
+    pub(super) fn next(&self, input: &mut Input, scratch: &mut Scratch) -> Next {
+        if input.ended {
+            return Next::End;
+        }
+        match self.read_request(input, scratch) {
+            Ok(next) => next,
+            Err(error) => {
+                input.stop(Err(error));
+                Next::End
+            }
+        }
+    }
+
+    /// Buffers the next request header, waiting through the socket's read timeouts: with
+    /// requests in flight the connection is busy, not idle; otherwise each timeout is a quiet
+    /// tick, on which a thread other than the last leaves, and enough of them in a row end
+    /// the connection. `Ok(None)` if this thread should leave, `Ok(Some(false))` on a clean
+    /// hang-up.
+    fn fill_header(&self, input: &mut Input, size: usize) -> Result<Option<bool>> {
+        loop {
+            match input.fill(size) {
+                Ok(open) => return Ok(Some(open)),
+                Err(error) if is_timeout(&error) => {
+                    if self.in_flight.load(Ordering::SeqCst) > 0 {
+                        input.quiet_ticks = 0;
+                        continue;
+                    }
+                    if input.buffered() == 0 && self.leave_if_not_last() {
+                        input.quiet_ticks = input.quiet_ticks.max(1);
+                        return Ok(None);
+                    }
+                    input.count_quiet_tick().map_err(|e| {
+                        Error::io(
+                            format!(
+                                "closed after {} s without a request",
+                                self.idle_timeout.as_secs_f64()
+                            ),
+                            e,
+                        )
+                    })?;
+                }
+                Err(error) => return Err(Error::io("read request", error)),
+            }
+        }
+    }
+
+    fn read_request(&self, input: &mut Input, scratch: &mut Scratch) -> Result<Next> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err(Error::protocol("reply could not be sent"));
+        }
+        let style = self.header_style();
+        let size = style.request_size();
+        let Some(open) = self.fill_header(input, size)? else {
+            return Ok(Next::Leave);
+        };
+        if !open {
+            input.stop(Ok(()));
+            return Ok(Next::End);
+        }
+        let request = Request::parse(style, input.consume(size))?;
+        if request.command == command::DISC {
+            input.stop(Ok(()));
+            return Ok(Next::End);
+        }
+        let payload_length = self.payload_length(&request);
+        if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
+            // The payload cannot be skipped safely: answer, then hang up.
+            let error = Error::TooLong {
+                what: "request payload",
+                length: payload_length,
+                maximum: u64::from(PAYLOAD_LENGTH_MAX),
+            };
+            self.reply_error(&request, &error);
+            return Err(error);
+        }
+        match self.check(&request, payload_length) {
+            Verdict::Refuse(error) => {
+                input
+                    .discard(payload_length)
+                    .map_err(|e| Error::io("discard payload", e))?;
+                self.reply_error(&request, &error);
+                Ok(Next::Answered)
+            }
+            Verdict::Run => {
+                let reserved_bytes = match request.command {
+                    command::READ | command::WRITE => request.length,
+                    _ => 0,
+                };
+                self.acquire(reserved_bytes);
+                let payload_length =
+                    usize::try_from(payload_length).expect("payload length checked above");
+                if payload_length > 0 {
+                    if let Err(error) = input.read_payload(scratch.prepare(payload_length)) {
+                        self.release(reserved_bytes);
+                        scratch.shrink();
+                        return Err(Error::io("read write payload", error));
+                    }
+                }
+                Ok(Next::Run(Job {
+                    request,
+                    payload_length,
+                    reserved_bytes,
+                }))
+            }
+        }
+    }
+
+    /// Bytes of payload that follow the header of `request`.
+    fn payload_length(&self, request: &Request) -> u64 {
+        let flagged = request.flags & command_flags::PAYLOAD_LEN != 0;
+        match self.style {
+            ReplyStyle::Extended if flagged => request.length,
+            _ if request.command == command::WRITE => request.length,
+            _ => 0,
+        }
+    }
+
+    /// Checks a request before it may reach the export.
+    fn check(&self, request: &Request, payload_length: u64) -> Verdict {
+        let refuse =
+            |kind: ErrorKind, message: String| Verdict::Refuse(Error::export(kind, message));
+        let command = request.command;
+        let extended = self.style == ReplyStyle::Extended;
+        let mut flags_allowed = command_flags::FUA;
+        match command {
+            command::READ => flags_allowed |= command_flags::DF,
+            command::WRITE if extended => flags_allowed |= command_flags::PAYLOAD_LEN,
+            command::WRITE_ZEROES => {
+                flags_allowed |= command_flags::NO_HOLE;
+                if self.export.can_fast_zero() {
+                    flags_allowed |= command_flags::FAST_ZERO;
+                }
+            }
+            command::BLOCK_STATUS => flags_allowed |= command_flags::REQ_ONE,
+            command::WRITE | command::FLUSH | command::TRIM | command::CACHE => {}
+            _ => {
+                return refuse(
+                    ErrorKind::InvalidArgument,
+                    format!("unknown command {command}"),
+                )
+            }
+        }
+        if request.flags & !flags_allowed != 0 {
+            return refuse(
+                ErrorKind::InvalidArgument,
+                format!("flags {:#x} not valid for command {command}", request.flags),
+            );
+        }
+        if command != command::WRITE && payload_length > 0 {
+            return refuse(
+                ErrorKind::InvalidArgument,
+                format!("command {command} takes no payload"),
+            );
+        }
+        if command == command::FLUSH {
+            return Verdict::Run;
+        }
+        let writes = matches!(
+            command,
+            command::WRITE | command::TRIM | command::WRITE_ZEROES
+        );
+        if writes && self.export.read_only() {
+            return refuse(
+                ErrorKind::PermissionDenied,
+                "export is read-only".to_owned(),
+            );
+        }
+        let size = self.export.size_bytes();
+        let inside = request
+            .offset
+            .checked_add(request.length)
+            .is_some_and(|end| end <= size);
+        if !inside {
+            let kind = match command {
+                command::WRITE | command::WRITE_ZEROES => ErrorKind::NoSpace,
+                _ => ErrorKind::InvalidArgument,
+            };
+            return refuse(
+                kind,
+                format!(
+                    "offset {} length {} is outside the export of {size} bytes",
+                    request.offset, request.length
+                ),
+            );
+        }
+        let block = u64::from(BLOCK_SIZE_MIN);
+        if !request.offset.is_multiple_of(block) || !request.length.is_multiple_of(block) {
+            return refuse(
+                ErrorKind::InvalidArgument,
+                format!(
+                    "offset {} length {} not aligned to {block} bytes",
+                    request.offset, request.length
+                ),
+            );
+        }
+        if command == command::READ && request.length > u64::from(PAYLOAD_LENGTH_MAX) {
+            return refuse(
+                ErrorKind::Overflow,
+                format!(
+                    "read length {} exceeds the maximum {PAYLOAD_LENGTH_MAX}",
+                    request.length
+                ),
+            );
+        }
+        if command == command::BLOCK_STATUS {
+            if self.base_allocation_id.is_none() {
+                return refuse(
+                    ErrorKind::InvalidArgument,
+                    "no metadata context selected".to_owned(),
+                );
+            }
+            if request.length == 0 {
+                return refuse(
+                    ErrorKind::InvalidArgument,
+                    "block status of zero length".to_owned(),
+                );
+            }
+        }
+        Verdict::Run
+    }
+}
+
+/// True for the error a read gives when the socket's read timeout passes.
+fn is_timeout(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+    )
+}
