@@ -14,7 +14,7 @@
 //! - **End what the lock belongs to** where a panic can leave the protected thing mid-change:
 //!   a connection's input (a request half-read) and its reply stream (a reply half-written).
 //!   There the session stops reading, or marks the connection broken and shuts the socket,
-//!   instead of serving on from a torn stream; see `session.rs`.
+//!   instead of serving on from a torn stream; see `session.rs` (the input lock) and `session/dispatch.rs` (the writer lock).
 //!
 //! Plain `expect` on a lock result is not used in this crate or the binary.
 

@@ -25,9 +25,8 @@
 //! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
 
 use anyhow::{bail, Context};
-use std::collections::BTreeSet;
 use std::io::Write;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -37,13 +36,20 @@ use std::time::Duration;
 
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use thin_pool::{Pool, PoolMode};
+use thin_pool::Pool;
 
 use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
 use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
-use nbd::{Export, ExportListing, ExportRegistry};
+use nbd::ExportRegistry;
+
+mod shutdown;
+mod tcp;
+
+use shutdown::*;
+pub use tcp::parse_tcp_address;
+use tcp::*;
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -51,13 +57,6 @@ pub const NBD_PORT: u16 = 10809;
 const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 /// How long shutdown waits for NBD clients to finish before cutting them off.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
-/// Longest shutdown, commit included, before the process exits regardless. The steps are
-/// bounded on their own (control socket 5 s, NBD accept 2 s plus twice the grace), so this
-/// only fires if the final commit hangs in I/O.
-const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(60);
-/// Exit status when shutdown was cut short (second signal or deadline).
-const EXIT_FORCED: i32 = 2;
-
 /// Arguments.
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -225,236 +224,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(shut_down(control, servers, &pool))
 }
 
-/// Closes the control socket, then the NBD servers, then commits the pool, saying what each
-/// step did. Every step is bounded (see the module notes).
-fn shut_down(control: ControlServer, servers: Vec<nbd::Server>, pool: &Pool) -> ExitCode {
-    let control_report = control.shutdown();
-    eprintln!(
-        "thinpool: control socket closed ({} client{} disconnected{})",
-        control_report.clients_closed,
-        plural(control_report.clients_closed),
-        if control_report.requests_unfinished > 0 {
-            format!(
-                "; {} request{} still running after {} s",
-                control_report.requests_unfinished,
-                plural(control_report.requests_unfinished),
-                crate::control::STOP_WAIT.as_secs()
-            )
-        } else {
-            String::new()
-        }
-    );
-    let nbd_connections: usize = servers.iter().map(nbd::Server::connection_count).sum();
-    // Ask every server first, so their grace periods run at the same time.
-    for server in &servers {
-        server.shutdown_handle().request();
-    }
-    for server in servers {
-        server.shutdown();
-    }
-    eprintln!(
-        "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
-        plural(nbd_connections)
-    );
-    let close = pool.close();
-    let status = pool.status();
-    match close {
-        Ok(()) => match status.mode {
-            PoolMode::Write | PoolMode::OutOfDataSpace => {
-                eprintln!(
-                    "thinpool: stopped; pool committed at transaction {}",
-                    status.transaction_id
-                );
-                ExitCode::SUCCESS
-            }
-            mode => {
-                eprintln!(
-                    "thinpool: stopped; {}: nothing committed (the pool stays at transaction {})",
-                    uncommittable(mode, status.needs_check),
-                    status.transaction_id
-                );
-                ExitCode::SUCCESS
-            }
-        },
-        Err(error) => {
-            eprintln!(
-                "thinpool: stopped; commit failed: {error}; the pool stays at transaction {}",
-                status.transaction_id
-            );
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// How often the server looks whether the pool failed.
-const FAIL_WATCH_INTERVAL: Duration = Duration::from_secs(1);
-
-/// Say on stderr, once, when the pool goes to fail mode (a panic or an I/O failure inside
-/// the engine): the server keeps running and answering (every I/O gets EIO), and a restart
-/// opens the last committed state. The thread stops when the returned sender is dropped.
-fn start_fail_watch(
-    pool: Pool,
-) -> anyhow::Result<(std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>)> {
-    let (stop, stopped) = std::sync::mpsc::channel::<()>();
-    let thread = std::thread::Builder::new()
-        .name("fail-watch".into())
-        .spawn(move || {
-            while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
-                stopped.recv_timeout(FAIL_WATCH_INTERVAL)
-            {
-                let status = pool.status();
-                if status.mode == PoolMode::Fail {
-                    eprintln!(
-                        "thinpool: the pool failed ({}): every I/O now gets EIO; the last committed state is intact on disk, restart the server to reopen it",
-                        status.fail_reason.as_deref().unwrap_or("no reason recorded")
-                    );
-                    return;
-                }
-            }
-        })
-        .context("cannot start the fail-watch thread")?;
-    Ok((stop, thread))
-}
-
-fn signal_name(signal: i32) -> &'static str {
-    if signal == SIGINT {
-        "SIGINT"
-    } else {
-        "SIGTERM"
-    }
-}
-
-fn plural(count: usize) -> &'static str {
-    if count == 1 {
-        ""
-    } else {
-        "s"
-    }
-}
-
-/// Why a pool in `mode` takes no commit.
-fn uncommittable(mode: PoolMode, needs_check: bool) -> &'static str {
-    match mode {
-        PoolMode::ReadOnly if needs_check => "pool read-only (needs_check)",
-        PoolMode::ReadOnly => "pool read-only",
-        PoolMode::OutOfMetadataSpace => "pool out of metadata space",
-        PoolMode::Fail => "pool failed",
-        PoolMode::Write | PoolMode::OutOfDataSpace => "pool writable",
-    }
-}
-
-/// Bounds shutdown as a whole: after [`SHUTDOWN_DEADLINE`], or at a second SIGINT/SIGTERM,
-/// the process exits at once, as a crash would (the pool keeps its last commit; the commit
-/// protocol makes that safe at any point). Each step of shutdown is bounded on its own; this
-/// covers what is not, such as a data device that stops answering during the final commit.
-fn start_shutdown_watchdog(mut signals: Signals) -> anyhow::Result<()> {
-    std::thread::Builder::new()
-        .name("shutdown-signals".into())
-        .spawn(move || {
-            if let Some(signal) = signals.forever().next() {
-                eprintln!(
-                    "thinpool: {} again: exiting now; the pool keeps its last commit",
-                    signal_name(signal)
-                );
-                std::process::exit(EXIT_FORCED);
-            }
-        })
-        .context("cannot start the signal thread")?;
-    std::thread::Builder::new()
-        .name("shutdown-deadline".into())
-        .spawn(move || {
-            std::thread::sleep(SHUTDOWN_DEADLINE);
-            eprintln!(
-                "thinpool: shutdown did not finish within {} s: exiting now; the pool keeps its last commit",
-                SHUTDOWN_DEADLINE.as_secs()
-            );
-            std::process::exit(EXIT_FORCED);
-        })
-        .context("cannot start the shutdown deadline thread")?;
-    Ok(())
-}
-
-/// Who can reach the volumes through a TCP listener without TLS.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum TcpExposure {
-    /// Bound to a loopback address: every local user.
-    LocalUsers,
-    /// Bound to another address, allowed with `--insecure`: every host that reaches it.
-    Network,
-}
-
-impl TcpExposure {
-    /// The start-up warning; `exports` is the `--tcp-export` list, if any.
-    fn warning(self, bound: SocketAddr, exports: Option<&[String]>) -> String {
-        let what = match exports {
-            Some(names) => format!("the exports {}", names.join(", ")),
-            None => "every volume".to_string(),
-        };
-        match self {
-            TcpExposure::LocalUsers => format!(
-                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write {what} (the Unix socket is private to its owner)"
-            ),
-            TcpExposure::Network => format!(
-                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write {what}"
-            ),
-        }
-    }
-}
-
-/// The exports of another registry whose names are on a list (`--tcp-export`): others are
-/// neither listed nor opened, exactly as if they did not exist.
-struct AllowList {
-    inner: Arc<dyn ExportRegistry>,
-    names: BTreeSet<String>,
-}
-
-impl AllowList {
-    fn new(inner: Arc<dyn ExportRegistry>, names: &[String]) -> Self {
-        AllowList {
-            inner,
-            names: names.iter().cloned().collect(),
-        }
-    }
-}
-
-impl ExportRegistry for AllowList {
-    fn list(&self) -> Vec<ExportListing> {
-        let mut listing = self.inner.list();
-        listing.retain(|export| self.names.contains(&export.name));
-        listing
-    }
-
-    fn open(&self, name: &str) -> nbd::Result<Option<Arc<dyn Export>>> {
-        // A name off the list is not even opened (opening a volume counts as a user of it).
-        if !name.is_empty() && !self.names.contains(name) {
-            return Ok(None);
-        }
-        // The empty name means the default export, allowed only if its own name is listed.
-        Ok(self
-            .inner
-            .open(name)?
-            .filter(|export| self.names.contains(export.name())))
-    }
-}
-
-/// Decides whether a TCP listener on `address` may be opened, before it is bound. Without TLS
-/// (not implemented yet; `--tls-cert`/`--tls-key` will add a third case here), only loopback
-/// addresses are allowed unless `insecure`; the wildcard addresses (0.0.0.0, ::) are not
-/// loopback.
-fn tcp_exposure(address: SocketAddr, insecure: bool) -> anyhow::Result<TcpExposure> {
-    if address.ip().to_canonical().is_loopback() {
-        return Ok(TcpExposure::LocalUsers);
-    }
-    if insecure {
-        return Ok(TcpExposure::Network);
-    }
-    bail!(
-        "--tcp {address}: refusing to serve every volume without TLS or authentication on a non-loopback address; \
-         use a loopback address (127.0.0.1, ::1), or add --insecure if every host that reaches {} may read and write every volume",
-        address.ip()
-    )
-}
-
 /// Creates the default pool with its `disk` volume.
 fn create_default_pool(dir: &PoolDir) -> anyhow::Result<()> {
     create_pool(dir, &default_create_options(), StoredOptions::default())?;
@@ -469,35 +238,6 @@ fn create_default_pool(dir: &PoolDir) -> anyhow::Result<()> {
         format_size(DEFAULT_VOLUME_SIZE_BYTES)
     );
     Ok(())
-}
-
-/// Parses `--tcp`: `PORT` (on 127.0.0.1), `ADDR:PORT`, `[V6]:PORT`, or `ADDR` (port 10809).
-pub fn parse_tcp_address(text: &str) -> anyhow::Result<SocketAddr> {
-    if let Ok(port) = text.parse::<u16>() {
-        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
-    }
-    if let Some(port) = text.strip_prefix(':') {
-        let port: u16 = port
-            .parse()
-            .with_context(|| format!("--tcp {text:?}: bad port"))?;
-        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
-    }
-    if let Ok(address) = text.parse::<SocketAddr>() {
-        return Ok(address);
-    }
-    if let Ok(ip) = text.parse::<std::net::IpAddr>() {
-        return Ok(SocketAddr::new(ip, NBD_PORT));
-    }
-    let with_port = if text.contains(':') {
-        text.to_string()
-    } else {
-        format!("{text}:{NBD_PORT}")
-    };
-    with_port
-        .to_socket_addrs()
-        .with_context(|| format!("--tcp {text:?}: cannot resolve"))?
-        .next()
-        .with_context(|| format!("--tcp {text:?}: no address"))
 }
 
 /// Removes a socket file of ours nobody listens on (left by a server that was killed);
@@ -637,48 +377,6 @@ fn log_event(event: &nbd::Event) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn tcp_addresses_default_to_loopback() {
-        assert_eq!(
-            parse_tcp_address("10810").unwrap(),
-            "127.0.0.1:10810".parse().unwrap()
-        );
-        assert_eq!(
-            parse_tcp_address(":0").unwrap(),
-            "127.0.0.1:0".parse().unwrap()
-        );
-        assert_eq!(
-            parse_tcp_address("0.0.0.0:99").unwrap(),
-            "0.0.0.0:99".parse().unwrap()
-        );
-        assert_eq!(
-            parse_tcp_address("[::1]:5").unwrap(),
-            "[::1]:5".parse().unwrap()
-        );
-        assert_eq!(
-            parse_tcp_address("127.0.0.2").unwrap(),
-            "127.0.0.2:10809".parse().unwrap()
-        );
-    }
-
-    #[test]
-    fn tcp_off_loopback_needs_insecure() {
-        let exposure = |text: &str, insecure| tcp_exposure(text.parse().unwrap(), insecure);
-        for loopback in [
-            "127.0.0.1:1",
-            "127.1.2.3:1",
-            "[::1]:1",
-            "[::ffff:127.0.0.1]:1",
-        ] {
-            assert_eq!(exposure(loopback, false).unwrap(), TcpExposure::LocalUsers);
-        }
-        for open in ["0.0.0.0:1", "[::]:1", "192.0.2.1:1", "[2001:db8::1]:1"] {
-            let error = exposure(open, false).unwrap_err().to_string();
-            assert!(error.contains("--insecure"), "{open}: {error}");
-            assert_eq!(exposure(open, true).unwrap(), TcpExposure::Network);
-        }
-    }
 
     #[test]
     fn export_names_are_escaped_in_uris() {
