@@ -137,7 +137,7 @@ impl From<&VolumeInfo> for VolumeRecord {
     fn from(info: &VolumeInfo) -> Self {
         VolumeRecord {
             name: info.name.clone(),
-            id: u64::from(info.id.0),
+            id: u64::from(info.id.get()),
             size_bytes: info.size_bytes,
             mapped_blocks: info.mapped_blocks,
             mapped_percent: info.mapped_percent(),

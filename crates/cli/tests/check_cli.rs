@@ -30,12 +30,13 @@ fn text(bytes: &[u8]) -> String {
 fn make_metadata(path: &Path) {
     let device = Arc::new(FileDevice::create(path, 1024).unwrap());
     let mut md = PoolMetadata::format(device, 128, 10_000).unwrap();
-    md.create_thin(VolumeId(0)).unwrap();
+    md.create_thin(VolumeId::new(0)).unwrap();
     for vb in 0..600 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(0), VirtualBlock(vb), db).unwrap();
+        md.insert(VolumeId::new(0), VirtualBlock::new(vb), db)
+            .unwrap();
     }
-    md.set_transaction_id(Default::default(), thin_pool::TransactionId(42))
+    md.set_transaction_id(Default::default(), thin_pool::TransactionId::new(42))
         .unwrap();
     md.commit().unwrap();
 }
@@ -48,12 +49,12 @@ fn patch(
 ) {
     let device = FileDevice::open(path, true).unwrap();
     let mut data = [0u8; BLOCK_SIZE];
-    device.read(MetadataBlock(block), &mut data).unwrap();
+    device.read(MetadataBlock::new(block), &mut data).unwrap();
     edit(&mut data);
     if let Some(kind) = restamp {
         checksum::stamp(&mut data, kind);
     }
-    device.write(MetadataBlock(block), &data).unwrap();
+    device.write(MetadataBlock::new(block), &data).unwrap();
     device.flush().unwrap();
 }
 
@@ -85,7 +86,7 @@ fn broken_superblock_fails_with_status_1_unless_only_the_superblock_is_checked()
     // A broken node: fatal, but --super-block-only does not look at it.
     let root = {
         let md = PoolMetadata::open(Arc::new(FileDevice::open(&path, false).unwrap())).unwrap();
-        md.volume_root(VolumeId(0)).unwrap().0
+        md.volume_root(VolumeId::new(0)).unwrap().get()
     };
     patch(&path, root, None, |d| d[500] ^= 0xff);
     let out = thinpool_check(&path, &[]);

@@ -24,22 +24,28 @@ fn thinpool(args: &[&str], path: &Path) -> Output {
 fn make_pool(path: &Path) {
     let device = Arc::new(FileDevice::create(path, 2048).unwrap());
     let mut md = PoolMetadata::format(device, 256, 50_000).unwrap();
-    md.create_thin(VolumeId(3)).unwrap();
+    md.create_thin(VolumeId::new(3)).unwrap();
     for vb in 0..2000 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(3), VirtualBlock(vb), db).unwrap();
+        md.insert(VolumeId::new(3), VirtualBlock::new(vb), db)
+            .unwrap();
     }
     md.commit().unwrap();
-    md.create_snap(VolumeId(7), VolumeId(3)).unwrap();
-    md.create_snap(VolumeId(9), VolumeId(7)).unwrap();
+    md.create_snap(VolumeId::new(7), VolumeId::new(3)).unwrap();
+    md.create_snap(VolumeId::new(9), VolumeId::new(7)).unwrap();
     md.commit().unwrap();
     md.reserve_metadata_snap().unwrap();
     for vb in (0..2000).step_by(300) {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(7), VirtualBlock(vb), db).unwrap();
+        md.insert(VolumeId::new(7), VirtualBlock::new(vb), db)
+            .unwrap();
     }
-    md.remove_range(VolumeId(3), VirtualBlock(900), VirtualBlock(1000))
-        .unwrap();
+    md.remove_range(
+        VolumeId::new(3),
+        VirtualBlock::new(900),
+        VirtualBlock::new(1000),
+    )
+    .unwrap();
     md.commit().unwrap();
 }
 

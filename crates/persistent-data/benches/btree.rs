@@ -31,7 +31,7 @@ fn commit(tm: &mut TransactionManager, root: MetadataBlock) {
     let meta_root = tm.commit_space_map().expect("commit space map");
     let mut sb = zeroed_block();
     meta_root.encode(&mut sb[192..224]);
-    sb[ROOT_AT..ROOT_AT + 8].copy_from_slice(&root.0.to_le_bytes());
+    sb[ROOT_AT..ROOT_AT + 8].copy_from_slice(&root.get().to_le_bytes());
     tm.commit(sb).expect("commit");
 }
 
@@ -93,7 +93,7 @@ fn main() {
         .read(MetadataBlock::SUPERBLOCK, BlockKind::Superblock)
         .expect("superblock");
     let meta_root = SpaceMapRoot::decode(&sb[192..224]);
-    let root = MetadataBlock(u64::from_le_bytes(
+    let root = MetadataBlock::new(u64::from_le_bytes(
         sb[ROOT_AT..ROOT_AT + 8].try_into().unwrap(),
     ));
     let open_start = Instant::now();

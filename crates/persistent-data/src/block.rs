@@ -10,11 +10,21 @@ pub type Block = [u8; BLOCK_SIZE];
 
 /// Index of a 4 KiB block on the metadata device (byte offset = index × 4096).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct MetadataBlock(pub u64);
+pub struct MetadataBlock(u64);
 
 impl MetadataBlock {
     /// The superblock always lives at block 0.
     pub const SUPERBLOCK: MetadataBlock = MetadataBlock(0);
+
+    /// Metadata block `index`.
+    pub const fn new(index: u64) -> MetadataBlock {
+        MetadataBlock(index)
+    }
+
+    /// The raw block index, for encoding.
+    pub const fn get(self) -> u64 {
+        self.0
+    }
 
     /// Byte offset of this block on the metadata device.
     pub fn byte_offset(self) -> u64 {

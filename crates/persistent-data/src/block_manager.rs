@@ -82,7 +82,7 @@ pub fn validate(block: MetadataBlock, data: &Block, kind: BlockKind) -> Result<(
         });
     }
     let location = stored_location(data);
-    if location != block.0 {
+    if location != block.get() {
         return Err(Error::corrupt(
             block,
             format!("{kind} says it lives at block {location}"),
@@ -125,7 +125,7 @@ impl BlockManager {
             return Ok(data.clone());
         }
         let count = self.device.block_count();
-        if block.0 >= count {
+        if block.get() >= count {
             return Err(Error::corrupt(
                 block,
                 format!("reference beyond the end of the metadata device ({count} blocks)"),
@@ -180,7 +180,7 @@ impl BlockManager {
     pub fn flush(&self) -> Result<()> {
         self.device.flush().map_err(|source| Error::Io {
             operation: "flush",
-            block: MetadataBlock(0),
+            block: MetadataBlock::new(0),
             source,
         })
     }
@@ -210,17 +210,19 @@ mod tests {
         let bm = BlockManager::new(Arc::new(MemoryDevice::new(16)), 4);
         for b in 0..10 {
             bm.write(
-                MetadataBlock(b),
+                MetadataBlock::new(b),
                 stamped(b, BlockKind::Node, b as u8),
                 BlockKind::Node,
             )
             .unwrap();
         }
         for b in 0..10 {
-            let data = bm.read(MetadataBlock(b), BlockKind::Node).unwrap();
+            let data = bm.read(MetadataBlock::new(b), BlockKind::Node).unwrap();
             assert_eq!(data[100], b as u8);
         }
-        let err = bm.read(MetadataBlock(3), BlockKind::Bitmap).unwrap_err();
+        let err = bm
+            .read(MetadataBlock::new(3), BlockKind::Bitmap)
+            .unwrap_err();
         assert!(matches!(err, Error::Checksum { .. }), "{err}");
         assert!(bm.lock().blocks.len() <= 4, "cache is bounded");
     }
@@ -229,13 +231,13 @@ mod tests {
     fn wrong_location_is_corruption() {
         let device = Arc::new(MemoryDevice::new(4));
         device
-            .write(MetadataBlock(2), &stamped(1, BlockKind::Node, 0))
+            .write(MetadataBlock::new(2), &stamped(1, BlockKind::Node, 0))
             .unwrap();
         let bm = BlockManager::new(device, 4);
-        let err = bm.read(MetadataBlock(2), BlockKind::Node).unwrap_err();
+        let err = bm.read(MetadataBlock::new(2), BlockKind::Node).unwrap_err();
         assert!(err.is_corruption());
         assert!(err.to_string().contains("block 2"), "{err}");
-        let err = bm.read(MetadataBlock(9), BlockKind::Node).unwrap_err();
+        let err = bm.read(MetadataBlock::new(9), BlockKind::Node).unwrap_err();
         assert!(err.is_corruption(), "{err}");
     }
 }

@@ -132,7 +132,7 @@ impl TransactionManager {
             ));
         }
         let mut sm = CoreSpaceMap::new(root.block_count);
-        let index_block = MetadataBlock(root.bitmap_root);
+        let index_block = MetadataBlock::new(root.bitmap_root);
         let index = bm.read(index_block, BlockKind::Index)?;
         let entries = disk::decode_index_block(&index);
         let bitmaps = bitmap_count(root.block_count);
@@ -140,9 +140,9 @@ impl TransactionManager {
         for (i, entry) in entries.iter().take(bitmaps).enumerate() {
             let words = disk::read_bitmap(&*bm, entry, i, root.block_count)?;
             sm.load_bitmap(i, &words);
-            bitmap_locations.push(Some(MetadataBlock(entry.blocknr)));
+            bitmap_locations.push(Some(MetadataBlock::new(entry.blocknr)));
         }
-        let overflow_root = MetadataBlock(root.ref_count_root);
+        let overflow_root = MetadataBlock::new(root.ref_count_root);
         btree::walk::<u32, _>(&*bm, overflow_root, &mut |key, count| {
             if key >= root.block_count {
                 return Err(Error::corrupt(
@@ -192,7 +192,7 @@ impl TransactionManager {
             assert_eq!(*dirty_kind, kind, "block {block} read as another kind");
             return Ok(data.clone());
         }
-        if block.0 >= self.sm.block_count() {
+        if block.get() >= self.sm.block_count() {
             return Err(Error::corrupt(
                 block,
                 format!(
@@ -214,7 +214,7 @@ impl TransactionManager {
         let block = self
             .sm
             .alloc()
-            .map(MetadataBlock)
+            .map(MetadataBlock::new)
             .ok_or(Error::OutOfMetadataSpace {
                 block_count: self.sm.block_count(),
             })?;
@@ -232,7 +232,7 @@ impl TransactionManager {
     ) -> Result<(MetadataBlock, Arc<Block>, bool)> {
         // A block of this transaction may be changed in place, unless something took a
         // second reference to it since (a snapshot sharing a root created this transaction).
-        if self.shadowed.contains(&block) && self.sm.count(block.0) == 1 {
+        if self.shadowed.contains(&block) && self.sm.count(block.get()) == 1 {
             let data = match self.dirty.remove(&block) {
                 Some((data, _)) => data,
                 None => self.bm.read(block, kind)?,
@@ -240,7 +240,7 @@ impl TransactionManager {
             return Ok((block, data, false));
         }
         let original = self.read(block, kind)?;
-        let count = self.sm.count(block.0);
+        let count = self.sm.count(block.get());
         if count == 0 {
             return Err(Error::corrupt(
                 block,
@@ -248,10 +248,10 @@ impl TransactionManager {
             ));
         }
         let copy = self.new_block()?;
-        self.sm.set(block.0, count - 1);
+        self.sm.set(block.get(), count - 1);
         let mut data = zeroed_block();
         data.copy_from_slice(&original[..]);
-        data[BLOCKNR_OFFSET..BLOCKNR_OFFSET + 8].copy_from_slice(&copy.0.to_le_bytes());
+        data[BLOCKNR_OFFSET..BLOCKNR_OFFSET + 8].copy_from_slice(&copy.get().to_le_bytes());
         Ok((copy, Arc::from(data), count > 1))
     }
 
@@ -264,7 +264,7 @@ impl TransactionManager {
         );
         debug_assert_eq!(
             crate::block_manager::stored_location(&data),
-            block.0,
+            block.get(),
             "block {block} carries another location"
         );
         self.dirty.insert(block, (data, kind));
@@ -272,21 +272,24 @@ impl TransactionManager {
 
     /// Reference count of a metadata block.
     pub fn count(&self, block: MetadataBlock) -> u32 {
-        self.sm.count(block.0)
+        self.sm.count(block.get())
     }
 
     /// Take one more reference to a metadata block.
     pub fn inc(&mut self, block: MetadataBlock) -> Result<()> {
         self.check_in_map(block)?;
-        self.sm.inc(block.0);
+        self.sm.inc(block.get());
         Ok(())
     }
 
     /// Drop a reference to a metadata block; at zero it is free (after this transaction).
     pub fn dec(&mut self, block: MetadataBlock) -> Result<u32> {
         self.check_in_map(block)?;
-        let left = self.sm.dec(block.0).map_err(|b| {
-            Error::corrupt(MetadataBlock(b), "dropping a reference to a free block")
+        let left = self.sm.dec(block.get()).map_err(|b| {
+            Error::corrupt(
+                MetadataBlock::new(b),
+                "dropping a reference to a free block",
+            )
         })?;
         if left == 0 {
             self.dirty.remove(&block);
@@ -296,7 +299,7 @@ impl TransactionManager {
     }
 
     fn check_in_map(&self, block: MetadataBlock) -> Result<()> {
-        if block.0 >= self.sm.block_count() {
+        if block.get() >= self.sm.block_count() {
             return Err(Error::corrupt(
                 block,
                 format!(
@@ -392,7 +395,7 @@ impl TransactionManager {
                 self.write(location, Arc::from(data), BlockKind::Bitmap);
             }
             entries.push(IndexEntry {
-                blocknr: location.0,
+                blocknr: location.get(),
                 free_count: self.sm.bitmap_free_count(index),
                 none_free_before: self.sm.bitmap_first_free(index),
             });
@@ -407,8 +410,8 @@ impl TransactionManager {
         Ok(SpaceMapRoot {
             block_count: self.sm.block_count(),
             allocated_count: self.sm.allocated_count(),
-            bitmap_root: index_block.0,
-            ref_count_root: self.overflow_root.expect("created at commit").0,
+            bitmap_root: index_block.get(),
+            ref_count_root: self.overflow_root.expect("created at commit").get(),
         })
     }
 
@@ -448,7 +451,7 @@ impl TransactionManager {
     /// Write a whole block outside the transaction discipline, e.g. a metadata-snapshot
     /// superblock placed in a block of this transaction.
     pub fn write_raw_superblock(&mut self, block: MetadataBlock, mut data: Box<Block>) {
-        data[BLOCKNR_OFFSET..BLOCKNR_OFFSET + 8].copy_from_slice(&block.0.to_le_bytes());
+        data[BLOCKNR_OFFSET..BLOCKNR_OFFSET + 8].copy_from_slice(&block.get().to_le_bytes());
         self.write(block, Arc::from(data), BlockKind::Superblock);
     }
 }

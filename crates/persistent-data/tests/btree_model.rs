@@ -632,7 +632,7 @@ fn assert_metadata_counts(pool: &Pool) {
     let sb = common::read_superblock(&bm).unwrap();
     let counts = common::recount(&*bm, &sb.meta_root, &sb.data_root, &[]).unwrap();
     let data = counts.data.clone();
-    common::compare_counts(&counts, &|b| pool.tm.count(MetadataBlock(b)), &|b| {
+    common::compare_counts(&counts, &|b| pool.tm.count(MetadataBlock::new(b)), &|b| {
         data[b as usize]
     })
     .unwrap();
@@ -652,14 +652,14 @@ fn metadata_block_freed_in_a_transaction_is_not_reused_before_commit() {
     }
     pool.commit().unwrap();
     let committed: Vec<u64> = (0..device.block_count())
-        .filter(|&b| pool.tm.count(MetadataBlock(b)) > 0)
+        .filter(|&b| pool.tm.count(MetadataBlock::new(b)) > 0)
         .collect();
     // Free the whole tree: its nodes drop to count 0 but are still in the committed state.
     pool.release(0).unwrap();
     let freed: HashSet<u64> = committed
         .iter()
         .copied()
-        .filter(|&b| pool.tm.count(MetadataBlock(b)) == 0)
+        .filter(|&b| pool.tm.count(MetadataBlock::new(b)) == 0)
         .collect();
     assert!(
         freed.len() > 50,
@@ -671,7 +671,7 @@ fn metadata_block_freed_in_a_transaction_is_not_reused_before_commit() {
         match pool.tm.new_block() {
             Ok(block) => {
                 assert!(
-                    !freed.contains(&block.0),
+                    !freed.contains(&block.get()),
                     "block {block} reused in the transaction that freed it"
                 );
                 handed_out += 1;
@@ -688,7 +688,7 @@ fn metadata_block_freed_in_a_transaction_is_not_reused_before_commit() {
     pool.verify().unwrap();
     let mut reused = 0;
     while let Ok(block) = pool.tm.new_block() {
-        reused += usize::from(freed.contains(&block.0));
+        reused += usize::from(freed.contains(&block.get()));
     }
     assert!(
         reused >= freed.len() - 4,

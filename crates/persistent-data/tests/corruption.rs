@@ -57,7 +57,7 @@ impl OverlayDevice {
     fn new(base: Arc<MemoryDevice>, block: MetadataBlock, data: Box<Block>) -> OverlayDevice {
         OverlayDevice {
             base,
-            overlay: Mutex::new(HashMap::from([(block.0, data)])),
+            overlay: Mutex::new(HashMap::from([(block.get(), data)])),
         }
     }
 }
@@ -67,17 +67,20 @@ impl BlockDevice for OverlayDevice {
         self.base.block_count()
     }
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
-        if let Some(data) = self.overlay.lock().unwrap().get(&block.0) {
+        if let Some(data) = self.overlay.lock().unwrap().get(&block.get()) {
             buf.copy_from_slice(&data[..]);
             return Ok(());
         }
         self.base.read(block, buf)
     }
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
-        if block.0 >= self.base.block_count() {
+        if block.get() >= self.base.block_count() {
             return self.base.write(block, buf); // the base reports the error
         }
-        self.overlay.lock().unwrap().insert(block.0, Box::new(*buf));
+        self.overlay
+            .lock()
+            .unwrap()
+            .insert(block.get(), Box::new(*buf));
         Ok(())
     }
     fn flush(&self) -> io::Result<()> {
@@ -196,7 +199,7 @@ fn build(rng: &mut StdRng) -> (Arc<MemoryDevice>, Model) {
         .unwrap()
         .unwrap();
     assert_eq!(
-        pool.tm.count(MetadataBlock(root)),
+        pool.tm.count(MetadataBlock::new(root)),
         3,
         "a subtree shared three ways"
     );
@@ -211,7 +214,10 @@ fn roles(device: &Arc<MemoryDevice>) -> BTreeMap<u64, Role> {
     let mut roles = BTreeMap::from([(0, Role::Superblock)]);
     roles.insert(sb.meta_root.bitmap_root, Role::MetadataIndex);
     let index = bm
-        .read(MetadataBlock(sb.meta_root.bitmap_root), BlockKind::Index)
+        .read(
+            MetadataBlock::new(sb.meta_root.bitmap_root),
+            BlockKind::Index,
+        )
         .unwrap();
     for entry in disk::decode_index_block(&index)
         .iter()
@@ -221,7 +227,7 @@ fn roles(device: &Arc<MemoryDevice>) -> BTreeMap<u64, Role> {
     }
     let mut trees = sb.trees(&KINDS);
     while let Some((kind, block)) = trees.pop() {
-        if roles.insert(block.0, Role::Node(kind)).is_some() {
+        if roles.insert(block.get(), Role::Node(kind)).is_some() {
             continue;
         }
         let data = bm.read(block, BlockKind::Node).unwrap();
@@ -235,7 +241,7 @@ fn roles(device: &Arc<MemoryDevice>) -> BTreeMap<u64, Role> {
             match kind {
                 TreeKind::TwoLevel => trees.push((
                     TreeKind::Data,
-                    MetadataBlock(u64::from_le_bytes(value.try_into().unwrap())),
+                    MetadataBlock::new(u64::from_le_bytes(value.try_into().unwrap())),
                 )),
                 TreeKind::SpaceMapIndex => {
                     let entry = <IndexEntry as btree::Value>::unpack(value);
@@ -246,7 +252,7 @@ fn roles(device: &Arc<MemoryDevice>) -> BTreeMap<u64, Role> {
         }
     }
     let in_use = (0..device.block_count())
-        .filter(|&b| pool.tm.count(MetadataBlock(b)) > 0)
+        .filter(|&b| pool.tm.count(MetadataBlock::new(b)) > 0)
         .count();
     assert_eq!(roles.len(), in_use, "every block in use has a role");
     roles
@@ -263,8 +269,8 @@ fn pointer_offsets(role: Role, data: &Block) -> Vec<usize> {
         Role::MetadataIndex => vec![16],
         Role::Bitmap => vec![],
         Role::Node(kind) => {
-            let node = Node::parse(MetadataBlock(0), data, kind.value_size())
-                .or_else(|_| Node::parse(MetadataBlock(0), data, 8))
+            let node = Node::parse(MetadataBlock::new(0), data, kind.value_size())
+                .or_else(|_| Node::parse(MetadataBlock::new(0), data, 8))
                 .unwrap();
             let pointers =
                 !node.is_leaf() || matches!(kind, TreeKind::TwoLevel | TreeKind::SpaceMapIndex);
@@ -299,7 +305,7 @@ fn damage(
     rng: &mut StdRng,
 ) -> Box<Block> {
     let mut data = Box::new([0u8; BLOCK_SIZE]);
-    device.read(MetadataBlock(block), &mut data).unwrap();
+    device.read(MetadataBlock::new(block), &mut data).unwrap();
     match damage {
         Damage::Flip("anywhere") => {
             for _ in 0..rng.gen_range(1..=3) {
@@ -326,7 +332,7 @@ fn damage(
                 .map(|(b, _)| *b)
                 .collect();
             let other = *others.choose(rng).unwrap();
-            device.read(MetadataBlock(other), &mut data).unwrap();
+            device.read(MetadataBlock::new(other), &mut data).unwrap();
             data[8..16].copy_from_slice(&block.to_le_bytes());
             let kind = checksum::identify(&data_with_location(device, other)).unwrap();
             checksum::stamp(&mut data, kind);
@@ -351,7 +357,7 @@ fn damage(
 
 fn data_with_location(device: &MemoryDevice, block: u64) -> Box<Block> {
     let mut data = Box::new([0u8; BLOCK_SIZE]);
-    device.read(MetadataBlock(block), &mut data).unwrap();
+    device.read(MetadataBlock::new(block), &mut data).unwrap();
     data
 }
 
@@ -410,7 +416,7 @@ fn lookups(device: Arc<dyn BlockDevice>, model: &Model, rng: &mut StdRng) -> Res
         for &key in subtree.keys().step_by(40).chain(keys.iter().take(10)) {
             same(
                 &format!("lookup {top}/{key} in the two-level tree"),
-                btree::lookup::<u64, _>(&bm, MetadataBlock(root), key),
+                btree::lookup::<u64, _>(&bm, MetadataBlock::new(root), key),
                 subtree.get(&key).copied(),
             )?;
         }
@@ -483,7 +489,7 @@ fn run_case(
             let overlay = |data: &Block| -> Arc<dyn BlockDevice> {
                 Arc::new(OverlayDevice::new(
                     base.clone(),
-                    MetadataBlock(block),
+                    MetadataBlock::new(block),
                     Box::new(*data),
                 ))
             };
@@ -521,7 +527,9 @@ fn run_case(
                     let checksum_broken =
                         matches!(damage, Damage::Flip(_) | Damage::Zero | Damage::OtherKind);
                     let named = match &e {
-                        Error::Checksum { block: b, .. } | Error::Corrupt { block: b, .. } => b.0,
+                        Error::Checksum { block: b, .. } | Error::Corrupt { block: b, .. } => {
+                            b.get()
+                        }
                         _ => u64::MAX,
                     };
                     if checksum_broken && named != block {
@@ -617,7 +625,7 @@ fn deleting_a_tree_with_a_child_beyond_the_space_map_is_an_error_not_a_panic() {
     pool.commit().unwrap();
     // Point the root's second child far beyond the device, with a valid checksum.
     let root = pool.roots[0];
-    let mut data = data_with_location(&device, root.0);
+    let mut data = data_with_location(&device, root.get());
     let node = Node::parse(root, &data, 8).unwrap();
     assert!(!node.is_leaf() && node.len() >= 2);
     let at = 32 + 8 * node.max_entries() + 8;

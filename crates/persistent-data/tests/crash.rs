@@ -379,7 +379,7 @@ fn torn_superblock_is_the_old_or_the_new_one() {
     pool.commit().unwrap();
     let mut sb = [0u8; persistent_data::BLOCK_SIZE];
     device
-        .read(persistent_data::MetadataBlock(0), &mut sb)
+        .read(persistent_data::MetadataBlock::new(0), &mut sb)
         .unwrap();
     assert!(
         sb[512..].iter().all(|&b| b == 0),

@@ -200,8 +200,8 @@ fn compare(meta: &Path, xml: &XmlPool, version: ToolVersion, context: &str) {
         sb[224..320].iter().all(|&b| b == 0),
         "{context}: metadata sm slot tail"
     );
-    let mapping_root = MetadataBlock(le_u64(&sb[..], 320));
-    let details_root = MetadataBlock(le_u64(&sb[..], 328));
+    let mapping_root = MetadataBlock::new(le_u64(&sb[..], 320));
+    let details_root = MetadataBlock::new(le_u64(&sb[..], 328));
     assert_eq!(
         data_root.block_count, xml.nr_data_blocks,
         "{context}: data sm nr_blocks"
@@ -243,7 +243,7 @@ fn compare(meta: &Path, xml: &XmlPool, version: ToolVersion, context: &str) {
     };
     let mut bottoms = BTreeMap::new();
     btree::check::<u64, _>(&*bm, mapping_root, strict, &mut |_| {}, &mut |dev, root| {
-        bottoms.insert(dev, MetadataBlock(root));
+        bottoms.insert(dev, MetadataBlock::new(root));
         Ok(())
     })
     .unwrap_or_else(|e| panic!("{context}: top-level mapping tree: {e}"));
@@ -270,7 +270,7 @@ fn compare(meta: &Path, xml: &XmlPool, version: ToolVersion, context: &str) {
             meta_root.ref_count_root,
         ),
     ] {
-        common::check_tree(&*bm, kind, MetadataBlock(root), strict)
+        common::check_tree(&*bm, kind, MetadataBlock::new(root), strict)
             .unwrap_or_else(|e| panic!("{context}: {name} tree: {e}"));
     }
 
@@ -335,8 +335,10 @@ fn compare(meta: &Path, xml: &XmlPool, version: ToolVersion, context: &str) {
     ];
     let counts = common::recount(&*bm, &meta_root, &data_root, &trees)
         .unwrap_or_else(|e| panic!("{context}: recount: {e}"));
-    common::compare_counts(&counts, &|b| tm.count(MetadataBlock(b)), &|b| data.count(b))
-        .unwrap_or_else(|e| panic!("{context}: {e}"));
+    common::compare_counts(&counts, &|b| tm.count(MetadataBlock::new(b)), &|b| {
+        data.count(b)
+    })
+    .unwrap_or_else(|e| panic!("{context}: {e}"));
     // No fixture shares leaves: a data block's count is the number of devices mapping it.
     let mut expected_data = vec![0u32; xml.nr_data_blocks as usize];
     for device in xml.devices.values() {
@@ -349,7 +351,7 @@ fn compare(meta: &Path, xml: &XmlPool, version: ToolVersion, context: &str) {
         "{context}: data counts recounted from the leaves differ from the XML's"
     );
     // Index entries: `none_free_before` may only under-state the first free entry.
-    btree::walk::<IndexEntry, _>(&*bm, MetadataBlock(data_root.bitmap_root), &mut |index, entry| {
+    btree::walk::<IndexEntry, _>(&*bm, MetadataBlock::new(data_root.bitmap_root), &mut |index, entry| {
         let first = index * ENTRIES_PER_BITMAP;
         let end = (first + ENTRIES_PER_BITMAP).min(data_root.block_count);
         let first_free = (first..end).find(|&b| data.count(b) == 0).unwrap_or(end) - first;

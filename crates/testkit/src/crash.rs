@@ -99,7 +99,7 @@ impl State {
     }
 
     fn index(&self, block: MetadataBlock) -> io::Result<usize> {
-        usize::try_from(block.0)
+        usize::try_from(block.get())
             .ok()
             .filter(|&index| index < self.current.len())
             .ok_or_else(|| {
@@ -141,7 +141,7 @@ impl CrashDevice {
         let mut blocks = Vec::with_capacity(count);
         let mut buf = [0u8; BLOCK_SIZE];
         for index in 0..count {
-            device.read(MetadataBlock(index as u64), &mut buf)?;
+            device.read(MetadataBlock::new(index as u64), &mut buf)?;
             blocks.push(if buf.iter().all(|&b| b == 0) {
                 None
             } else {
@@ -265,7 +265,7 @@ impl CrashDevice {
                         let sectors = rng.gen_range(1..SECTORS_PER_BLOCK);
                         let mut torn = [0u8; BLOCK_SIZE];
                         device
-                            .read(MetadataBlock(*index as u64), &mut torn)
+                            .read(MetadataBlock::new(*index as u64), &mut torn)
                             .expect("block inside the image");
                         let prefix_bytes = sectors * SECTOR_SIZE;
                         torn[..prefix_bytes].copy_from_slice(&block[..prefix_bytes]);
@@ -282,7 +282,7 @@ impl CrashDevice {
 
 fn write_block(device: &MemoryDevice, index: usize, block: &Block) {
     device
-        .write(MetadataBlock(index as u64), block)
+        .write(MetadataBlock::new(index as u64), block)
         .expect("block inside the image");
 }
 

@@ -328,13 +328,16 @@ mod tests {
         let device = FaultDevice::new(MemoryDevice::new(8));
         device.fail_nth(Ops::WRITE, 3);
         let results: Vec<bool> = (0..5)
-            .map(|i| device.write(MetadataBlock(i), &filled(1)).is_ok())
+            .map(|i| device.write(MetadataBlock::new(i), &filled(1)).is_ok())
             .collect();
         assert_eq!(results, [true, true, false, true, true]);
         assert_eq!(device.counts().writes, 5);
         assert_eq!(device.faults_injected(), 1);
         let mut buf = [0u8; BLOCK_SIZE];
-        device.inner().read(MetadataBlock(2), &mut buf).unwrap();
+        device
+            .inner()
+            .read(MetadataBlock::new(2), &mut buf)
+            .unwrap();
         assert_eq!(buf, filled(0), "the failed write did not reach the device");
     }
 
@@ -343,8 +346,8 @@ mod tests {
         let device = FaultDevice::new(MemoryDevice::new(2));
         device.fail_nth(Ops::ANY, 3);
         let mut buf = [0u8; BLOCK_SIZE];
-        assert!(device.write(MetadataBlock(0), &filled(1)).is_ok());
-        assert!(device.read(MetadataBlock(0), &mut buf).is_ok());
+        assert!(device.write(MetadataBlock::new(0), &filled(1)).is_ok());
+        assert!(device.read(MetadataBlock::new(0), &mut buf).is_ok());
         assert!(device.flush().is_err());
         assert!(device.flush().is_ok());
         assert_eq!(
@@ -361,10 +364,10 @@ mod tests {
     fn kinds_outside_the_rule_never_fail() {
         let device = FaultDevice::new(MemoryDevice::new(2));
         device.fail_nth(Ops::READ | Ops::FLUSH, 1);
-        assert!(device.write(MetadataBlock(0), &filled(1)).is_ok());
+        assert!(device.write(MetadataBlock::new(0), &filled(1)).is_ok());
         assert!(device.flush().is_err());
         let mut buf = [0u8; BLOCK_SIZE];
-        assert!(device.read(MetadataBlock(0), &mut buf).is_ok());
+        assert!(device.read(MetadataBlock::new(0), &mut buf).is_ok());
     }
 
     #[test]
@@ -374,7 +377,7 @@ mod tests {
         assert!(device.flush().is_ok());
         assert!(device.flush().is_err());
         assert!(device.flush().is_err());
-        assert!(device.write(MetadataBlock(0), &filled(1)).is_ok());
+        assert!(device.write(MetadataBlock::new(0), &filled(1)).is_ok());
         device.clear();
         assert!(device.flush().is_ok());
     }
@@ -382,31 +385,34 @@ mod tests {
     #[test]
     fn corrupted_reads_leave_the_stored_block_alone() {
         let device = FaultDevice::new(MemoryDevice::new(2));
-        device.write(MetadataBlock(1), &filled(0x10)).unwrap();
-        device.corrupt_reads(MetadataBlock(1), 100, 0xFF);
+        device.write(MetadataBlock::new(1), &filled(0x10)).unwrap();
+        device.corrupt_reads(MetadataBlock::new(1), 100, 0xFF);
         let mut buf = [0u8; BLOCK_SIZE];
-        device.read(MetadataBlock(1), &mut buf).unwrap();
+        device.read(MetadataBlock::new(1), &mut buf).unwrap();
         assert_eq!(buf[100], 0xEF);
         assert_eq!(buf[99], 0x10);
-        device.inner().read(MetadataBlock(1), &mut buf).unwrap();
+        device
+            .inner()
+            .read(MetadataBlock::new(1), &mut buf)
+            .unwrap();
         assert_eq!(buf, filled(0x10));
-        device.read(MetadataBlock(0), &mut buf).unwrap();
+        device.read(MetadataBlock::new(0), &mut buf).unwrap();
         assert_eq!(buf, filled(0), "other blocks are not corrupted");
     }
 
     #[test]
     fn misdirected_write_lands_on_the_target() {
         let device = FaultDevice::new(MemoryDevice::new(4));
-        device.misdirect_write(2, MetadataBlock(3));
-        device.write(MetadataBlock(0), &filled(1)).unwrap();
-        device.write(MetadataBlock(1), &filled(2)).unwrap();
-        device.write(MetadataBlock(2), &filled(3)).unwrap();
+        device.misdirect_write(2, MetadataBlock::new(3));
+        device.write(MetadataBlock::new(0), &filled(1)).unwrap();
+        device.write(MetadataBlock::new(1), &filled(2)).unwrap();
+        device.write(MetadataBlock::new(2), &filled(3)).unwrap();
         let mut buf = [0u8; BLOCK_SIZE];
-        device.read(MetadataBlock(1), &mut buf).unwrap();
+        device.read(MetadataBlock::new(1), &mut buf).unwrap();
         assert_eq!(buf, filled(0), "the intended block keeps its old contents");
-        device.read(MetadataBlock(3), &mut buf).unwrap();
+        device.read(MetadataBlock::new(3), &mut buf).unwrap();
         assert_eq!(buf, filled(2));
-        device.read(MetadataBlock(2), &mut buf).unwrap();
+        device.read(MetadataBlock::new(2), &mut buf).unwrap();
         assert_eq!(buf, filled(3));
         assert_eq!(device.faults_injected(), 1);
     }
@@ -415,8 +421,8 @@ mod tests {
     fn fault_loop_fails_each_operation_once() {
         fn workload(device: &dyn BlockDevice) -> io::Result<()> {
             let mut buf = [0u8; BLOCK_SIZE];
-            device.write(MetadataBlock(0), &filled(1))?;
-            device.read(MetadataBlock(0), &mut buf)?;
+            device.write(MetadataBlock::new(0), &filled(1))?;
+            device.read(MetadataBlock::new(0), &mut buf)?;
             device.flush()
         }
         let counting = FaultDevice::new(MemoryDevice::new(1));

@@ -21,7 +21,7 @@ const DATA_BLOCKS: u64 = 1_200_000;
 fn map(md: &mut PoolMetadata, id: u32, blocks: impl Iterator<Item = u64>) {
     for (i, vb) in blocks.enumerate() {
         let db = md.alloc_data_block().expect("data space");
-        md.insert(VolumeId(id), VirtualBlock(vb), db)
+        md.insert(VolumeId::new(id), VirtualBlock::new(vb), db)
             .expect("insert");
         if i % 100_000 == 99_999 {
             md.commit().expect("commit");
@@ -49,13 +49,13 @@ fn main() {
     let started = Instant::now();
     let device = Arc::new(FileDevice::create(path, METADATA_BLOCKS).expect("create"));
     let mut md = PoolMetadata::format(device, 128, DATA_BLOCKS).expect("format");
-    md.create_thin(VolumeId(0)).unwrap();
+    md.create_thin(VolumeId::new(0)).unwrap();
     map(&mut md, 0, 0..400_000);
-    md.create_snap(VolumeId(1), VolumeId(0)).unwrap();
+    md.create_snap(VolumeId::new(1), VolumeId::new(0)).unwrap();
     map(&mut md, 1, (0..100_000).map(|i| i * 4));
-    md.create_thin(VolumeId(2)).unwrap();
+    md.create_thin(VolumeId::new(2)).unwrap();
     map(&mut md, 2, 0..500_000);
-    md.create_snap(VolumeId(3), VolumeId(2)).unwrap();
+    md.create_snap(VolumeId::new(3), VolumeId::new(2)).unwrap();
     md.commit().unwrap();
     let usage = md.usage();
     drop(md);

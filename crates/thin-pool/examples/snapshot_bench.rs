@@ -35,12 +35,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let device = Arc::new(FileDevice::create(&path, metadata_blocks)?);
         let mut md = PoolMetadata::format(device, 128, 2 * mapping_count + 1000)?;
 
-        let origin = VolumeId(0);
+        let origin = VolumeId::new(0);
         let fill_start = Instant::now();
         md.create_thin(origin)?;
         for vb in 0..mapping_count {
             let db = md.alloc_data_block()?;
-            md.insert(origin, VirtualBlock(vb), db)?;
+            md.insert(origin, VirtualBlock::new(vb), db)?;
             if vb % 100_000 == 99_999 {
                 md.commit()?;
             }
@@ -51,7 +51,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let mut snapshot_times = Vec::new();
         let mut delete_times = Vec::new();
         for round in 0..SNAPSHOT_ROUNDS {
-            let snapshot = VolumeId(1 + round as u32);
+            let snapshot = VolumeId::new(1 + round as u32);
             let start = Instant::now();
             md.create_snap(snapshot, origin)?;
             md.commit()?;
@@ -63,11 +63,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
 
         // An unshared volume of the same size: delete must release every leaf.
-        let unshared = VolumeId(100);
+        let unshared = VolumeId::new(100);
         md.create_thin(unshared)?;
         for vb in 0..mapping_count {
             let db = md.alloc_data_block()?;
-            md.insert(unshared, VirtualBlock(vb), db)?;
+            md.insert(unshared, VirtualBlock::new(vb), db)?;
             if vb % 100_000 == 99_999 {
                 md.commit()?;
             }

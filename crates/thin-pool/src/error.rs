@@ -230,7 +230,7 @@ mod tests {
     fn metadata_io(errno: i32) -> Error {
         Error::Metadata(persistent_data::Error::Io {
             operation: "write",
-            block: MetadataBlock(7),
+            block: MetadataBlock::new(7),
             source: io::Error::from_raw_os_error(errno),
         })
     }
@@ -300,13 +300,13 @@ mod tests {
                 libc::EIO,
             ),
             (
-                persistent_data::Error::corrupt(MetadataBlock(3), "keys out of order").into(),
+                persistent_data::Error::corrupt(MetadataBlock::new(3), "keys out of order").into(),
                 Corrupt,
                 libc::EIO,
             ),
             (
                 Error::Metadata(persistent_data::Error::Checksum {
-                    block: MetadataBlock(3),
+                    block: MetadataBlock::new(3),
                     kind: persistent_data::checksum::BlockKind::Superblock,
                     stored: 1,
                     computed: 2,

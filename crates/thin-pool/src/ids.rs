@@ -4,7 +4,7 @@ use std::fmt;
 
 /// A thin volume's id in the pool metadata (dm's "thin device id"): 0 ..= 2^24 − 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct VolumeId(pub u32);
+pub struct VolumeId(u32);
 
 impl VolumeId {
     /// The largest id the kernel accepts.
@@ -13,15 +13,15 @@ impl VolumeId {
 
 /// A block of a volume's virtual address space, in data-block units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct VirtualBlock(pub u64);
+pub struct VirtualBlock(u64);
 
 /// A block of the data device, in data-block units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct DataBlock(pub u64);
+pub struct DataBlock(u64);
 
 /// The user-set transaction id of the pool (`set_transaction_id`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct TransactionId(pub u64);
+pub struct TransactionId(u64);
 
 /// The largest data block a mapping can hold (40 bits).
 pub const DATA_BLOCK_MAX: u64 = (1 << 40) - 1;

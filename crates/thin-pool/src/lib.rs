@@ -14,7 +14,8 @@ pub mod error;
 pub mod format;
 pub mod ids;
 
-pub use engine::pool::{CreateOptions, Pool, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+pub use engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+pub use engine::pool::Pool;
 pub use engine::volume::{Extent, Volume};
 pub use error::{Error, Result};
 pub use format::metadata::{Mapping, PoolMetadata};

@@ -40,13 +40,13 @@ struct Layout {
 fn read_block(path: &Path, block: u64) -> Box<Block> {
     let device = FileDevice::open(path, false).unwrap();
     let mut data = Box::new([0u8; BLOCK_SIZE]);
-    device.read(MetadataBlock(block), &mut data).unwrap();
+    device.read(MetadataBlock::new(block), &mut data).unwrap();
     data
 }
 
 fn write_block(path: &Path, block: u64, data: &Block) {
     let device = FileDevice::open(path, true).unwrap();
-    device.write(MetadataBlock(block), data).unwrap();
+    device.write(MetadataBlock::new(block), data).unwrap();
     device.flush().unwrap();
 }
 
@@ -110,18 +110,18 @@ fn build(path: &Path) -> Layout {
         md.create_snap(VolumeId::new(id), VolumeId::new(0)).unwrap();
     }
     md.commit().unwrap();
-    let bottom_root = md.volume_root(VolumeId::new(0)).unwrap().0;
+    let bottom_root = md.volume_root(VolumeId::new(0)).unwrap().get();
     drop(md);
     let bm = persistent_data::block_manager::BlockManager::new(device, 64);
-    let superblock = Superblock::read(&bm, MetadataBlock(0)).unwrap();
+    let superblock = Superblock::read(&bm, MetadataBlock::new(0)).unwrap();
     let root = read_block(path, bottom_root);
-    let node = Node::parse(MetadataBlock(bottom_root), &root, 8).unwrap();
+    let node = Node::parse(MetadataBlock::new(bottom_root), &root, 8).unwrap();
     assert!(!node.is_leaf(), "volume 0 needs an internal root");
-    let bottom_leaves = (0..node.len()).map(|i| node.child(i).0).collect();
+    let bottom_leaves = (0..node.len()).map(|i| node.child(i).get()).collect();
     let index = decode_index_block(&read_block(path, superblock.metadata_space_map.bitmap_root));
     let data_index = read_block(path, superblock.data_space_map.bitmap_root);
     let data_index = Node::parse(
-        MetadataBlock(superblock.data_space_map.bitmap_root),
+        MetadataBlock::new(superblock.data_space_map.bitmap_root),
         &data_index,
         16,
     )
@@ -168,7 +168,7 @@ fn cases(layout: &Layout) -> Vec<Case> {
     let leaf = layout.bottom_leaves[1];
     let root = layout.bottom_root;
     let sb = &layout.superblock;
-    let details_root = sb.device_details_root.0;
+    let details_root = sb.device_details_root.get();
     let free_block = sb.metadata_space_map.block_count - 1;
     let leaf_count_block = leaf;
     let overflowed = layout.overflowed;

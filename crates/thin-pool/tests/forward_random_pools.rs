@@ -93,7 +93,10 @@ fn random_workload(rng: &mut StdRng, md: &mut PoolMetadata) -> Case {
                     let db = md.alloc_data_block().unwrap();
                     md.insert(VolumeId::new(id), VirtualBlock::new(vb), db)
                         .unwrap();
-                    case.model.get_mut(&id).unwrap().insert(vb, (db.0, time));
+                    case.model
+                        .get_mut(&id)
+                        .unwrap()
+                        .insert(vb, (db.get(), time));
                 }
             }
             70..=81 if !ids.is_empty() => {

@@ -29,12 +29,12 @@ fn capture(md: &PoolMetadata) -> State {
     for id in md.volumes() {
         let mut mappings = BTreeMap::new();
         md.walk_volume(id, &mut |vb, db, time| {
-            mappings.insert(vb.0, (db.0, time));
+            mappings.insert(vb.get(), (db.get(), time));
             Ok(())
         })
         .unwrap();
         let mapped = md.details(id).unwrap().mapped_blocks;
-        state.insert(id.0, (mapped, mappings));
+        state.insert(id.get(), (mapped, mappings));
     }
     state
 }
@@ -46,22 +46,26 @@ fn workload(
 ) -> thin_pool::Result<()> {
     let mut md = PoolMetadata::format(device, 128, 4096)?;
     on_commit(capture(&md));
-    md.create_thin(VolumeId(0))?;
+    md.create_thin(VolumeId::new(0))?;
     map(&mut md, 0, 0..300)?;
     md.commit()?;
     on_commit(capture(&md));
-    md.create_snap(VolumeId(1), VolumeId(0))?;
+    md.create_snap(VolumeId::new(1), VolumeId::new(0))?;
     map(&mut md, 1, 290..320)?;
     md.commit()?;
     on_commit(capture(&md));
     md.reserve_metadata_snap()?;
     on_commit(capture(&md));
-    md.remove_range(VolumeId(0), VirtualBlock(0), VirtualBlock(100))?;
-    md.create_thin(VolumeId(2))?;
+    md.remove_range(
+        VolumeId::new(0),
+        VirtualBlock::new(0),
+        VirtualBlock::new(100),
+    )?;
+    md.create_thin(VolumeId::new(2))?;
     map(&mut md, 2, 1000..1020)?;
     md.commit()?;
     on_commit(capture(&md));
-    md.delete(VolumeId(0))?;
+    md.delete(VolumeId::new(0))?;
     md.release_metadata_snap()?;
     on_commit(capture(&md));
     Ok(())
@@ -71,9 +75,9 @@ fn write_image(image: &MemoryDevice, path: &std::path::Path) {
     let file = FileDevice::create(path, image.block_count()).unwrap();
     let mut block = [0u8; BLOCK_SIZE];
     for b in 0..image.block_count() {
-        image.read(MetadataBlock(b), &mut block).unwrap();
+        image.read(MetadataBlock::new(b), &mut block).unwrap();
         if block.iter().any(|&x| x != 0) {
-            file.write(MetadataBlock(b), &block).unwrap();
+            file.write(MetadataBlock::new(b), &block).unwrap();
         }
     }
     file.flush().unwrap();
@@ -145,7 +149,7 @@ fn crash_at_every_write_and_flush_keeps_a_committed_state() {
 fn map(md: &mut PoolMetadata, id: u32, blocks: std::ops::Range<u64>) -> thin_pool::Result<()> {
     for vb in blocks {
         let db = md.alloc_data_block()?;
-        md.insert(VolumeId(id), VirtualBlock(vb), db)?;
+        md.insert(VolumeId::new(id), VirtualBlock::new(vb), db)?;
     }
     Ok(())
 }

@@ -22,42 +22,49 @@ fn workload_passes_both_checkers_after_every_commit() {
     let device = Arc::new(FileDevice::create(&path, 2048).unwrap());
     let mut md = PoolMetadata::format(device.clone(), 128, 40_000).unwrap();
     check_all(&path);
-    md.create_thin(VolumeId(0)).unwrap();
+    md.create_thin(VolumeId::new(0)).unwrap();
     for vb in 0..3000u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(0), VirtualBlock(vb * 3), db).unwrap();
+        md.insert(VolumeId::new(0), VirtualBlock::new(vb * 3), db)
+            .unwrap();
     }
     md.commit().unwrap();
     check_all(&path);
-    md.create_snap(VolumeId(1), VolumeId(0)).unwrap();
+    md.create_snap(VolumeId::new(1), VolumeId::new(0)).unwrap();
     md.commit().unwrap();
     check_all(&path);
     for vb in 0..500u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(1), VirtualBlock(vb * 5), db).unwrap();
+        md.insert(VolumeId::new(1), VirtualBlock::new(vb * 5), db)
+            .unwrap();
     }
-    md.remove_range(VolumeId(0), VirtualBlock(100), VirtualBlock(2000))
-        .unwrap();
+    md.remove_range(
+        VolumeId::new(0),
+        VirtualBlock::new(100),
+        VirtualBlock::new(2000),
+    )
+    .unwrap();
     md.commit().unwrap();
     check_all(&path);
-    md.create_snap(VolumeId(2), VolumeId(1)).unwrap();
+    md.create_snap(VolumeId::new(2), VolumeId::new(1)).unwrap();
     md.reserve_metadata_snap().unwrap();
     check_all(&path);
     for vb in 0..300u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(2), VirtualBlock(vb), db).unwrap();
+        md.insert(VolumeId::new(2), VirtualBlock::new(vb), db)
+            .unwrap();
     }
-    md.delete(VolumeId(0)).unwrap();
+    md.delete(VolumeId::new(0)).unwrap();
     md.commit().unwrap();
     check_all(&path);
     md.release_metadata_snap().unwrap();
     check_all(&path);
-    md.delete(VolumeId(1)).unwrap();
-    md.delete(VolumeId(2)).unwrap();
+    md.delete(VolumeId::new(1)).unwrap();
+    md.delete(VolumeId::new(2)).unwrap();
     md.commit().unwrap();
     check_all(&path);
     assert_eq!(md.usage().data_used_blocks, 0);
-    let _ = DataBlock(0);
+    let _ = DataBlock::new(0);
     drop(md);
     let md = PoolMetadata::open(device).unwrap();
     assert!(md.volumes().is_empty());
@@ -73,14 +80,17 @@ fn overwriting_mappings_after_a_metadata_snapshot_passes_both_checkers() {
     let path = dir.join("metadata");
     let device = Arc::new(FileDevice::create(&path, 1024).unwrap());
     let mut md = PoolMetadata::format(device, 128, 1000).unwrap();
-    md.create_thin(VolumeId(0)).unwrap();
+    md.create_thin(VolumeId::new(0)).unwrap();
     for vb in 0..10u64 {
         let db = md.alloc_data_block().unwrap();
-        md.insert(VolumeId(0), VirtualBlock(vb), db).unwrap();
+        md.insert(VolumeId::new(0), VirtualBlock::new(vb), db)
+            .unwrap();
     }
     md.reserve_metadata_snap().unwrap();
     let db = md.alloc_data_block().unwrap();
-    let old = md.insert(VolumeId(0), VirtualBlock(3), db).unwrap();
+    let old = md
+        .insert(VolumeId::new(0), VirtualBlock::new(3), db)
+        .unwrap();
     assert!(old.is_some(), "an overwrite, not a new mapping");
     md.commit().unwrap();
     check_all(&path);

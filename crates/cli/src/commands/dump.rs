@@ -114,7 +114,7 @@ fn dump_file(args: &Args) -> anyhow::Result<()> {
         source: match args.metadata_snap {
             None => Source::Live,
             Some(0) => Source::MetadataSnap(None),
-            Some(block) => Source::MetadataSnap(Some(MetadataBlock(block))),
+            Some(block) => Source::MetadataSnap(Some(MetadataBlock::new(block))),
         },
         flavour: match args.tools_version {
             ToolsVersion::V1 => Flavour::V1,

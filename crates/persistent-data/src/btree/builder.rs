@@ -292,7 +292,7 @@ pub fn build_tree(tm: &mut dyn CopyOnWrite, nodes: Vec<NodeSummary>) -> Result<M
         }
         let mut builder = NodeBuilder::<u64>::new(false);
         for node in &level {
-            builder.push_value(tm, &mut NoRefs, node.key, node.block.0)?;
+            builder.push_value(tm, &mut NoRefs, node.key, node.block.get())?;
         }
         level = builder.complete(tm, &mut NoRefs)?;
     }

@@ -255,8 +255,8 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
         let left_block = tm.new_block()?;
         let right_block = tm.new_block()?;
         let mut new_root = NodeBuf::new(false, 8);
-        new_root.insert(0, left.keys[0], &left_block.0.to_le_bytes());
-        new_root.insert(1, right.keys[0], &right_block.0.to_le_bytes());
+        new_root.insert(0, left.keys[0], &left_block.get().to_le_bytes());
+        new_root.insert(1, right.keys[0], &right_block.get().to_le_bytes());
         put(tm, left_block, &left)?;
         put(tm, right_block, &right)?;
         node = new_root;
@@ -297,7 +297,7 @@ pub fn insert<V: Value + PartialEq, C: RefCounter<V>>(
         let (next_block, next) = if child.len() == child.max_entries() {
             let right = child.split_off(child.len() / 2);
             let right_block = tm.new_block()?;
-            node.insert(i + 1, right.keys[0], &right_block.0.to_le_bytes());
+            node.insert(i + 1, right.keys[0], &right_block.get().to_le_bytes());
             if key >= right.keys[0] {
                 put(tm, child_block, &child)?;
                 (right_block, right)
@@ -522,7 +522,7 @@ fn delete_below<V: Value, C: RefCounter<V>>(
     }
     // A pointer read from disk may be corrupt: check it before asking its count.
     let block_count = tm.block_count();
-    if block.0 >= block_count {
+    if block.get() >= block_count {
         return Err(Error::corrupt(
             block,
             format!("reference beyond the metadata space map ({block_count} blocks)"),

@@ -146,7 +146,7 @@ impl<'a> Node<'a> {
     /// Child `i` of an internal node.
     pub fn child(&self, i: usize) -> MetadataBlock {
         debug_assert!(!self.leaf);
-        MetadataBlock(u64::from_le_bytes(
+        MetadataBlock::new(u64::from_le_bytes(
             self.value_bytes(i).try_into().expect("8 bytes"),
         ))
     }
@@ -253,14 +253,14 @@ impl NodeBuf {
     /// Child `i` of an internal node.
     pub fn child(&self, i: usize) -> MetadataBlock {
         assert!(!self.leaf);
-        MetadataBlock(u64::from_le_bytes(
+        MetadataBlock::new(u64::from_le_bytes(
             self.value(i).try_into().expect("8 bytes"),
         ))
     }
 
     /// Point entry `i` of an internal node at `child`.
     pub fn set_child(&mut self, i: usize, child: MetadataBlock) {
-        self.set_value(i, &child.0.to_le_bytes());
+        self.set_value(i, &child.get().to_le_bytes());
     }
 
     /// Insert an entry at position `i`.
@@ -314,7 +314,7 @@ impl NodeBuf {
         let mut data = zeroed_block();
         data[4..8]
             .copy_from_slice(&(if self.leaf { LEAF_FLAG } else { INTERNAL_FLAG }).to_le_bytes());
-        data[8..16].copy_from_slice(&block.0.to_le_bytes());
+        data[8..16].copy_from_slice(&block.get().to_le_bytes());
         data[16..20].copy_from_slice(&(n as u32).to_le_bytes());
         data[20..24].copy_from_slice(&(max as u32).to_le_bytes());
         data[24..28].copy_from_slice(&(self.value_size as u32).to_le_bytes());

@@ -55,8 +55,8 @@ impl Harness {
         let data_root = self.data.commit(&mut self.tm).unwrap();
         let meta_root = self.tm.commit_space_map().unwrap();
         let mut sb = zeroed_block();
-        sb[16..24].copy_from_slice(&self.roots[0].0.to_le_bytes());
-        sb[24..32].copy_from_slice(&self.roots[1].0.to_le_bytes());
+        sb[16..24].copy_from_slice(&self.roots[0].get().to_le_bytes());
+        sb[24..32].copy_from_slice(&self.roots[1].get().to_le_bytes());
         data_root.encode(&mut sb[64..96]);
         meta_root.encode(&mut sb[192..224]);
         self.tm.commit(sb).unwrap();
@@ -64,10 +64,12 @@ impl Harness {
 
     fn reopen(&mut self) {
         let bm = Arc::new(BlockManager::new(self.device.clone(), 256));
-        let sb = bm.read(MetadataBlock(0), BlockKind::Superblock).unwrap();
+        let sb = bm
+            .read(MetadataBlock::new(0), BlockKind::Superblock)
+            .unwrap();
         let roots = [
-            MetadataBlock(u64::from_le_bytes(sb[16..24].try_into().unwrap())),
-            MetadataBlock(u64::from_le_bytes(sb[24..32].try_into().unwrap())),
+            MetadataBlock::new(u64::from_le_bytes(sb[16..24].try_into().unwrap())),
+            MetadataBlock::new(u64::from_le_bytes(sb[24..32].try_into().unwrap())),
         ];
         let data_root = SpaceMapRoot::decode(&sb[64..96]);
         let meta_root = SpaceMapRoot::decode(&sb[192..224]);
@@ -125,14 +127,14 @@ impl Harness {
         // commit; compare only right after a commit.
         let sb = self
             .tm
-            .read(MetadataBlock(0), BlockKind::Superblock)
+            .read(MetadataBlock::new(0), BlockKind::Superblock)
             .unwrap();
         let data_root = SpaceMapRoot::decode(&sb[64..96]);
         let meta_root = SpaceMapRoot::decode(&sb[192..224]);
         let mut nodes = vec![];
         check::<crate::space_map::IndexEntry, _>(
             &self.tm,
-            MetadataBlock(data_root.bitmap_root),
+            MetadataBlock::new(data_root.bitmap_root),
             CheckOptions::default(),
             &mut |b| nodes.push(b),
             &mut |_, e| {
@@ -143,7 +145,7 @@ impl Harness {
         .unwrap();
         check::<u32, _>(
             &self.tm,
-            MetadataBlock(data_root.ref_count_root),
+            MetadataBlock::new(data_root.ref_count_root),
             CheckOptions::default(),
             &mut |b| nodes.push(b),
             &mut |_, _| Ok(()),
@@ -151,19 +153,19 @@ impl Harness {
         .unwrap();
         check::<u32, _>(
             &self.tm,
-            MetadataBlock(meta_root.ref_count_root),
+            MetadataBlock::new(meta_root.ref_count_root),
             CheckOptions::default(),
             &mut |b| nodes.push(b),
             &mut |_, _| Ok(()),
         )
         .unwrap();
         for b in nodes {
-            meta[b.0 as usize] += 1;
+            meta[b.get() as usize] += 1;
         }
         meta[meta_root.bitmap_root as usize] += 1;
         let index = self
             .tm
-            .read(MetadataBlock(meta_root.bitmap_root), BlockKind::Index)
+            .read(MetadataBlock::new(meta_root.bitmap_root), BlockKind::Index)
             .unwrap();
         for entry in crate::space_map::disk::decode_index_block(&index)
             .iter()
@@ -173,7 +175,7 @@ impl Harness {
         }
         for (b, &expected) in meta.iter().enumerate() {
             assert_eq!(
-                self.tm.count(MetadataBlock(b as u64)),
+                self.tm.count(MetadataBlock::new(b as u64)),
                 expected,
                 "metadata block {b}"
             );
@@ -193,7 +195,7 @@ fn count_tree(
     data: &mut [u32],
     seen: &mut std::collections::HashSet<MetadataBlock>,
 ) {
-    meta[block.0 as usize] += 1;
+    meta[block.get() as usize] += 1;
     if !seen.insert(block) {
         return; // shared node: its children were counted through its first parent
     }

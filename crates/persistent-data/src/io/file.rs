@@ -87,7 +87,7 @@ impl BlockDevice for FileDevice {
 
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
         let count = self.block_count();
-        if block.0 >= count {
+        if block.get() >= count {
             return Err(out_of_range(block, count));
         }
         self.file.read_exact_at(buf, block.byte_offset())
@@ -95,7 +95,7 @@ impl BlockDevice for FileDevice {
 
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
         let count = self.block_count();
-        if block.0 >= count {
+        if block.get() >= count {
             return Err(out_of_range(block, count));
         }
         self.file.write_all_at(buf, block.byte_offset())

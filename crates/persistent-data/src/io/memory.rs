@@ -65,7 +65,10 @@ impl BlockDevice for MemoryDevice {
 
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
         let blocks = self.blocks.read().unwrap_or_else(|e| e.into_inner());
-        match usize::try_from(block.0).ok().and_then(|i| blocks.get(i)) {
+        match usize::try_from(block.get())
+            .ok()
+            .and_then(|i| blocks.get(i))
+        {
             Some(Some(stored)) => buf.copy_from_slice(&stored[..]),
             Some(None) => buf.fill(0),
             None => return Err(out_of_range(block, blocks.len() as u64)),
@@ -76,7 +79,7 @@ impl BlockDevice for MemoryDevice {
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
         let mut blocks = self.blocks.write().unwrap_or_else(|e| e.into_inner());
         let count = blocks.len() as u64;
-        match usize::try_from(block.0)
+        match usize::try_from(block.get())
             .ok()
             .and_then(|i| blocks.get_mut(i))
         {

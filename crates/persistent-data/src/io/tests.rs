@@ -7,23 +7,27 @@ fn conformance(device: &dyn BlockDevice) {
     let count = device.block_count();
     assert!(count >= 4);
     let mut buf = [0u8; BLOCK_SIZE];
-    device.read(MetadataBlock(1), &mut buf).unwrap();
+    device.read(MetadataBlock::new(1), &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 0), "a fresh device reads zeros");
 
     let mut pattern = [0u8; BLOCK_SIZE];
     for (i, byte) in pattern.iter_mut().enumerate() {
         *byte = (i * 7 + 3) as u8;
     }
-    device.write(MetadataBlock(2), &pattern).unwrap();
+    device.write(MetadataBlock::new(2), &pattern).unwrap();
     device.flush().unwrap();
-    device.read(MetadataBlock(2), &mut buf).unwrap();
+    device.read(MetadataBlock::new(2), &mut buf).unwrap();
     assert_eq!(buf, pattern);
-    device.read(MetadataBlock(3), &mut buf).unwrap();
+    device.read(MetadataBlock::new(3), &mut buf).unwrap();
     assert!(buf.iter().all(|&b| b == 0), "neighbouring block untouched");
 
-    let err = device.read(MetadataBlock(count), &mut buf).unwrap_err();
+    let err = device
+        .read(MetadataBlock::new(count), &mut buf)
+        .unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
-    let err = device.write(MetadataBlock(u64::MAX), &pattern).unwrap_err();
+    let err = device
+        .write(MetadataBlock::new(u64::MAX), &pattern)
+        .unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::InvalidInput);
 }
 
@@ -68,9 +72,9 @@ fn file_device_create_is_private_and_refuses_links() {
 fn memory_device_round_trips_bytes() {
     let device = MemoryDevice::new(3);
     let block = [0xabu8; BLOCK_SIZE];
-    device.write(MetadataBlock(1), &block).unwrap();
+    device.write(MetadataBlock::new(1), &block).unwrap();
     let copy = MemoryDevice::from_bytes(&device.to_bytes());
     let mut buf = [0u8; BLOCK_SIZE];
-    copy.read(MetadataBlock(1), &mut buf).unwrap();
+    copy.read(MetadataBlock::new(1), &mut buf).unwrap();
     assert_eq!(buf, block);
 }

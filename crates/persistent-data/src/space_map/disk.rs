@@ -28,7 +28,7 @@ const HEADER_SIZE: usize = 16;
 pub fn encode_bitmap(location: MetadataBlock, words: &[u64]) -> Box<Block> {
     assert_eq!(words.len(), WORDS_PER_BITMAP);
     let mut data = zeroed_block();
-    data[8..16].copy_from_slice(&location.0.to_le_bytes());
+    data[8..16].copy_from_slice(&location.get().to_le_bytes());
     for (i, word) in words.iter().enumerate() {
         let at = HEADER_SIZE + i * 8;
         data[at..at + 8].copy_from_slice(&word.to_le_bytes());
@@ -43,7 +43,7 @@ pub fn read_bitmap(
     index: usize,
     block_count: u64,
 ) -> Result<Vec<u64>> {
-    let location = MetadataBlock(entry.blocknr);
+    let location = MetadataBlock::new(entry.blocknr);
     if entry.blocknr == 0 || entry.blocknr >= source.block_count() {
         return Err(Error::corrupt(
             location,
@@ -86,7 +86,7 @@ pub fn read_bitmap(
 pub fn encode_index_block(location: MetadataBlock, entries: &[IndexEntry]) -> Box<Block> {
     assert!(entries.len() <= MAX_METADATA_BITMAPS);
     let mut data = zeroed_block();
-    data[8..16].copy_from_slice(&location.0.to_le_bytes());
+    data[8..16].copy_from_slice(&location.get().to_le_bytes());
     for (i, entry) in entries.iter().enumerate() {
         let at = HEADER_SIZE + i * IndexEntry::SIZE;
         entry.pack(&mut data[at..at + IndexEntry::SIZE]);
@@ -135,7 +135,7 @@ impl DataSpaceMap {
         // device has blocks is corrupt (and must not be allocated).
         if root.block_count.div_ceil(ENTRIES_PER_BITMAP) > source.block_count() {
             return Err(Error::corrupt(
-                MetadataBlock(root.bitmap_root),
+                MetadataBlock::new(root.bitmap_root),
                 format!(
                     "data space map of {} blocks needs more bitmaps than the metadata device's {} blocks",
                     root.block_count,
@@ -146,7 +146,7 @@ impl DataSpaceMap {
         let mut core = CoreSpaceMap::new(root.block_count);
         let bitmaps = bitmap_count(root.block_count);
         let mut bitmap_locations = vec![None; bitmaps];
-        let index_root = MetadataBlock(root.bitmap_root);
+        let index_root = MetadataBlock::new(root.bitmap_root);
         let mut loaded = vec![false; bitmaps];
         btree::walk::<IndexEntry, _>(source, index_root, &mut |key, entry| {
             let index = usize::try_from(key)
@@ -160,7 +160,7 @@ impl DataSpaceMap {
                 })?;
             let words = read_bitmap(source, &entry, index, root.block_count)?;
             core.load_bitmap(index, &words);
-            bitmap_locations[index] = Some(MetadataBlock(entry.blocknr));
+            bitmap_locations[index] = Some(MetadataBlock::new(entry.blocknr));
             loaded[index] = true;
             Ok(())
         })?;
@@ -170,7 +170,7 @@ impl DataSpaceMap {
                 format!("data space map index lacks bitmap {missing}"),
             ));
         }
-        let overflow_root = MetadataBlock(root.ref_count_root);
+        let overflow_root = MetadataBlock::new(root.ref_count_root);
         btree::walk::<u32, _>(source, overflow_root, &mut |key, count| {
             if key >= root.block_count {
                 return Err(Error::corrupt(
@@ -290,7 +290,7 @@ impl DataSpaceMap {
                 BlockKind::Bitmap,
             );
             let entry = IndexEntry {
-                blocknr: location.0,
+                blocknr: location.get(),
                 free_count: self.core.bitmap_free_count(index),
                 none_free_before: self.core.bitmap_first_free(index),
             };
@@ -307,8 +307,8 @@ impl DataSpaceMap {
         SpaceMapRoot {
             block_count: self.core.block_count(),
             allocated_count: self.core.allocated_count(),
-            bitmap_root: self.index_root.0,
-            ref_count_root: self.overflow_root.0,
+            bitmap_root: self.index_root.get(),
+            ref_count_root: self.overflow_root.get(),
         }
     }
 }

@@ -128,10 +128,10 @@ pub struct SubtreeRefs<'a>(pub &'a mut DataSpaceMap);
 
 impl RefCounter<u64> for SubtreeRefs<'_> {
     fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
-        tm.inc(MetadataBlock(*value))
+        tm.inc(MetadataBlock::new(*value))
     }
     fn dec(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
-        btree::delete_tree::<u64, _>(tm, &mut DataRefs(&mut *self.0), MetadataBlock(*value))
+        btree::delete_tree::<u64, _>(tm, &mut DataRefs(&mut *self.0), MetadataBlock::new(*value))
     }
 }
 
@@ -141,7 +141,7 @@ pub struct RootUpdateRefs;
 
 impl RefCounter<u64> for RootUpdateRefs {
     fn inc(&mut self, tm: &mut dyn CopyOnWrite, value: &u64) -> Result<()> {
-        tm.inc(MetadataBlock(*value))
+        tm.inc(MetadataBlock::new(*value))
     }
     fn dec(&mut self, _: &mut dyn CopyOnWrite, _: &u64) -> Result<()> {
         Ok(())
@@ -190,7 +190,7 @@ pub fn contents(source: &dyn BlockSource, kind: TreeKind, root: MetadataBlock) -
             let mut out = BTreeMap::new();
             for (key, bottom) in tops {
                 let mut inner = BTreeMap::new();
-                btree::walk::<u64, _>(source, MetadataBlock(bottom), &mut |k, v| {
+                btree::walk::<u64, _>(source, MetadataBlock::new(bottom), &mut |k, v| {
                     inner.insert(k, v);
                     Ok(())
                 })?;
@@ -230,7 +230,7 @@ pub fn check_tree(
     let mut bottoms = Vec::new();
     let mut visit = |_: u64, v: &[u8]| {
         if matches!(kind, TreeKind::TwoLevel | TreeKind::ThinMapping) {
-            bottoms.push(MetadataBlock(u64::from_le_bytes(
+            bottoms.push(MetadataBlock::new(u64::from_le_bytes(
                 v.try_into().expect("8 bytes"),
             )));
         }
@@ -288,14 +288,14 @@ pub fn recount(
         data: vec![0; data_root.block_count as usize],
     };
     let mut seen = HashSet::new();
-    bump(&mut counts.meta, 0, "superblock", MetadataBlock(0))?;
+    bump(&mut counts.meta, 0, "superblock", MetadataBlock::new(0))?;
     for &(kind, root) in trees {
         count_tree(source, kind, root, 0, &mut counts, &mut seen)?;
     }
     count_tree(
         source,
         TreeKind::SpaceMapIndex,
-        MetadataBlock(data_root.bitmap_root),
+        MetadataBlock::new(data_root.bitmap_root),
         0,
         &mut counts,
         &mut seen,
@@ -304,18 +304,18 @@ pub fn recount(
         count_tree(
             source,
             TreeKind::Plain(4),
-            MetadataBlock(root),
+            MetadataBlock::new(root),
             0,
             &mut counts,
             &mut seen,
         )?;
     }
-    let index_block = MetadataBlock(meta_root.bitmap_root);
+    let index_block = MetadataBlock::new(meta_root.bitmap_root);
     bump(
         &mut counts.meta,
-        index_block.0,
+        index_block.get(),
         "index block",
-        MetadataBlock(0),
+        MetadataBlock::new(0),
     )?;
     let index = source.read_block(index_block, BlockKind::Index)?;
     for entry in disk::decode_index_block(&index)
@@ -340,7 +340,7 @@ fn count_tree(
     counts: &mut Counts,
     seen: &mut HashSet<MetadataBlock>,
 ) -> Result<()> {
-    bump(&mut counts.meta, block.0, "tree node", block)?;
+    bump(&mut counts.meta, block.get(), "tree node", block)?;
     if !seen.insert(block) {
         return Ok(()); // shared: its contents were counted through its first parent
     }
@@ -369,7 +369,7 @@ fn count_tree(
                 } else {
                     TreeKind::BlockTime
                 };
-                let bottom = MetadataBlock(u64::unpack(bytes));
+                let bottom = MetadataBlock::new(u64::unpack(bytes));
                 count_tree(source, bottom_kind, bottom, 0, counts, seen)?;
             }
             TreeKind::SpaceMapIndex => {
@@ -441,15 +441,15 @@ impl Superblock {
             .collect();
         trees.push((
             TreeKind::SpaceMapIndex,
-            MetadataBlock(self.data_root.bitmap_root),
+            MetadataBlock::new(self.data_root.bitmap_root),
         ));
         trees.push((
             TreeKind::Plain(4),
-            MetadataBlock(self.data_root.ref_count_root),
+            MetadataBlock::new(self.data_root.ref_count_root),
         ));
         trees.push((
             TreeKind::Plain(4),
-            MetadataBlock(self.meta_root.ref_count_root),
+            MetadataBlock::new(self.meta_root.ref_count_root),
         ));
         trees
     }
@@ -461,7 +461,7 @@ pub fn read_superblock(bm: &BlockManager) -> Result<Superblock> {
     let magic = u64::from_le_bytes(sb[MAGIC_AT..MAGIC_AT + 8].try_into().expect("8 bytes"));
     if magic != TEST_MAGIC {
         return Err(Error::corrupt(
-            MetadataBlock(0),
+            MetadataBlock::new(0),
             format!("test superblock magic {magic:#x}"),
         ));
     }
@@ -472,14 +472,14 @@ pub fn read_superblock(bm: &BlockManager) -> Result<Superblock> {
     ) as usize;
     if count > TREES_MAX {
         return Err(Error::corrupt(
-            MetadataBlock(0),
+            MetadataBlock::new(0),
             format!("{count} tree roots"),
         ));
     }
     let roots = (0..count)
         .map(|i| {
             let at = ROOTS_AT + 8 * i;
-            MetadataBlock(u64::from_le_bytes(
+            MetadataBlock::new(u64::from_le_bytes(
                 sb[at..at + 8].try_into().expect("8 bytes"),
             ))
         })
@@ -533,7 +533,7 @@ impl Pool {
         let sb = read_superblock(&bm)?;
         if sb.roots.len() != kinds.len() {
             return Err(Error::corrupt(
-                MetadataBlock(0),
+                MetadataBlock::new(0),
                 format!("{} tree roots, expected {}", sb.roots.len(), kinds.len()),
             ));
         }
@@ -560,7 +560,7 @@ impl Pool {
         meta_root.encode(&mut sb[META_SM_AT..META_SM_AT + 32]);
         for (i, root) in self.roots.iter().enumerate() {
             let at = ROOTS_AT + 8 * i;
-            sb[at..at + 8].copy_from_slice(&root.0.to_le_bytes());
+            sb[at..at + 8].copy_from_slice(&root.get().to_le_bytes());
         }
         self.tm.commit(sb)
     }
@@ -606,7 +606,7 @@ impl Pool {
                 "space-map sizes differ from the superblock".into(),
             ));
         }
-        compare_counts(&counts, &|b| self.tm.count(MetadataBlock(b)), &|b| {
+        compare_counts(&counts, &|b| self.tm.count(MetadataBlock::new(b)), &|b| {
             self.data.count(b)
         })?;
         let allocated = |c: &[u32]| c.iter().filter(|&&c| c > 0).count() as u64;
@@ -707,7 +707,7 @@ impl Pool {
     ) -> Result<Option<u64>> {
         self.expect_kind(tree, &[TreeKind::TwoLevel]);
         let bottom = match btree::lookup::<u64, _>(&self.tm, self.roots[tree], top)? {
-            Some(root) => MetadataBlock(root),
+            Some(root) => MetadataBlock::new(root),
             None => {
                 let root = btree::create_empty::<u64>(&mut self.tm)?;
                 let (top_root, _) = btree::insert(
@@ -715,7 +715,7 @@ impl Pool {
                     &mut RootUpdateRefs,
                     self.roots[tree],
                     top,
-                    &root.0,
+                    &root.get(),
                 )?;
                 self.roots[tree] = top_root;
                 root
@@ -733,7 +733,7 @@ impl Pool {
             &mut RootUpdateRefs,
             self.roots[tree],
             top,
-            &new_bottom.0,
+            &new_bottom.get(),
         )?;
         self.roots[tree] = top_root;
         Ok(old)
@@ -757,7 +757,7 @@ impl Pool {
         self.expect_kind(tree, &[TreeKind::TwoLevel]);
         let root = btree::lookup::<u64, _>(&self.tm, self.roots[tree], from)?
             .ok_or_else(|| Error::Invalid(format!("no subtree {from}")))?;
-        self.tm.inc(MetadataBlock(root))?;
+        self.tm.inc(MetadataBlock::new(root))?;
         let (top_root, old) = btree::insert(
             &mut self.tm,
             &mut SubtreeRefs(&mut self.data),

@@ -10,14 +10,14 @@ fn filled(byte: u8) -> Block {
 
 fn read(device: &dyn BlockDevice, block: u64) -> Block {
     let mut buf = [0u8; BLOCK_SIZE];
-    device.read(MetadataBlock(block), &mut buf).unwrap();
+    device.read(MetadataBlock::new(block), &mut buf).unwrap();
     buf
 }
 
 #[test]
 fn reads_see_unflushed_writes() {
     let device = CrashDevice::new(4);
-    device.write(MetadataBlock(1), &filled(7)).unwrap();
+    device.write(MetadataBlock::new(1), &filled(7)).unwrap();
     assert_eq!(read(&device, 1), filled(7));
     assert_eq!(read(&device, 2), filled(0));
 }
@@ -25,10 +25,10 @@ fn reads_see_unflushed_writes() {
 #[test]
 fn unflushed_write_is_lost_in_drop_all() {
     let device = CrashDevice::new(4);
-    device.write(MetadataBlock(1), &filled(1)).unwrap();
+    device.write(MetadataBlock::new(1), &filled(1)).unwrap();
     device.flush().unwrap();
-    device.write(MetadataBlock(1), &filled(2)).unwrap();
-    device.write(MetadataBlock(2), &filled(3)).unwrap();
+    device.write(MetadataBlock::new(1), &filled(2)).unwrap();
+    device.write(MetadataBlock::new(2), &filled(3)).unwrap();
     let mut rng = StdRng::seed_from_u64(1);
     let image = device.crash_image(CrashMode::DropAll, &mut rng);
     assert_eq!(read(&image, 1), filled(1));
@@ -40,8 +40,8 @@ fn unflushed_write_is_lost_in_drop_all() {
 #[test]
 fn flushed_writes_survive_every_mode() {
     let device = CrashDevice::new(4);
-    device.write(MetadataBlock(0), &filled(9)).unwrap();
-    device.write(MetadataBlock(3), &filled(8)).unwrap();
+    device.write(MetadataBlock::new(0), &filled(9)).unwrap();
+    device.write(MetadataBlock::new(3), &filled(8)).unwrap();
     device.flush().unwrap();
     assert_eq!(device.volatile_write_count(), 0);
     let mut rng = StdRng::seed_from_u64(2);
@@ -57,8 +57,8 @@ fn flushed_writes_survive_every_mode() {
 #[test]
 fn random_subset_keeps_and_drops_writes_independently() {
     let device = CrashDevice::new(2);
-    device.write(MetadataBlock(0), &filled(1)).unwrap();
-    device.write(MetadataBlock(0), &filled(2)).unwrap();
+    device.write(MetadataBlock::new(0), &filled(1)).unwrap();
+    device.write(MetadataBlock::new(0), &filled(2)).unwrap();
     let mut rng = StdRng::seed_from_u64(3);
     let mut seen = std::collections::BTreeSet::new();
     for _ in 0..200 {
@@ -77,9 +77,9 @@ fn random_subset_keeps_and_drops_writes_independently() {
 #[test]
 fn torn_write_mixes_old_and_new_sectors() {
     let device = CrashDevice::new(2);
-    device.write(MetadataBlock(1), &filled(0xAA)).unwrap();
+    device.write(MetadataBlock::new(1), &filled(0xAA)).unwrap();
     device.flush().unwrap();
-    device.write(MetadataBlock(1), &filled(0xBB)).unwrap();
+    device.write(MetadataBlock::new(1), &filled(0xBB)).unwrap();
     let mut rng = StdRng::seed_from_u64(4);
     let mut torn_seen = 0;
     for _ in 0..200 {
@@ -111,7 +111,7 @@ fn crash_image_is_reproducible_from_the_seed() {
     let device = CrashDevice::new(16);
     for block in 0..16u8 {
         device
-            .write(MetadataBlock(u64::from(block)), &filled(block + 1))
+            .write(MetadataBlock::new(u64::from(block)), &filled(block + 1))
             .unwrap();
     }
     let a = device.crash_image(CrashMode::Tear, &mut StdRng::seed_from_u64(5));
@@ -123,15 +123,15 @@ fn crash_image_is_reproducible_from_the_seed() {
 fn power_cut_fails_the_operation_after_the_nth() {
     let device = CrashDevice::new(4);
     device.set_power_cut_after(Some(2));
-    device.write(MetadataBlock(0), &filled(1)).unwrap();
+    device.write(MetadataBlock::new(0), &filled(1)).unwrap();
     device.flush().unwrap();
     assert!(!device.is_power_cut());
-    assert!(device.write(MetadataBlock(1), &filled(2)).is_err());
+    assert!(device.write(MetadataBlock::new(1), &filled(2)).is_err());
     assert!(device.is_power_cut());
     // Everything fails from now on, reads included.
     assert!(device.flush().is_err());
     let mut buf = [0u8; BLOCK_SIZE];
-    assert!(device.read(MetadataBlock(0), &mut buf).is_err());
+    assert!(device.read(MetadataBlock::new(0), &mut buf).is_err());
     assert_eq!(device.operation_count(), 2);
     let image = device.crash_image(CrashMode::KeepRandomSubset, &mut StdRng::seed_from_u64(6));
     assert_eq!(read(&image, 0), filled(1));
@@ -154,8 +154,8 @@ fn counting_run_then_crash_at_every_operation() {
     // The intended workflow: count a workload's operations, then cut at each point.
     fn workload(device: &CrashDevice) -> io::Result<()> {
         for round in 0..3u8 {
-            device.write(MetadataBlock(u64::from(round)), &filled(round + 1))?;
-            device.write(MetadataBlock(3), &filled(round + 10))?;
+            device.write(MetadataBlock::new(u64::from(round)), &filled(round + 1))?;
+            device.write(MetadataBlock::new(3), &filled(round + 10))?;
             device.flush()?;
         }
         Ok(())
@@ -191,7 +191,7 @@ fn counting_run_then_crash_at_every_operation() {
 #[test]
 fn from_device_starts_durable() {
     let source = MemoryDevice::new(3);
-    source.write(MetadataBlock(2), &filled(5)).unwrap();
+    source.write(MetadataBlock::new(2), &filled(5)).unwrap();
     let device = CrashDevice::from_device(&source).unwrap();
     let image = device.crash_image(CrashMode::DropAll, &mut StdRng::seed_from_u64(7));
     assert_eq!(read(&image, 2), filled(5));
@@ -202,8 +202,10 @@ fn from_device_starts_durable() {
 fn out_of_range_is_invalid_input() {
     let device = CrashDevice::new(2);
     let mut buf = [0u8; BLOCK_SIZE];
-    let err = device.read(MetadataBlock(2), &mut buf).unwrap_err();
+    let err = device.read(MetadataBlock::new(2), &mut buf).unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
-    let err = device.write(MetadataBlock(u64::MAX), &buf).unwrap_err();
+    let err = device
+        .write(MetadataBlock::new(u64::MAX), &buf)
+        .unwrap_err();
     assert_eq!(err.kind(), io::ErrorKind::InvalidInput);
 }

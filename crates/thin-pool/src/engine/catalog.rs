@@ -13,6 +13,7 @@
 //! commit.
 
 use crate::error::{Error, Result};
+use crate::ids::VolumeId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;
@@ -35,8 +36,9 @@ pub const NAME_RULE: &str = "letters, digits and + _ . - only, not starting with
 pub struct CatalogVolume {
     /// The volume's name (its NBD export name).
     pub name: String,
-    /// Its id in the pool metadata.
-    pub id: u32,
+    /// Its id in the pool metadata (stored as the raw number).
+    #[serde(with = "raw_volume_id")]
+    pub id: VolumeId,
     /// Virtual size in bytes (a multiple of 512).
     pub size_bytes: u64,
     /// Whether writes are refused.
@@ -61,11 +63,27 @@ impl Catalog {
     }
 
     /// The lowest volume id not in use.
-    pub fn free_id(&self) -> Result<u32> {
-        let used: std::collections::BTreeSet<u32> = self.volumes.iter().map(|v| v.id).collect();
-        (0..=crate::ids::VolumeId::MAX.0)
+    pub fn free_id(&self) -> Result<VolumeId> {
+        let used: std::collections::BTreeSet<VolumeId> =
+            self.volumes.iter().map(|v| v.id).collect();
+        (0..=VolumeId::MAX.get())
+            .map(VolumeId::new)
             .find(|id| !used.contains(id))
             .ok_or_else(|| Error::Invalid("every volume id is in use".to_string()))
+    }
+}
+
+/// A [`VolumeId`] in the catalog's JSON: the raw number.
+mod raw_volume_id {
+    use crate::ids::VolumeId;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(id: &VolumeId, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_u32(id.get())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<VolumeId, D::Error> {
+        u32::deserialize(deserializer).map(VolumeId::new)
     }
 }
 
@@ -371,7 +389,7 @@ mod tests {
             transaction_id: 3,
             volumes: vec![CatalogVolume {
                 name: "old name \u{e9}".into(),
-                id: 0,
+                id: VolumeId::new(0),
                 size_bytes: 512,
                 read_only: false,
                 origin: None,
@@ -427,13 +445,18 @@ mod tests {
         c.transaction_id = 2;
         c.volumes.push(CatalogVolume {
             name: "a".into(),
-            id: 0,
+            id: VolumeId::new(7),
             size_bytes: 512,
             read_only: false,
             origin: None,
         });
         store.store(&c).unwrap();
         assert_eq!(store.load(2).unwrap(), c);
+        let text = fs::read_to_string(dir.join("catalog-2.json")).unwrap();
+        assert!(
+            text.contains("\"id\": 7,"),
+            "the id is the raw number: {text}"
+        );
         store.committed(2).unwrap();
         assert!(store.load(1).is_err());
         fs::remove_dir_all(&dir).unwrap();

@@ -2,8 +2,8 @@
 //!
 //! One index per volume: a table of leaves, each 512 `AtomicU64` entries covering 512
 //! consecutive virtual blocks, allocated the first time one of its blocks is mapped. An
-//! entry is 0 for "unmapped", else `(data_block + 1) << 24 | time` (the btree's block_time
-//! with the data block biased by one). A lookup reads the leaf's slot (a `OnceLock`, set
+//! entry is 0 for "unmapped", else the mapping's packed [`BlockTime`] with the data block
+//! biased by one (so no mapping packs to 0). A lookup reads the leaf's slot (a `OnceLock`, set
 //! once) and one atomic entry: no lock, no reference counting, no allocation.
 //!
 //! Writers (the engine, under its per-block provisioning order) store entries with release
@@ -20,15 +20,14 @@
 //! so a fully provisioned volume costs 8.06 bytes per mapped block (≤ 16 whenever at least
 //! half of each touched region is mapped); an isolated mapping costs at most 4 KiB.
 
+use crate::ids::{BlockTime, Time, VirtualBlock, DATA_BLOCK_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 /// Virtual blocks per leaf.
 pub const LEAF_ENTRIES: usize = 512;
-const TIME_BITS: u32 = 24;
-const TIME_MASK: u64 = (1 << TIME_BITS) - 1;
-/// The largest data block the index can hold.
-pub const INDEX_DATA_BLOCK_MAX: u64 = (1 << 40) - 2;
+/// The largest data block the index can hold (one less than the format's: the bias).
+pub const INDEX_DATA_BLOCK_MAX: u64 = DATA_BLOCK_MAX - 1;
 
 type Leaf = [AtomicU64; LEAF_ENTRIES];
 
@@ -82,28 +81,31 @@ impl Segment {
     }
 }
 
-/// A mapping as the index holds it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct IndexEntry {
-    /// Data block.
-    pub data_block: u64,
-    /// Pool time when mapped.
-    pub time: u32,
-}
+/// What one data block adds to a packed mapping (its time takes the bits below): the bias
+/// that keeps every stored mapping nonzero.
+const ONE_DATA_BLOCK: u64 = Time::MAX.get() as u64 + 1;
 
-fn encode(entry: IndexEntry) -> u64 {
+fn encode(mapping: BlockTime) -> u64 {
+    let data_block = mapping.data_block().get();
     assert!(
-        entry.data_block <= INDEX_DATA_BLOCK_MAX,
-        "data block beyond the index's range"
+        data_block <= INDEX_DATA_BLOCK_MAX,
+        "data block {data_block} beyond the index's range"
     );
-    ((entry.data_block + 1) << TIME_BITS) | (u64::from(entry.time) & TIME_MASK)
+    mapping.pack() + ONE_DATA_BLOCK
 }
 
-fn decode(raw: u64) -> Option<IndexEntry> {
-    (raw != 0).then(|| IndexEntry {
-        data_block: (raw >> TIME_BITS) - 1,
-        time: (raw & TIME_MASK) as u32,
-    })
+#[inline]
+fn decode(raw: u64) -> Option<BlockTime> {
+    (raw != 0).then(|| BlockTime::unpack(raw - ONE_DATA_BLOCK))
+}
+
+/// Leaf holding `block`, and the entry's position in it.
+fn position(block: VirtualBlock) -> (usize, usize) {
+    let block = block.get();
+    (
+        (block / LEAF_ENTRIES as u64) as usize,
+        (block % LEAF_ENTRIES as u64) as usize,
+    )
 }
 
 fn new_leaf() -> Arc<Leaf> {
@@ -135,35 +137,35 @@ impl Index {
         self.block_count.load(Ordering::Acquire)
     }
 
-    #[inline]
-    fn leaf(&self, block: u64) -> Option<&Arc<Leaf>> {
-        self.first
-            .slot((block / LEAF_ENTRIES as u64) as usize)?
-            .get()
-    }
-
     /// The mapping of `block`, if any. Lock-free.
     #[inline]
-    pub fn lookup(&self, block: u64) -> Option<IndexEntry> {
-        let leaf = self.leaf(block)?;
-        decode(leaf[(block % LEAF_ENTRIES as u64) as usize].load(Ordering::Acquire))
+    pub fn lookup(&self, block: VirtualBlock) -> Option<BlockTime> {
+        let (leaf, entry) = position(block);
+        let leaf = self.first.slot(leaf)?.get()?;
+        decode(leaf[entry].load(Ordering::Acquire))
     }
 
-    /// Record a mapping. `block` must be inside the volume.
-    pub fn set(&self, block: u64, entry: IndexEntry) {
-        assert!(block < self.block_count(), "index set beyond the volume");
+    /// Publish a mapping (release ordering: a reader that sees it sees the data written
+    /// before). `block` must be inside the volume.
+    pub fn set(&self, block: VirtualBlock, mapping: BlockTime) {
+        assert!(
+            block.get() < self.block_count(),
+            "index set of block {block} beyond the volume's {} blocks",
+            self.block_count()
+        );
+        let (leaf, entry) = position(block);
         let slot = self
             .first
-            .slot((block / LEAF_ENTRIES as u64) as usize)
-            .expect("index set inside the volume");
-        let leaf = slot.get_or_init(new_leaf);
-        leaf[(block % LEAF_ENTRIES as u64) as usize].store(encode(entry), Ordering::Release);
+            .slot(leaf)
+            .expect("a block inside the volume has a leaf slot");
+        slot.get_or_init(new_leaf)[entry].store(encode(mapping), Ordering::Release);
     }
 
     /// Forget a mapping.
-    pub fn clear(&self, block: u64) {
-        if let Some(leaf) = self.leaf(block) {
-            leaf[(block % LEAF_ENTRIES as u64) as usize].store(0, Ordering::Release);
+    pub fn clear(&self, block: VirtualBlock) {
+        let (leaf, entry) = position(block);
+        if let Some(leaf) = self.first.slot(leaf).and_then(|s| s.get()) {
+            leaf[entry].store(0, Ordering::Release);
         }
     }
 
@@ -198,17 +200,22 @@ impl Index {
     }
 
     /// Visit every mapping in `begin..end` in order.
-    pub fn for_each_in(&self, begin: u64, end: u64, visit: &mut dyn FnMut(u64, IndexEntry)) {
-        let end = end.min(self.block_count());
-        let mut block = begin;
+    pub fn for_each_in(
+        &self,
+        begin: VirtualBlock,
+        end: VirtualBlock,
+        visit: &mut dyn FnMut(VirtualBlock, BlockTime),
+    ) {
+        let end = end.get().min(self.block_count());
+        let mut block = begin.get();
         while block < end {
             let leaf_index = (block / LEAF_ENTRIES as u64) as usize;
             let leaf_end = ((leaf_index as u64 + 1) * LEAF_ENTRIES as u64).min(end);
             if let Some(leaf) = self.first.slot(leaf_index).and_then(|s| s.get()) {
                 for b in block..leaf_end {
                     let raw = leaf[(b % LEAF_ENTRIES as u64) as usize].load(Ordering::Acquire);
-                    if let Some(entry) = decode(raw) {
-                        visit(b, entry);
+                    if let Some(mapping) = decode(raw) {
+                        visit(VirtualBlock::new(b), mapping);
                     }
                 }
             }
@@ -219,7 +226,11 @@ impl Index {
     /// Number of mapped blocks.
     pub fn mapped_count(&self) -> u64 {
         let mut count = 0;
-        self.for_each_in(0, u64::MAX, &mut |_, _| count += 1);
+        self.for_each_in(
+            VirtualBlock::new(0),
+            VirtualBlock::new(u64::MAX),
+            &mut |_, _| count += 1,
+        );
         count
     }
 
@@ -239,35 +250,30 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ids::DataBlock;
 
     #[test]
     fn set_lookup_clear_resize() {
+        let b = VirtualBlock::new;
+        let time = |t| Time::new(t).unwrap();
         let index = Index::new(2000);
-        assert_eq!(index.lookup(5), None);
-        let e = IndexEntry {
-            data_block: 0,
-            time: 0,
-        };
-        index.set(5, e);
-        index.set(
-            1999,
-            IndexEntry {
-                data_block: INDEX_DATA_BLOCK_MAX,
-                time: 0xFF_FFFF,
-            },
-        );
-        assert_eq!(index.lookup(5), Some(e));
-        assert_eq!(index.lookup(1999).unwrap().data_block, INDEX_DATA_BLOCK_MAX);
-        assert_eq!(index.lookup(5000), None);
+        assert_eq!(index.lookup(b(5)), None);
+        let e = BlockTime::new(DataBlock::new(0), time(0));
+        index.set(b(5), e);
+        let last = BlockTime::new(DataBlock::new(INDEX_DATA_BLOCK_MAX), Time::MAX);
+        index.set(b(1999), last);
+        assert_eq!(index.lookup(b(5)), Some(e));
+        assert_eq!(index.lookup(b(1999)), Some(last));
+        assert_eq!(index.lookup(b(5000)), None);
         let copy = index.duplicate();
-        index.clear(5);
-        assert_eq!(index.lookup(5), None);
-        assert_eq!(copy.lookup(5), Some(e));
+        index.clear(b(5));
+        assert_eq!(index.lookup(b(5)), None);
+        assert_eq!(copy.lookup(b(5)), Some(e));
         index.resize(10_000);
-        assert_eq!(index.lookup(1999).unwrap().time, 0xFF_FFFF);
-        index.set(9999, e);
+        assert_eq!(index.lookup(b(1999)), Some(last));
+        index.set(b(9999), e);
         let mut seen = vec![];
-        index.for_each_in(0, 10_000, &mut |b, _| seen.push(b));
+        index.for_each_in(b(0), b(10_000), &mut |block, _| seen.push(block.get()));
         assert_eq!(seen, vec![1999, 9999]);
     }
 }

@@ -2,12 +2,31 @@
 //! and the volume catalog.
 //!
 //! It uses `crate::format::metadata::PoolMetadata` as its one metadata writer and never
-//! touches on-disk structures directly. See ARCHITECTURE.md for the read, provisioning-write
-//! and commit paths and the files each crosses.
+//! touches on-disk structures directly. Files, one job each:
+//!
+//! - `pool`: the public handle (create, open, close, status, list);
+//! - `manage`: management operations (volumes, growth, transaction id, metadata snapshot);
+//! - `volume`: volume I/O, on the caller's thread;
+//! - `provision`: what volume I/O needs from the pool (reserve, map, unmap a data block);
+//! - `commit`: applying queued ops and committing the metadata;
+//! - `committer`: the periodic commit thread;
+//! - `shared`: the state the pool's threads share, and one volume's state;
+//! - `options`: options, mode, status and volume information;
+//! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
+//!   volume catalog and the data device.
+//!
+//! See ARCHITECTURE.md for the read, provisioning-write and commit paths and the files
+//! each crosses.
 
 pub mod catalog;
+mod commit;
+mod committer;
 pub mod data_device;
 pub mod gate;
 pub mod index;
+mod manage;
+pub mod options;
 pub mod pool;
+mod provision;
+mod shared;
 pub mod volume;

@@ -15,10 +15,15 @@
 //!
 //! A mapping is *shared* when the volume was snapshotted after it was made (spec §8.5);
 //! the test is conservative, as in dm-thin.
+//!
+//! The pool is reached only through [`Provisioner`] (data device, mode, alloc / map /
+//! unmap); the volume's own state is its [`VolumeState`].
 
-use crate::engine::index::IndexEntry;
-use crate::engine::pool::{Op, PoolMode, Shared, VolumeShared};
+use crate::engine::options::PoolMode;
+use crate::engine::provision::Provisioner;
+use crate::engine::shared::VolumeState;
 use crate::error::{Error, Result};
+use crate::ids::{BlockTime, VirtualBlock, VolumeId};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -53,8 +58,8 @@ impl Payload<'_> {
 /// An open volume. Cheap to clone; every clone counts as open (delete is refused while any
 /// handle exists).
 pub struct Volume {
-    pool: Arc<Shared>,
-    volume: Arc<VolumeShared>,
+    pool: Provisioner,
+    volume: Arc<VolumeState>,
 }
 
 impl Clone for Volume {
@@ -85,7 +90,7 @@ fn data_io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
 }
 
 impl Volume {
-    pub(crate) fn new(pool: Arc<Shared>, volume: Arc<VolumeShared>) -> Volume {
+    pub(crate) fn new(pool: Provisioner, volume: Arc<VolumeState>) -> Volume {
         volume.open_count.fetch_add(1, Ordering::AcqRel);
         Volume { pool, volume }
     }
@@ -96,7 +101,7 @@ impl Volume {
     }
 
     /// The volume's id in the metadata.
-    pub fn id(&self) -> crate::ids::VolumeId {
+    pub fn id(&self) -> VolumeId {
         self.volume.id
     }
 
@@ -107,12 +112,12 @@ impl Volume {
 
     /// Whether writes are refused (read-only volume or pool).
     pub fn read_only(&self) -> bool {
-        self.volume.read_only.load(Ordering::Acquire) || self.pool.options.read_only
+        self.volume.read_only.load(Ordering::Acquire) || self.pool.options().read_only
     }
 
     /// Data block size in bytes.
     pub fn block_size_bytes(&self) -> u64 {
-        self.pool.block_size_bytes
+        self.pool.block_size_bytes()
     }
 
     /// Whether the data device can discard.
@@ -145,13 +150,17 @@ impl Volume {
         }
     }
 
-    fn is_shared(&self, entry: IndexEntry) -> bool {
-        self.volume.snapshotted_time.load(Ordering::Acquire) > entry.time
+    /// Byte offset on the data device of `in_block` bytes into `mapping`'s data block.
+    fn data_offset(&self, mapping: BlockTime, in_block: u64) -> u64 {
+        mapping
+            .data_block()
+            .offset_bytes(self.pool.block_size_bytes())
+            + in_block
     }
 
     /// Split `offset..offset+len` into (virtual block, offset in block, length) pieces.
-    fn pieces(&self, offset: u64, len: u64) -> impl Iterator<Item = (u64, u64, u64)> {
-        let block_size = self.pool.block_size_bytes;
+    fn pieces(&self, offset: u64, len: u64) -> impl Iterator<Item = (VirtualBlock, u64, u64)> {
+        let block_size = self.pool.block_size_bytes();
         let end = offset + len;
         let mut position = offset;
         std::iter::from_fn(move || {
@@ -162,7 +171,7 @@ impl Volume {
             let in_block = position % block_size;
             let n = (block_size - in_block).min(end - position);
             position += n;
-            Some((block, in_block, n))
+            Some((VirtualBlock::new(block), in_block, n))
         })
     }
 
@@ -172,16 +181,15 @@ impl Volume {
         if self.pool.mode() == PoolMode::Fail {
             return Err(Error::ReadOnly { needs_check: true });
         }
-        let block_size = self.pool.block_size_bytes;
         let mut done = 0usize;
         for (block, in_block, n) in self.pieces(offset, buf.len() as u64) {
             let piece = &mut buf[done..done + n as usize];
             match self.volume.index.lookup(block) {
                 None => piece.fill(0),
-                Some(entry) => self
+                Some(mapping) => self
                     .pool
-                    .data
-                    .read_at(entry.data_block * block_size + in_block, piece)
+                    .data()
+                    .read_at(self.data_offset(mapping, in_block), piece)
                     .map_err(data_io("reading the data device"))?,
             }
             done += n as usize;
@@ -215,7 +223,7 @@ impl Volume {
         self.check_writable()?;
         {
             let _pass = self.volume.gate.enter();
-            let block_size = self.pool.block_size_bytes;
+            let block_size = self.pool.block_size_bytes();
             for (block, in_block, n) in self.pieces(offset, len) {
                 if may_unmap && n == block_size {
                     self.unmap(block);
@@ -237,15 +245,15 @@ impl Volume {
         self.check_range(offset, len)?;
         self.check_writable()?;
         let _pass = self.volume.gate.enter();
-        let block_size = self.pool.block_size_bytes;
+        let block_size = self.pool.block_size_bytes();
         for (block, in_block, n) in self.pieces(offset, len) {
             if n == block_size {
                 self.unmap(block);
-            } else if let Some(entry) = self.volume.index.lookup(block) {
-                if !self.is_shared(entry) {
+            } else if let Some(mapping) = self.volume.index.lookup(block) {
+                if !self.volume.is_shared(mapping) {
                     self.pool
-                        .data
-                        .zero(entry.data_block * block_size + in_block, n)
+                        .data()
+                        .zero(self.data_offset(mapping, in_block), n)
                         .map_err(data_io("zeroing on the data device"))?;
                 }
             }
@@ -256,14 +264,7 @@ impl Volume {
     /// Durability point: every write completed before this call, and the mappings they made,
     /// survive a crash once it returns.
     pub fn flush(&self) -> Result<()> {
-        match self.pool.mode() {
-            PoolMode::ReadOnly if self.pool.options.read_only => self
-                .pool
-                .data
-                .flush()
-                .map_err(data_io("flushing the data device")),
-            _ => self.pool.commit(),
-        }
+        self.pool.flush()
     }
 
     /// Allocation status of `offset..offset+len`, as extents in order.
@@ -288,108 +289,92 @@ impl Volume {
         self.volume.index.mapped_count()
     }
 
-    fn unmap(&self, block: u64) {
+    fn unmap(&self, block: VirtualBlock) {
         let _order = self.volume.block_lock(block);
-        if self.volume.index.lookup(block).is_some() {
-            self.volume.index.clear(block);
-            self.pool.queue(Op::Remove {
-                volume: self.volume.id,
-                block,
-            });
-        }
+        self.pool.unmap(&self.volume, block);
     }
 
     fn write_payload(&self, at: u64, payload: Payload<'_>) -> Result<()> {
         match payload {
             Payload::Data(data) => self
                 .pool
-                .data
+                .data()
                 .write_at(at, data)
                 .map_err(data_io("writing the data device")),
             Payload::Zeroes(n) => self
                 .pool
-                .data
+                .data()
                 .zero(at, n)
                 .map_err(data_io("zeroing on the data device")),
         }
     }
 
+    /// Write one piece of a block. A mapped, unshared block is written in place with no
+    /// lock; otherwise (with `provision`) the block is provisioned under its block lock.
     fn write_piece(
         &self,
-        block: u64,
+        block: VirtualBlock,
         in_block: u64,
         payload: Payload<'_>,
         provision: bool,
     ) -> Result<()> {
-        let block_size = self.pool.block_size_bytes;
-        if let Some(entry) = self.volume.index.lookup(block) {
-            if !self.is_shared(entry) {
-                return self.write_payload(entry.data_block * block_size + in_block, payload);
+        if let Some(mapping) = self.volume.index.lookup(block) {
+            if !self.volume.is_shared(mapping) {
+                return self.write_payload(self.data_offset(mapping, in_block), payload);
             }
         }
         let _order = self.volume.block_lock(block);
         let current = self.volume.index.lookup(block);
         match current {
-            Some(entry) if !self.is_shared(entry) => {
-                self.write_payload(entry.data_block * block_size + in_block, payload)
+            Some(mapping) if !self.volume.is_shared(mapping) => {
+                self.write_payload(self.data_offset(mapping, in_block), payload)
             }
             None if !provision => Ok(()),
             _ => {
-                let new = self.pool.alloc_data_block()?;
-                let base = new * block_size;
-                let end = in_block + payload.len();
-                let filled = (|| -> Result<()> {
-                    match current {
-                        Some(old) => {
-                            // Break sharing: copy what the write does not cover.
-                            let old_base = old.data_block * block_size;
-                            if in_block > 0 {
-                                self.pool
-                                    .data
-                                    .copy(old_base, base, in_block)
-                                    .map_err(data_io("copying on the data device"))?;
-                            }
-                            if end < block_size {
-                                self.pool
-                                    .data
-                                    .copy(old_base + end, base + end, block_size - end)
-                                    .map_err(data_io("copying on the data device"))?;
-                            }
-                        }
-                        None if self.pool.options.zero_new_blocks
-                            && (in_block > 0 || end < block_size) =>
-                        {
-                            // One call over the whole block (the write then lands on
-                            // zeros) costs less than zeroing the parts before and after it.
-                            self.pool
-                                .data
-                                .zero(base, block_size)
-                                .map_err(data_io("zeroing on the data device"))?;
-                        }
-                        None => {}
-                    }
-                    self.write_payload(base + in_block, payload)
-                })();
-                if let Err(e) = filled {
-                    self.pool.release_unmapped(new);
-                    return Err(e);
-                }
-                let time = self.pool.time.load(Ordering::Acquire);
-                self.pool.queue(Op::Insert {
-                    volume: self.volume.id,
-                    block,
-                    data_block: new,
-                    time,
-                });
-                self.volume.index.set(
-                    block,
-                    IndexEntry {
-                        data_block: new,
-                        time,
-                    },
-                );
-                Ok(())
+                let reservation = self.pool.alloc()?;
+                let base = reservation
+                    .data_block()
+                    .offset_bytes(self.pool.block_size_bytes());
+                self.fill_new_block(base, current, in_block, payload.len())?;
+                self.write_payload(base + in_block, payload)?;
+                self.pool.map(&self.volume, block, reservation)
             }
         }
+    }
+
+    /// Fill what a write of `len` bytes at `in_block` leaves of a new block at byte `base`:
+    /// a copy of the `shared` block it replaces (breaking sharing), or zeros.
+    fn fill_new_block(
+        &self,
+        base: u64,
+        shared: Option<BlockTime>,
+        in_block: u64,
+        len: u64,
+    ) -> Result<()> {
+        let block_size = self.pool.block_size_bytes();
+        let end = in_block + len;
+        let data = self.pool.data();
+        match shared {
+            Some(old) => {
+                // Break sharing: copy what the write does not cover.
+                let old_base = old.data_block().offset_bytes(block_size);
+                if in_block > 0 {
+                    data.copy(old_base, base, in_block)
+                        .map_err(data_io("copying on the data device"))?;
+                }
+                if end < block_size {
+                    data.copy(old_base + end, base + end, block_size - end)
+                        .map_err(data_io("copying on the data device"))?;
+                }
+            }
+            None if self.pool.options().zero_new_blocks && (in_block > 0 || end < block_size) => {
+                // One call over the whole block (the write then lands on zeros) costs less
+                // than zeroing the parts before and after it.
+                data.zero(base, block_size)
+                    .map_err(data_io("zeroing on the data device"))?;
+            }
+            None => {}
+        }
+        Ok(())
     }
 }

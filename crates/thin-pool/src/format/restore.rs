@@ -126,10 +126,11 @@ impl Pool {
         details_root: MetadataBlock,
     ) -> crate::Result<()> {
         let metadata = &mut self.metadata;
+        let data_space_map = metadata.data_sm.commit(&mut metadata.tm)?;
         writer::commit(
             &mut metadata.tm,
-            &mut metadata.data_sm,
             &mut metadata.superblock,
+            data_space_map,
             mapping_root,
             details_root,
         )

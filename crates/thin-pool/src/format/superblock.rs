@@ -191,7 +191,7 @@ impl Unchecked {
     pub fn decode(b: &Block) -> Unchecked {
         let mut uuid = [0u8; 16];
         uuid.copy_from_slice(&b[16..32]);
-        let block = |at: usize| MetadataBlock(u64_at(b, at));
+        let block = |at: usize| MetadataBlock::new(u64_at(b, at));
         let superblock = Superblock {
             flags: u32_at(b, 4),
             blocknr: block(8),
@@ -199,7 +199,7 @@ impl Unchecked {
             version: u32_at(b, 40),
             time: u32_at(b, 44),
             transaction_id: u64_at(b, 48),
-            metadata_snap: Some(block(56)).filter(|snap| snap.0 != 0),
+            metadata_snap: Some(block(56)).filter(|snap| snap.get() != 0),
             data_space_map: SpaceMapRoot::decode(&b[64..96]),
             metadata_space_map: SpaceMapRoot::decode(&b[192..224]),
             data_mapping_root: block(320),
@@ -226,7 +226,7 @@ impl Unchecked {
         }
         if sb.blocknr != location {
             flaws.push(Flaw::Location {
-                found: sb.blocknr.0,
+                found: sb.blocknr.get(),
                 expected: location,
             });
         }
@@ -275,8 +275,8 @@ impl Unchecked {
             ("metadata space map's index", metadata_index(&sb)),
         ];
         for (what, block) in blocks {
-            if let Some(block) = block.filter(|b| b.0 >= device_block_count) {
-                return Err(out_of_range(what, block.0, device_block_count));
+            if let Some(block) = block.filter(|b| b.get() >= device_block_count) {
+                return Err(out_of_range(what, block.get(), device_block_count));
             }
         }
         let metadata_blocks = sb.metadata_space_map.block_count;
@@ -300,7 +300,8 @@ impl Unchecked {
 
 /// The metadata space map's index block, when the superblock has a metadata space map.
 fn metadata_index(sb: &Superblock) -> Option<MetadataBlock> {
-    (!sb.metadata_space_map.is_empty()).then_some(MetadataBlock(sb.metadata_space_map.bitmap_root))
+    (!sb.metadata_space_map.is_empty())
+        .then_some(MetadataBlock::new(sb.metadata_space_map.bitmap_root))
 }
 
 impl Superblock {
@@ -322,8 +323,8 @@ impl Superblock {
             metadata_snap: None,
             data_space_map: SpaceMapRoot::default(),
             metadata_space_map: SpaceMapRoot::default(),
-            data_mapping_root: MetadataBlock(0),
-            device_details_root: MetadataBlock(0),
+            data_mapping_root: MetadataBlock::new(0),
+            device_details_root: MetadataBlock::new(0),
             data_block_size_sectors,
             metadata_block_count,
             compat_flags: 0,
@@ -354,18 +355,18 @@ impl Superblock {
     pub fn encode(&self) -> Box<Block> {
         let mut b = persistent_data::block::zeroed_block();
         b[4..8].copy_from_slice(&self.flags.to_le_bytes());
-        b[8..16].copy_from_slice(&self.blocknr.0.to_le_bytes());
+        b[8..16].copy_from_slice(&self.blocknr.get().to_le_bytes());
         b[16..32].copy_from_slice(&self.uuid);
         b[32..40].copy_from_slice(&MAGIC.to_le_bytes());
         b[40..44].copy_from_slice(&self.version.to_le_bytes());
         b[44..48].copy_from_slice(&self.time.to_le_bytes());
         b[48..56].copy_from_slice(&self.transaction_id.to_le_bytes());
-        let snap = self.metadata_snap.map_or(0, |snap| snap.0);
+        let snap = self.metadata_snap.map_or(0, |snap| snap.get());
         b[56..64].copy_from_slice(&snap.to_le_bytes());
         self.data_space_map.encode(&mut b[64..96]);
         self.metadata_space_map.encode(&mut b[192..224]);
-        b[320..328].copy_from_slice(&self.data_mapping_root.0.to_le_bytes());
-        b[328..336].copy_from_slice(&self.device_details_root.0.to_le_bytes());
+        b[320..328].copy_from_slice(&self.data_mapping_root.get().to_le_bytes());
+        b[328..336].copy_from_slice(&self.device_details_root.get().to_le_bytes());
         b[336..340].copy_from_slice(&self.data_block_size_sectors.to_le_bytes());
         b[340..344].copy_from_slice(&METADATA_BLOCK_SIZE_SECTORS.to_le_bytes());
         b[344..352].copy_from_slice(&self.metadata_block_count.to_le_bytes());
@@ -408,22 +409,22 @@ mod tests {
 
     fn sample() -> Superblock {
         let mut sb = Superblock::new(128, 1000, 3, 9);
-        sb.data_mapping_root = MetadataBlock(5);
-        sb.device_details_root = MetadataBlock(6);
-        sb.metadata_snap = Some(MetadataBlock(7));
+        sb.data_mapping_root = MetadataBlock::new(5);
+        sb.device_details_root = MetadataBlock::new(6);
+        sb.metadata_snap = Some(MetadataBlock::new(7));
         sb
     }
 
     #[test]
     fn encode_then_decode_gives_the_same_superblock() {
         let sb = sample();
-        let decoded = Superblock::decode(MetadataBlock(0), &sb.encode(), 1000).unwrap();
+        let decoded = Superblock::decode(MetadataBlock::new(0), &sb.encode(), 1000).unwrap();
         assert_eq!(decoded, sb);
-        let snap = sb.metadata_snapshot(MetadataBlock(7));
-        let decoded = Superblock::decode(MetadataBlock(7), &snap.encode(), 1000).unwrap();
+        let snap = sb.metadata_snapshot(MetadataBlock::new(7));
+        let decoded = Superblock::decode(MetadataBlock::new(7), &snap.encode(), 1000).unwrap();
         assert_eq!(decoded.metadata_snap, None);
-        assert_eq!(decoded.blocknr, MetadataBlock(7));
-        assert_eq!(decoded.data_mapping_root, MetadataBlock(5));
+        assert_eq!(decoded.blocknr, MetadataBlock::new(7));
+        assert_eq!(decoded.data_mapping_root, MetadataBlock::new(5));
     }
 
     #[test]
@@ -433,7 +434,7 @@ mod tests {
         b[40..44].copy_from_slice(&3u32.to_le_bytes());
         b[4..8].copy_from_slice(&6u32.to_le_bytes());
         let unchecked = Unchecked::decode(&b);
-        let flaws = unchecked.flaws(MetadataBlock(0));
+        let flaws = unchecked.flaws(MetadataBlock::new(0));
         assert_eq!(
             flaws,
             vec![
@@ -442,7 +443,7 @@ mod tests {
                 Flaw::UnknownFlags { flags: 6 },
             ]
         );
-        let error = unchecked.validate(MetadataBlock(0), 1000).unwrap_err();
+        let error = unchecked.validate(MetadataBlock::new(0), 1000).unwrap_err();
         assert!(error.to_string().contains("magic"), "{error}");
     }
 
@@ -451,19 +452,19 @@ mod tests {
         let mut sb = sample();
         sb.flags = 6;
         sb.compat_ro_flags = 1;
-        assert!(Superblock::decode(MetadataBlock(0), &sb.encode(), 1000).is_ok());
+        assert!(Superblock::decode(MetadataBlock::new(0), &sb.encode(), 1000).is_ok());
         sb.incompat_flags = 1;
-        assert!(Superblock::decode(MetadataBlock(0), &sb.encode(), 1000).is_err());
+        assert!(Superblock::decode(MetadataBlock::new(0), &sb.encode(), 1000).is_err());
     }
 
     #[test]
     fn blocks_beyond_the_device_are_refused() {
         let sb = sample();
-        assert!(Superblock::decode(MetadataBlock(0), &sb.encode(), 7).is_err());
-        assert!(Superblock::decode(MetadataBlock(0), &sb.encode(), 8).is_ok());
+        assert!(Superblock::decode(MetadataBlock::new(0), &sb.encode(), 7).is_err());
+        assert!(Superblock::decode(MetadataBlock::new(0), &sb.encode(), 8).is_ok());
         let mut sb = sample();
-        sb.data_mapping_root = MetadataBlock(u64::MAX);
-        let error = Superblock::decode(MetadataBlock(0), &sb.encode(), 1000).unwrap_err();
+        sb.data_mapping_root = MetadataBlock::new(u64::MAX);
+        let error = Superblock::decode(MetadataBlock::new(0), &sb.encode(), 1000).unwrap_err();
         assert!(error.to_string().contains("data_mapping_root"), "{error}");
     }
 
@@ -472,7 +473,7 @@ mod tests {
         let mut b = sample().encode();
         set_needs_check(&mut b);
         assert!(checksum::matches(&b, BlockKind::Superblock));
-        let sb = Superblock::decode(MetadataBlock(0), &b, 1000).unwrap();
+        let sb = Superblock::decode(MetadataBlock::new(0), &b, 1000).unwrap();
         assert!(sb.needs_check());
     }
 }

@@ -16,7 +16,7 @@ use crate::ids::{BlockTime, Time, TransactionId, VolumeId, DATA_BLOCK_MAX};
 use persistent_data::block_manager::{BlockManager, CACHE_BLOCKS_DEFAULT};
 use persistent_data::btree::builder::TreeBuilder;
 use persistent_data::btree::{NoRefs, RefCounter};
-use persistent_data::space_map::DataSpaceMap;
+use persistent_data::space_map::{DataSpaceMap, SpaceMapRoot};
 use persistent_data::{BlockDevice, CopyOnWrite, MetadataBlock, TransactionManager};
 use std::sync::Arc;
 
@@ -99,17 +99,19 @@ pub fn format(device: Arc<dyn BlockDevice>, pool: &NewPool) -> Result<Formatted>
     })
 }
 
-/// Commit `superblock` with these tree roots: write both space maps (their roots go into
-/// the superblock), then let the transaction manager write every block before the
-/// superblock. On error the caller must abandon the transaction.
+/// Commit `superblock` with these tree roots and the data space map's root (the caller
+/// wrote the data space map into this transaction just before, so its blocks are counted):
+/// write the metadata space map (its root goes into the superblock), then let the
+/// transaction manager write every block before the superblock. On error the caller must
+/// abandon the transaction.
 pub fn commit(
     tm: &mut TransactionManager,
-    data_sm: &mut DataSpaceMap,
     superblock: &mut Superblock,
+    data_space_map: SpaceMapRoot,
     mapping_root: MetadataBlock,
     details_root: MetadataBlock,
 ) -> Result<()> {
-    superblock.data_space_map = data_sm.commit(tm)?;
+    superblock.data_space_map = data_space_map;
     superblock.metadata_space_map = tm.commit_space_map()?;
     superblock.data_mapping_root = mapping_root;
     superblock.device_details_root = details_root;
@@ -149,7 +151,7 @@ pub fn build_volume_trees(
         last = Some(volume.id);
         let key = u64::from(volume.id.get());
         details.push_value(tm, &mut NoRefs, key, volume.details)?;
-        roots.push_value(tm, &mut NoRefs, key, volume.root.0)?;
+        roots.push_value(tm, &mut NoRefs, key, volume.root.get())?;
     }
     let details_root = details.complete(tm, &mut NoRefs)?;
     let mapping_root = roots.complete(tm, &mut NoRefs)?;
@@ -201,10 +203,11 @@ mod tests {
         }
         let (mapping_root, details_root) =
             build_volume_trees(&mut tm, volumes.iter().copied()).unwrap();
+        let data_space_map = data_sm.commit(&mut tm).unwrap();
         commit(
             &mut tm,
-            &mut data_sm,
             &mut superblock,
+            data_space_map,
             mapping_root,
             details_root,
         )
@@ -217,7 +220,7 @@ mod tests {
         for volume in &volumes {
             let key = u64::from(volume.id.get());
             let root = btree::lookup::<u64, _>(&bm, read.data_mapping_root, key).unwrap();
-            assert_eq!(root, Some(volume.root.0));
+            assert_eq!(root, Some(volume.root.get()));
             let found = btree::lookup::<DeviceDetails, _>(&bm, read.device_details_root, key);
             assert_eq!(found.unwrap(), Some(details));
         }

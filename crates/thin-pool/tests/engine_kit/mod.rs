@@ -739,10 +739,11 @@ pub fn write_image(image: &dyn BlockDevice, path: &Path) {
     let mut block = [0u8; BLOCK_SIZE];
     for b in 0..image.block_count() {
         image
-            .read(MetadataBlock(b), &mut block)
+            .read(MetadataBlock::new(b), &mut block)
             .expect("read image");
         if block.iter().any(|&x| x != 0) {
-            file.write(MetadataBlock(b), &block).expect("write image");
+            file.write(MetadataBlock::new(b), &block)
+                .expect("write image");
         }
     }
     file.flush().expect("flush image");
@@ -753,9 +754,11 @@ pub fn copy_metadata(device: &dyn BlockDevice) -> MemoryDevice {
     let copy = MemoryDevice::new(device.block_count());
     let mut block = [0u8; BLOCK_SIZE];
     for b in 0..device.block_count() {
-        device.read(MetadataBlock(b), &mut block).expect("read");
+        device
+            .read(MetadataBlock::new(b), &mut block)
+            .expect("read");
         if block.iter().any(|&x| x != 0) {
-            copy.write(MetadataBlock(b), &block).expect("write");
+            copy.write(MetadataBlock::new(b), &block).expect("write");
         }
     }
     copy

@@ -54,7 +54,7 @@ pub(super) fn read_live(bm: &BlockManager, report: &mut Report) -> Option<Superb
     summary.transaction_id = sb.transaction_id;
     summary.time = sb.time;
     summary.flags = sb.flags;
-    summary.metadata_snap = sb.metadata_snap.map(|snap| snap.0);
+    summary.metadata_snap = sb.metadata_snap.map(|snap| snap.get());
     summary.metadata_block_count = sb.metadata_space_map.block_count;
     summary.metadata_free_blocks = sb
         .metadata_space_map
@@ -80,7 +80,7 @@ pub(super) fn read_live(bm: &BlockManager, report: &mut Report) -> Option<Superb
 /// Count and read the metadata snapshot's superblock, if one is held.
 /// Its checksum and location are checked (by the read); its fields are not.
 pub(super) fn read_snapshot(walker: &mut Walker<'_>, sb: &Superblock) -> Option<Superblock> {
-    let location = sb.metadata_snap?.0;
+    let location = sb.metadata_snap?.get();
     if !walker.reference(location, Structure::MetadataSnapshot, None, Some(0)) {
         return None;
     }

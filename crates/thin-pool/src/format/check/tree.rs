@@ -181,7 +181,7 @@ impl<'a> Walker<'a> {
         structure: Structure,
         volume: Option<VolumeId>,
     ) -> Option<std::sync::Arc<persistent_data::Block>> {
-        match self.bm.read(MetadataBlock(block), kind) {
+        match self.bm.read(MetadataBlock::new(block), kind) {
             Ok(data) => Some(data),
             Err(error) => {
                 let (rule, detail) = match &error {
@@ -230,7 +230,7 @@ impl<'a> Walker<'a> {
         let Some(data) = self.read(block, BlockKind::Node, kind.structure(), kind.volume()) else {
             return;
         };
-        let Ok(node) = Node::parse(MetadataBlock(block), &data, kind.value_size()) else {
+        let Ok(node) = Node::parse(MetadataBlock::new(block), &data, kind.value_size()) else {
             return;
         };
         if node.is_empty() {
@@ -381,7 +381,7 @@ impl<'a> Walker<'a> {
         if !self.check_header(block, kind, &data) {
             return None;
         }
-        let node = match Node::parse(MetadataBlock(block), &data, kind.value_size()) {
+        let node = match Node::parse(MetadataBlock::new(block), &data, kind.value_size()) {
             Ok(node) => node,
             Err(error) => {
                 let detail = error.to_string();
@@ -399,7 +399,7 @@ impl<'a> Walker<'a> {
         // Copy the children out: the block's buffer is released before descending, so the
         // walk holds at most one block per level.
         let children: Vec<(u64, u64)> = (0..node.len())
-            .map(|i| (node.key(i), node.child(i).0))
+            .map(|i| (node.key(i), node.child(i).get()))
             .collect();
         drop(data);
         self.descend(block, kind, &children, upper, depth, visit)
@@ -482,7 +482,7 @@ impl<'a> Walker<'a> {
     ) {
         for i in 0..node.len() {
             if let Some((rule, detail, data_block)) =
-                visit(MetadataBlock(block), node.key(i), node.value_bytes(i))
+                visit(MetadataBlock::new(block), node.key(i), node.value_bytes(i))
             {
                 self.report.push(Problem {
                     severity: Severity::Fatal,

@@ -33,13 +33,13 @@ pub(super) fn check(
     } else {
         Structure::MetadataSnapshot
     };
-    let from = Some(sb.blocknr.0);
+    let from = Some(sb.blocknr.get());
     walker.start_phase(Phase::DetailsTree);
     let mut details: BTreeMap<u64, DeviceDetails> = BTreeMap::new();
-    let details_walked = walker.reference(sb.device_details_root.0, structure, None, from)
+    let details_walked = walker.reference(sb.device_details_root.get(), structure, None, from)
         && walker
             .walk(
-                sb.device_details_root.0,
+                sb.device_details_root.get(),
                 TreeKind::Details,
                 &mut |_, key, value| {
                     details.insert(key, DeviceDetails::unpack(value));
@@ -49,10 +49,10 @@ pub(super) fn check(
             .is_some();
     walker.start_phase(Phase::MappingTree);
     let mut roots: Vec<(u64, u64)> = Vec::new();
-    let top_walked = walker.reference(sb.data_mapping_root.0, structure, None, from)
+    let top_walked = walker.reference(sb.data_mapping_root.get(), structure, None, from)
         && walker
             .walk(
-                sb.data_mapping_root.0,
+                sb.data_mapping_root.get(),
                 TreeKind::TopLevel,
                 &mut |_, key, value| {
                     roots.push((key, u64::unpack(value)));
@@ -152,7 +152,7 @@ fn compare_keys(
             Severity::Fatal,
             structure,
             Some(volume_id(*key)),
-            Some(sb.device_details_root.0),
+            Some(sb.device_details_root.get()),
             Rule::DetailsMismatch,
             format!("device {key} is in the details tree but not in the mapping tree"),
         );
@@ -162,7 +162,7 @@ fn compare_keys(
             Severity::Fatal,
             structure,
             Some(volume_id(*key)),
-            Some(sb.data_mapping_root.0),
+            Some(sb.data_mapping_root.get()),
             Rule::DetailsMismatch,
             format!("device {key} is in the mapping tree but not in the details tree"),
         );

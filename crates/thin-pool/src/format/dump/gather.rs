@@ -78,7 +78,7 @@ impl Gatherer {
             while !self.tails.contains(&block) {
                 if run.len() > self.successors.len() {
                     return Err(persistent_data::Error::corrupt(
-                        MetadataBlock(head),
+                        MetadataBlock::new(head),
                         "mapping leaves form a cycle",
                     )
                     .into());

@@ -181,7 +181,7 @@ fn read_devices<S: BlockSource + ?Sized>(
     if !options.skip_mappings {
         let mapping_root = superblock.data_mapping_root;
         btree::walk::<u64, _>(source, mapping_root, &mut |key, root| {
-            roots.push((volume_id(mapping_root, key)?, MetadataBlock(root)));
+            roots.push((volume_id(mapping_root, key)?, MetadataBlock::new(root)));
             Ok(())
         })?;
     }
@@ -204,7 +204,7 @@ fn read_devices<S: BlockSource + ?Sized>(
             .filter(|(id, _)| selected(*id))
             .map(|(id, d)| Device {
                 info: to_info(*id, d),
-                root: MetadataBlock(0),
+                root: MetadataBlock::new(0),
             })
             .collect());
     }
@@ -273,12 +273,12 @@ fn emit_shared<S: BlockSource + ?Sized>(
     devices: &[Device],
     visitor: &mut dyn DumpVisitor,
 ) -> Result<(), ReadError> {
-    let roots: BTreeSet<u64> = devices.iter().map(|d| d.root.0).collect();
+    let roots: BTreeSet<u64> = devices.iter().map(|d| d.root.get()).collect();
     let lists = collect_entries(source, &roots)?;
     let mut gatherer = Gatherer::default();
     for device in devices {
         gatherer.new_seq();
-        for entry in &lists[&device.root.0] {
+        for entry in &lists[&device.root.get()] {
             match *entry {
                 Entry::Leaf(block) => gatherer.next(block),
                 Entry::Ref(_) => gatherer.new_seq(),
@@ -295,7 +295,7 @@ fn emit_shared<S: BlockSource + ?Sized>(
     }
     for device in devices {
         visitor.device_begin(&device.info)?;
-        let entries = &lists[&device.root.0];
+        let entries = &lists[&device.root.get()];
         let mut leaves: Vec<u64> = Vec::new();
         let mut index = 0;
         while index < entries.len() {
@@ -338,7 +338,7 @@ fn emit_leaves<S: BlockSource + ?Sized>(
 ) -> Result<(), ReadError> {
     let mut runs = RunBuilder::new();
     for &leaf in leaves {
-        let block = MetadataBlock(leaf);
+        let block = MetadataBlock::new(leaf);
         let data = source.read_block(block, BlockKind::Node)?;
         let node = Node::parse(block, &data, 8)?;
         if !node.is_leaf() {
@@ -398,7 +398,7 @@ fn collect_entries<S: BlockSource + ?Sized>(
     let mut lists = HashMap::new();
     for &root in roots {
         let mut entries = Vec::new();
-        let depth = tree_depth(source, MetadataBlock(root))?;
+        let depth = tree_depth(source, MetadataBlock::new(root))?;
         if depth == 0 {
             entries.push(Entry::Leaf(root));
         } else if !seen.insert(root) {
@@ -406,7 +406,7 @@ fn collect_entries<S: BlockSource + ?Sized>(
         } else {
             walk_internal(
                 source,
-                MetadataBlock(root),
+                MetadataBlock::new(root),
                 depth - 1,
                 &mut seen,
                 &mut entries,
@@ -456,7 +456,7 @@ fn walk_internal<S: BlockSource + ?Sized>(
         )
         .into());
     }
-    let children: Vec<u64> = (0..node.len()).map(|i| node.child(i).0).collect();
+    let children: Vec<u64> = (0..node.len()).map(|i| node.child(i).get()).collect();
     drop(data);
     if depth == 0 {
         entries.extend(children.iter().map(|&c| Entry::Leaf(c)));
@@ -471,7 +471,7 @@ fn walk_internal<S: BlockSource + ?Sized>(
         }
     }
     for child in unseen {
-        walk_internal(source, MetadataBlock(child), depth - 1, seen, entries)?;
+        walk_internal(source, MetadataBlock::new(child), depth - 1, seen, entries)?;
     }
     Ok(())
 }

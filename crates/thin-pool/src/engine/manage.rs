@@ -1,0 +1,263 @@
+//! Management operations on an open pool: create, snapshot, delete and resize volumes,
+//! grow the data and metadata devices, set the transaction id, hold and release the
+//! metadata snapshot.
+//!
+//! Each takes the commit lock, applies the ops queued before it (their data flushed), checks
+//! every limit, then changes the catalog and the metadata in one transaction (catalog
+//! `T + 1` stored first, see `catalog`), and only then the in-memory state (published
+//! volumes, indexes, the pool time). A refused operation changes nothing.
+
+use crate::engine::catalog::{validate_name, CatalogVolume};
+use crate::engine::index::Index;
+use crate::engine::options::{PoolMode, VolumeInfo};
+use crate::engine::pool::Pool;
+use crate::engine::shared::{io_error, VolumeState};
+use crate::error::{Error, Result};
+use crate::ids::{TransactionId, VirtualBlock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+/// Largest volume size accepted, in bytes.
+const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
+
+impl Pool {
+    /// Create a thin volume of `size_bytes` (a multiple of 512).
+    pub fn create_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo> {
+        validate_name(name)?;
+        check_size(size_bytes)?;
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        if meta.catalog.find(name).is_some() {
+            return Err(Error::NameExists(name.to_string()));
+        }
+        let id = meta.catalog.free_id()?;
+        let entry = CatalogVolume {
+            name: name.to_string(),
+            id,
+            size_bytes,
+            read_only: false,
+            origin: None,
+        };
+        let mut catalog = meta.catalog.clone();
+        catalog.volumes.push(entry.clone());
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| md.create_thin(id))?;
+        let volume = Arc::new(VolumeState::new(
+            &entry,
+            Index::new(size_bytes.div_ceil(shared.block_size_bytes)),
+            shared.time(),
+        ));
+        shared.publish_volume(volume);
+        drop(meta);
+        self.info(name)
+    }
+
+    /// Snapshot `origin` as `name`. Pauses only the origin's writes, briefly.
+    pub fn snapshot(&self, origin: &str, name: &str, read_only: bool) -> Result<VolumeInfo> {
+        validate_name(name)?;
+        let shared = &self.shared;
+        let origin_volume = shared.volume_named(origin)?;
+        let _pause = origin_volume.gate.pause();
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        if meta.catalog.find(name).is_some() {
+            return Err(Error::NameExists(name.to_string()));
+        }
+        let id = meta.catalog.free_id()?;
+        let entry = CatalogVolume {
+            name: name.to_string(),
+            id,
+            size_bytes: origin_volume.size_bytes.load(Ordering::Acquire),
+            read_only,
+            origin: Some(origin.to_string()),
+        };
+        let mut catalog = meta.catalog.clone();
+        catalog.volumes.push(entry.clone());
+        let origin_id = origin_volume.id;
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| {
+            md.create_snap(id, origin_id)
+        })?;
+        let time = meta.md()?.pool_time()?;
+        shared.set_time(time);
+        origin_volume
+            .snapshotted_time
+            .store(time.get(), Ordering::Release);
+        let volume = Arc::new(VolumeState::new(
+            &entry,
+            origin_volume.index.duplicate(),
+            time,
+        ));
+        shared.publish_volume(volume);
+        drop(meta);
+        self.info(name)
+    }
+
+    /// Delete a volume (refused while it is open).
+    pub fn delete_volume(&self, name: &str) -> Result<()> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let volume = shared.volume_named(name)?;
+        if volume.open_count.load(Ordering::Acquire) > 0 {
+            return Err(Error::Busy(format!("volume {name:?} is open")));
+        }
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        let mut catalog = meta.catalog.clone();
+        catalog.volumes.retain(|v| v.name != name);
+        let id = volume.id;
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| md.delete(id))?;
+        shared.unpublish_volume(name);
+        drop(meta);
+        shared.space.notify_all();
+        Ok(())
+    }
+
+    /// Change a volume's virtual size. Shrinking unmaps the blocks beyond the new end.
+    pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo> {
+        check_size(size_bytes)?;
+        let shared = &self.shared;
+        let volume = shared.volume_named(name)?;
+        let _pause = volume.gate.pause();
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        let block_count = size_bytes.div_ceil(shared.block_size_bytes);
+        let old_block_count = volume.index.block_count();
+        let old_size = volume.size_bytes.load(Ordering::Acquire);
+        if size_bytes < old_size && !size_bytes.is_multiple_of(shared.block_size_bytes) {
+            return Err(Error::Invalid(format!(
+                "shrinking to {size_bytes} bytes: a smaller size must be a multiple of the {}-byte block size",
+                shared.block_size_bytes
+            )));
+        }
+        let mut catalog = meta.catalog.clone();
+        for v in catalog.volumes.iter_mut().filter(|v| v.name == name) {
+            v.size_bytes = size_bytes;
+        }
+        let id = volume.id;
+        shared.catalog_transaction(&mut meta, taken, catalog, |md| {
+            if block_count < old_block_count {
+                md.remove_range(
+                    id,
+                    VirtualBlock::new(block_count),
+                    VirtualBlock::new(u64::MAX),
+                )?;
+            }
+            Ok(())
+        })?;
+        for block in block_count..old_block_count {
+            volume.index.clear(VirtualBlock::new(block));
+        }
+        volume.index.resize(block_count);
+        volume.size_bytes.store(size_bytes, Ordering::Release);
+        drop(meta);
+        self.info(name)
+    }
+
+    /// Grow the data device to `size_bytes` (a regular data file is extended; a block device
+    /// must already be that large) and the pool with it, letting queued writes proceed.
+    /// Returns the number of data blocks.
+    pub fn grow_data(&self, size_bytes: u64) -> Result<u64> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        let device_bytes = shared
+            .data
+            .grow_to(size_bytes)
+            .map_err(io_error("growing the data device".to_string()))?;
+        let blocks = size_bytes.min(device_bytes) / shared.block_size_bytes;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        let md = meta.md()?;
+        if blocks > md.data_space_map().block_count() {
+            md.extend_data(blocks)?;
+            shared.commit_locked(&mut meta, taken)?;
+        }
+        let blocks = meta.md()?.data_space_map().block_count();
+        if shared.mode() == PoolMode::OutOfDataSpace {
+            shared.set_mode(PoolMode::Write);
+        }
+        shared.low_water_reached.store(false, Ordering::Release);
+        drop(meta);
+        shared.space.notify_all();
+        Ok(blocks)
+    }
+
+    /// Grow the metadata device to `size_bytes` (a regular file is extended; None: use the
+    /// device's current size) and the metadata space map with it. Returns the number of
+    /// metadata blocks the space map manages.
+    pub fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
+        let blocks = shared
+            .metadata_device
+            .extend_to(wanted_blocks)
+            .map_err(io_error("growing the metadata device".to_string()))?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        if meta.md.as_ref().is_some_and(|md| md.needs_check()) {
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        let result = meta.md()?.extend_metadata(blocks);
+        let total = shared.checked(&mut meta, result)?;
+        if shared.mode() == PoolMode::OutOfMetadataSpace {
+            shared.set_mode(PoolMode::Write);
+        }
+        shared.commit_locked(&mut meta, taken)?;
+        drop(meta);
+        shared.space.notify_all();
+        Ok(total)
+    }
+
+    /// Set the user transaction id (the catalog follows it).
+    pub fn set_transaction_id(&self, current: TransactionId, new: TransactionId) -> Result<()> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        let mut catalog = meta.catalog.clone();
+        catalog.transaction_id = new.get();
+        shared.catalog_store.store(&catalog)?;
+        let md = meta.md()?;
+        md.set_transaction_id(current, new)?;
+        shared.commit_locked(&mut meta, taken)?;
+        meta.catalog = catalog;
+        shared.catalog_store.committed(new.get())?;
+        Ok(())
+    }
+
+    /// Hold a metadata snapshot (so `thin_dump -m` can read a consistent tree while serving).
+    pub fn reserve_metadata_snap(&self) -> Result<u64> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        shared.apply_ops(&mut meta, taken)?;
+        let location = shared.commit_change(&mut meta, |md| md.reserve_metadata_snap())?;
+        Ok(location.get())
+    }
+
+    /// Release the held metadata snapshot.
+    pub fn release_metadata_snap(&self) -> Result<()> {
+        let shared = &self.shared;
+        let _commit = shared.lock_commit();
+        shared.check_changes_allowed()?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        shared.apply_ops(&mut meta, taken)?;
+        shared.commit_change(&mut meta, |md| md.release_metadata_snap())
+    }
+}
+
+fn check_size(size_bytes: u64) -> Result<()> {
+    if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
+        return Err(Error::Invalid(format!(
+            "volume size {size_bytes} bytes: must be a positive multiple of 512"
+        )));
+    }
+    if size_bytes > VOLUME_SIZE_MAX_BYTES {
+        return Err(Error::Invalid(format!(
+            "volume size {size_bytes} bytes is too large"
+        )));
+    }
+    Ok(())
+}

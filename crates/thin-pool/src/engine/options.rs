@@ -1,0 +1,150 @@
+//! What a pool is opened and created with, and what it reports: options, mode, status and
+//! volume information. Plain data, no behaviour beyond formatting.
+
+use crate::ids::VolumeId;
+use std::time::Duration;
+
+/// Options of a pool, as dm-thin's feature arguments.
+#[derive(Clone, Debug)]
+pub struct PoolOptions {
+    /// Zero the part of a new block that its first write does not cover.
+    pub zero_new_blocks: bool,
+    /// Discard freed data blocks on the data device.
+    pub discard_passdown: bool,
+    /// Fail writes that need space at once when out of data space (else queue them).
+    pub error_if_no_space: bool,
+    /// How long a queued write waits for space before failing.
+    pub no_space_timeout: Duration,
+    /// Refuse every change.
+    pub read_only: bool,
+    /// Free data blocks at or below which a low-water event fires.
+    pub low_water_mark_blocks: u64,
+    /// Commit this often when something changed (None: only on flush and management).
+    pub commit_interval: Option<Duration>,
+}
+
+impl Default for PoolOptions {
+    fn default() -> PoolOptions {
+        PoolOptions {
+            zero_new_blocks: true,
+            discard_passdown: true,
+            error_if_no_space: false,
+            no_space_timeout: Duration::from_secs(60),
+            read_only: false,
+            low_water_mark_blocks: 0,
+            commit_interval: Some(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// How a new pool is laid out.
+#[derive(Clone, Debug)]
+pub struct CreateOptions {
+    /// Data device size in bytes (rounded down to whole blocks).
+    pub data_size_bytes: u64,
+    /// Data block size in bytes (64 KiB to 1 GiB, a multiple of 64 KiB).
+    pub block_size_bytes: u64,
+    /// Metadata device size in bytes (None: estimated from the data size).
+    pub metadata_size_bytes: Option<u64>,
+}
+
+/// The pool's mode (spec §10.5), most to least capable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PoolMode {
+    /// Normal operation.
+    Write = 0,
+    /// No free data block: writes needing one error or queue.
+    OutOfDataSpace = 1,
+    /// No free metadata: no metadata changes.
+    OutOfMetadataSpace = 2,
+    /// No changes at all.
+    ReadOnly = 3,
+    /// Every I/O errors.
+    Fail = 4,
+}
+
+impl PoolMode {
+    pub(crate) fn from_u8(v: u8) -> PoolMode {
+        match v {
+            0 => PoolMode::Write,
+            1 => PoolMode::OutOfDataSpace,
+            2 => PoolMode::OutOfMetadataSpace,
+            3 => PoolMode::ReadOnly,
+            _ => PoolMode::Fail,
+        }
+    }
+
+    /// dm-thin's status word.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PoolMode::Write => "rw",
+            PoolMode::OutOfDataSpace => "out_of_data_space",
+            PoolMode::OutOfMetadataSpace | PoolMode::ReadOnly => "ro",
+            PoolMode::Fail => "fail",
+        }
+    }
+}
+
+/// A snapshot of the pool's state, like dm-thin's status line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolStatus {
+    /// User transaction id.
+    pub transaction_id: u64,
+    /// Metadata blocks in use.
+    pub metadata_used_blocks: u64,
+    /// Metadata blocks.
+    pub metadata_total_blocks: u64,
+    /// Data blocks in use.
+    pub data_used_blocks: u64,
+    /// Data blocks.
+    pub data_total_blocks: u64,
+    /// Data block size in bytes.
+    pub block_size_bytes: u64,
+    /// Held metadata snapshot, if any.
+    pub metadata_snap: Option<u64>,
+    /// Mode.
+    pub mode: PoolMode,
+    /// Whether the metadata needs a check.
+    pub needs_check: bool,
+    /// Discard passdown enabled.
+    pub discard_passdown: bool,
+    /// error_if_no_space set.
+    pub error_if_no_space: bool,
+    /// Free data blocks fell to the low water mark.
+    pub low_water_reached: bool,
+    /// Volumes.
+    pub volume_count: usize,
+}
+
+/// Information about a volume, like a row of `lvs`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeInfo {
+    /// Name.
+    pub name: String,
+    /// Id in the metadata.
+    pub id: VolumeId,
+    /// Virtual size in bytes.
+    pub size_bytes: u64,
+    /// Mapped blocks.
+    pub mapped_blocks: u64,
+    /// Data block size.
+    pub block_size_bytes: u64,
+    /// The volume it was snapshotted from.
+    pub origin: Option<String>,
+    /// Read-only.
+    pub read_only: bool,
+    /// Open handles.
+    pub open_count: usize,
+}
+
+impl VolumeInfo {
+    /// Mapped fraction of the virtual size, in percent.
+    pub fn mapped_percent(&self) -> f64 {
+        if self.size_bytes == 0 {
+            return 0.0;
+        }
+        ((self.mapped_blocks * self.block_size_bytes) as f64 / self.size_bytes as f64 * 100.0)
+            .min(100.0)
+    }
+}

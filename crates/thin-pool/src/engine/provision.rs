@@ -1,0 +1,227 @@
+//! Provisioning: what volume I/O needs from the pool, and nothing more.
+//!
+//! [`Provisioner`] is the volume's view of the pool: the data device, the mode, and the
+//! three steps that change mappings:
+//!
+//! ```text
+//!   alloc()                   reserve a data block in the metadata (short metadata lock);
+//!                             out of space: commit once, then fail or wait per the policy
+//!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
+//!   unmap(volume, block)      clear the index entry, queue Op::Remove
+//! ```
+//!
+//! A [`Reservation`] not mapped (the write failed) is released when dropped. The caller
+//! holds the volume's block lock for `block` across `map` and `unmap`: that lock orders the
+//! index updates of one block, so a block is mapped once. The index is updated together
+//! with the op queue, under the metadata lock, so the index always equals the trees plus
+//! the queued ops, also when a metadata failure drops the queue.
+
+use crate::engine::data_device::DataDevice;
+use crate::engine::index::INDEX_DATA_BLOCK_MAX;
+use crate::engine::options::{PoolMode, PoolOptions};
+use crate::engine::shared::{Op, Shared, VolumeState};
+use crate::error::{Error, Result};
+use crate::ids::{BlockTime, DataBlock, VirtualBlock};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Longest wait on the space condition before checking the deadline again.
+const SPACE_WAIT_STEP: Duration = Duration::from_millis(200);
+
+/// The pool as volume I/O sees it. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Provisioner {
+    shared: Arc<Shared>,
+}
+
+/// A data block reserved for one write. Map it with [`Provisioner::map`]; dropping it
+/// unmapped gives the block back.
+#[must_use]
+pub(crate) struct Reservation<'a> {
+    provisioner: &'a Provisioner,
+    block: DataBlock,
+    /// The metadata generation it was reserved in (void once the metadata is reopened).
+    generation: u64,
+    mapped: bool,
+}
+
+impl Reservation<'_> {
+    /// The reserved block.
+    pub(crate) fn data_block(&self) -> DataBlock {
+        self.block
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.mapped {
+            self.provisioner.release(self.block, self.generation);
+        }
+    }
+}
+
+impl Provisioner {
+    pub(crate) fn new(shared: Arc<Shared>) -> Provisioner {
+        Provisioner { shared }
+    }
+
+    /// The pool's mode.
+    pub(crate) fn mode(&self) -> PoolMode {
+        self.shared.mode()
+    }
+
+    /// The data device.
+    pub(crate) fn data(&self) -> &dyn DataDevice {
+        &*self.shared.data
+    }
+
+    /// Data block size in bytes.
+    pub(crate) fn block_size_bytes(&self) -> u64 {
+        self.shared.block_size_bytes
+    }
+
+    /// The pool's options.
+    pub(crate) fn options(&self) -> &PoolOptions {
+        &self.shared.options
+    }
+
+    /// Make every completed write durable: commit (a pool read-only by option only
+    /// flushes the data device).
+    pub(crate) fn flush(&self) -> Result<()> {
+        match self.mode() {
+            PoolMode::ReadOnly if self.shared.options.read_only => self.shared.flush_data(),
+            _ => self.shared.commit(),
+        }
+    }
+
+    /// Reserve a data block for provisioning. Out of space: commit (releasing blocks freed
+    /// by discards), then error or wait per the pool's policy.
+    pub(crate) fn alloc(&self) -> Result<Reservation<'_>> {
+        let shared = &*self.shared;
+        let deadline = Instant::now() + shared.options.no_space_timeout;
+        let mut committed_once = false;
+        loop {
+            shared.check_changes_allowed()?;
+            let mut meta = shared.lock_meta();
+            let generation = meta.generation;
+            let md = meta.md()?;
+            match md.alloc_data_block() {
+                Ok(block) => {
+                    if block.get() > INDEX_DATA_BLOCK_MAX {
+                        md.release_data_block(block);
+                        return Err(Error::Invalid(format!(
+                            "data block {block} beyond the engine's range"
+                        )));
+                    }
+                    let usage = md.usage();
+                    drop(meta);
+                    self.reserved(usage.data_total_blocks - usage.data_used_blocks);
+                    return Ok(Reservation {
+                        provisioner: self,
+                        block,
+                        generation,
+                        mapped: false,
+                    });
+                }
+                Err(Error::OutOfDataSpace { block_count }) => {
+                    drop(meta);
+                    if !committed_once {
+                        committed_once = true;
+                        shared.commit()?;
+                        continue;
+                    }
+                    shared.set_mode(PoolMode::OutOfDataSpace);
+                    let now = Instant::now();
+                    if shared.options.error_if_no_space || now >= deadline {
+                        return Err(Error::OutOfDataSpace { block_count });
+                    }
+                    let meta = shared.lock_meta();
+                    let wait = (deadline - now).min(SPACE_WAIT_STEP);
+                    let _ = shared.space.wait_timeout(meta, wait);
+                    committed_once = false;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// After a reservation: the low-water event, and leaving out-of-data-space mode.
+    fn reserved(&self, free_blocks: u64) {
+        let shared = &*self.shared;
+        if free_blocks <= shared.options.low_water_mark_blocks
+            && !shared.low_water_reached.swap(true, Ordering::AcqRel)
+        {
+            shared.log(format!(
+                "low water mark reached: {free_blocks} free data blocks"
+            ));
+        }
+        if shared.mode() == PoolMode::OutOfDataSpace {
+            shared.set_mode(PoolMode::Write);
+        }
+    }
+
+    /// Map `block` of `volume` to the reserved block, whose data is written: queue the
+    /// mapping for the next commit and publish it in the index. The caller holds the
+    /// volume's block lock for `block`, and `block` is unmapped or shared.
+    pub(crate) fn map(
+        &self,
+        volume: &VolumeState,
+        block: VirtualBlock,
+        mut reservation: Reservation<'_>,
+    ) -> Result<()> {
+        let mapping = BlockTime::new(reservation.block, self.shared.time());
+        if let Some(old) = volume.index.lookup(block) {
+            assert!(
+                volume.is_shared(old),
+                "volume {:?} block {block}: provisioning over an unshared mapping",
+                volume.name
+            );
+            assert_ne!(old.data_block(), mapping.data_block(), "a block maps once");
+        }
+        {
+            let mut meta = self.shared.lock_meta();
+            if meta.generation != reservation.generation {
+                // The metadata was abandoned since the block was reserved: the reservation
+                // went with it, and the write cannot be recorded.
+                reservation.mapped = true;
+                return Err(Error::ReadOnly { needs_check: true });
+            }
+            meta.push(Op::Insert {
+                volume: volume.id,
+                block,
+                mapping,
+            });
+            reservation.mapped = true;
+            // Published under the metadata lock, so a metadata failure (which drops the
+            // queued ops and reloads the index under that lock) never misses it.
+            volume.index.set(block, mapping);
+        }
+        Ok(())
+    }
+
+    /// Unmap `block` of `volume` if it is mapped: clear the index entry and queue the
+    /// removal. The caller holds the volume's block lock for `block`.
+    pub(crate) fn unmap(&self, volume: &VolumeState, block: VirtualBlock) {
+        if volume.index.lookup(block).is_some() {
+            let mut meta = self.shared.lock_meta();
+            volume.index.clear(block);
+            meta.push(Op::Remove {
+                volume: volume.id,
+                block,
+            });
+        }
+    }
+
+    /// Give back a reservation that will not be mapped (its write failed).
+    fn release(&self, block: DataBlock, generation: u64) {
+        let mut meta = self.shared.lock_meta();
+        if meta.generation != generation {
+            return;
+        }
+        if let Some(md) = meta.md.as_mut() {
+            let released = md.release_data_block(block);
+            debug_assert!(released, "data block {block} was reserved");
+        }
+    }
+}

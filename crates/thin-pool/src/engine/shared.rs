@@ -1,0 +1,291 @@
+//! The state a pool's threads share: [`Shared`] (devices, options, mode, the metadata
+//! behind its mutex, the published volumes) and [`VolumeState`] (one volume's index, gate
+//! and block locks).
+//!
+//! Locks, in the order they are taken: a volume's gate (paused by snapshot and resize), the
+//! commit lock (one commit or management operation at a time), a volume's block lock (per
+//! virtual block, provisioning only), the metadata mutex (short critical sections: queue an
+//! op, reserve a block, or a whole commit's apply-and-write).
+
+use crate::engine::catalog::{Catalog, CatalogStore, CatalogVolume};
+use crate::engine::committer::Signal;
+use crate::engine::data_device::DataDevice;
+use crate::engine::gate::WriteGate;
+use crate::engine::index::Index;
+use crate::engine::options::{PoolMode, PoolOptions};
+use crate::error::{Error, Result};
+use crate::format::metadata::PoolMetadata;
+use crate::ids::{BlockTime, DataBlock, Time, VirtualBlock, VolumeId};
+use arc_swap::ArcSwap;
+use persistent_data::BlockDevice;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// Block locks per volume (hashed by virtual block).
+const BLOCK_LOCKS: usize = 256;
+
+/// Events kept for [`crate::Pool::events`].
+const EVENTS_MAX: usize = 1000;
+
+/// A metadata change whose data is written, waiting for the next commit.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Op {
+    /// Map `block` to the reserved data block in `mapping`.
+    Insert {
+        volume: VolumeId,
+        block: VirtualBlock,
+        mapping: BlockTime,
+    },
+    /// Unmap `block`.
+    Remove {
+        volume: VolumeId,
+        block: VirtualBlock,
+    },
+}
+
+/// What the metadata mutex guards.
+pub(crate) struct MetaState {
+    /// The metadata; None only while it is being reopened after a failure.
+    pub(crate) md: Option<PoolMetadata>,
+    /// Bumped each time `md` is reopened after a failure: reservations made before are void.
+    pub(crate) generation: u64,
+    pub(crate) catalog: Catalog,
+    /// Ops queued and not applied, oldest first.
+    pub(crate) ops: Vec<Op>,
+    /// Ops queued since the pool opened, and ops taken off the queue (applied or dropped):
+    /// `ops_queued - ops_taken == ops.len()`, checked at every apply.
+    pub(crate) ops_queued: u64,
+    pub(crate) ops_taken: u64,
+    /// Data blocks a discard freed in this transaction: discarded on the data device only
+    /// once the commit that frees them is durable (before it, the committed metadata may
+    /// still map them, e.g. in a snapshot whose copy-on-write is not committed).
+    pub(crate) passdown: Vec<DataBlock>,
+}
+
+impl MetaState {
+    pub(crate) fn new(md: PoolMetadata, catalog: Catalog) -> MetaState {
+        MetaState {
+            md: Some(md),
+            generation: 0,
+            catalog,
+            ops: Vec::new(),
+            ops_queued: 0,
+            ops_taken: 0,
+            passdown: Vec::new(),
+        }
+    }
+
+    pub(crate) fn md(&mut self) -> Result<&mut PoolMetadata> {
+        self.md
+            .as_mut()
+            .ok_or(Error::ReadOnly { needs_check: true })
+    }
+
+    /// Queue an op behind the others.
+    pub(crate) fn push(&mut self, op: Op) {
+        self.ops.push(op);
+        self.ops_queued += 1;
+    }
+
+    /// Take the `count` oldest ops off the queue.
+    pub(crate) fn take_ops(&mut self, count: usize) -> Vec<Op> {
+        assert_eq!(
+            self.ops_queued - self.ops_taken,
+            self.ops.len() as u64,
+            "every queued op is taken exactly once"
+        );
+        let ops: Vec<Op> = self.ops.drain(..count).collect();
+        self.ops_taken += ops.len() as u64;
+        ops
+    }
+}
+
+/// One volume's state, shared by its handles and the pool.
+pub(crate) struct VolumeState {
+    pub(crate) name: String,
+    pub(crate) id: VolumeId,
+    pub(crate) size_bytes: AtomicU64,
+    pub(crate) read_only: AtomicBool,
+    /// Every mapping of the volume, committed or queued.
+    pub(crate) index: Index,
+    /// Pool time of the volume's last snapshot: mappings older than it may be shared.
+    pub(crate) snapshotted_time: AtomicU32,
+    pub(crate) gate: WriteGate,
+    block_locks: Vec<Mutex<()>>,
+    pub(crate) open_count: AtomicUsize,
+    pub(crate) origin: Option<String>,
+}
+
+impl VolumeState {
+    pub(crate) fn new(entry: &CatalogVolume, index: Index, snapshotted_time: Time) -> VolumeState {
+        VolumeState {
+            name: entry.name.clone(),
+            id: entry.id,
+            size_bytes: AtomicU64::new(entry.size_bytes),
+            read_only: AtomicBool::new(entry.read_only),
+            index,
+            snapshotted_time: AtomicU32::new(snapshotted_time.get()),
+            gate: WriteGate::default(),
+            block_locks: (0..BLOCK_LOCKS).map(|_| Mutex::new(())).collect(),
+            open_count: AtomicUsize::new(0),
+            origin: entry.origin.clone(),
+        }
+    }
+
+    /// The lock ordering provisioning of `block` (hashed: one of [`BLOCK_LOCKS`]).
+    pub(crate) fn block_lock(&self, block: VirtualBlock) -> MutexGuard<'_, ()> {
+        let i = (block.get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % BLOCK_LOCKS;
+        self.block_locks[i]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a mapping may be shared with a snapshot (made before the volume's last
+    /// snapshot; spec §8.5), so a write must break sharing instead of writing in place.
+    pub(crate) fn is_shared(&self, mapping: BlockTime) -> bool {
+        self.snapshotted_time.load(Ordering::Acquire) > mapping.time().get()
+    }
+}
+
+/// Everything the pool's threads share.
+pub(crate) struct Shared {
+    pub(crate) data: Arc<dyn DataDevice>,
+    pub(crate) metadata_device: Arc<dyn BlockDevice>,
+    pub(crate) block_size_bytes: u64,
+    pub(crate) options: PoolOptions,
+    pub(crate) meta: Mutex<MetaState>,
+    /// Serializes commits (and everything that applies queued ops).
+    commit_lock: Mutex<()>,
+    /// Signalled when data space may have appeared.
+    pub(crate) space: Condvar,
+    pub(crate) volumes: ArcSwap<BTreeMap<String, Arc<VolumeState>>>,
+    mode: AtomicU8,
+    /// The pool time new mappings are made at (the metadata's, mirrored for the data path).
+    time: AtomicU32,
+    pub(crate) low_water_reached: AtomicBool,
+    /// Wakes and stops the commit thread.
+    pub(crate) committer: Signal,
+    pub(crate) catalog_store: Box<dyn CatalogStore>,
+    events: Mutex<Vec<String>>,
+}
+
+impl Shared {
+    /// Shared state over open metadata and devices.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        data: Arc<dyn DataDevice>,
+        metadata_device: Arc<dyn BlockDevice>,
+        block_size_bytes: u64,
+        options: PoolOptions,
+        meta: MetaState,
+        volumes: BTreeMap<String, Arc<VolumeState>>,
+        mode: PoolMode,
+        time: Time,
+        catalog_store: Box<dyn CatalogStore>,
+    ) -> Shared {
+        Shared {
+            data,
+            metadata_device,
+            block_size_bytes,
+            options,
+            meta: Mutex::new(meta),
+            commit_lock: Mutex::new(()),
+            space: Condvar::new(),
+            volumes: ArcSwap::from_pointee(volumes),
+            mode: AtomicU8::new(mode as u8),
+            time: AtomicU32::new(time.get()),
+            low_water_reached: AtomicBool::new(false),
+            committer: Signal::default(),
+            catalog_store,
+            events: Mutex::new(Vec::new()),
+        }
+    }
+
+    pub(crate) fn mode(&self) -> PoolMode {
+        PoolMode::from_u8(self.mode.load(Ordering::Acquire))
+    }
+
+    pub(crate) fn set_mode(&self, mode: PoolMode) {
+        let old = PoolMode::from_u8(self.mode.swap(mode as u8, Ordering::AcqRel));
+        if old != mode {
+            self.log(format!("pool mode {old:?} -> {mode:?}"));
+        }
+    }
+
+    /// The pool time new mappings are made at.
+    pub(crate) fn time(&self) -> Time {
+        Time::new(self.time.load(Ordering::Acquire)).expect("only 24-bit times are stored")
+    }
+
+    pub(crate) fn set_time(&self, time: Time) {
+        self.time.store(time.get(), Ordering::Release);
+    }
+
+    pub(crate) fn log(&self, event: String) {
+        let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        if events.len() >= EVENTS_MAX {
+            events.remove(0);
+        }
+        events.push(event);
+    }
+
+    pub(crate) fn events(&self) -> Vec<String> {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    pub(crate) fn lock_meta(&self) -> MutexGuard<'_, MetaState> {
+        self.meta.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn lock_commit(&self) -> MutexGuard<'_, ()> {
+        self.commit_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the mode lets metadata change (allocations, commits, management).
+    pub(crate) fn check_changes_allowed(&self) -> Result<()> {
+        match self.mode() {
+            PoolMode::Write | PoolMode::OutOfDataSpace => Ok(()),
+            PoolMode::OutOfMetadataSpace => Err(Error::OutOfMetadataSpace {
+                block_count: self.metadata_device.block_count(),
+            }),
+            PoolMode::ReadOnly | PoolMode::Fail => Err(Error::ReadOnly {
+                needs_check: !self.options.read_only,
+            }),
+        }
+    }
+
+    pub(crate) fn flush_data(&self) -> Result<()> {
+        self.data
+            .flush()
+            .map_err(io_error("flushing the data device".to_string()))
+    }
+
+    pub(crate) fn volume_named(&self, name: &str) -> Result<Arc<VolumeState>> {
+        self.volumes
+            .load()
+            .get(name)
+            .cloned()
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
+    }
+
+    pub(crate) fn publish_volume(&self, volume: Arc<VolumeState>) {
+        let mut volumes = (**self.volumes.load()).clone();
+        volumes.insert(volume.name.clone(), volume);
+        self.volumes.store(Arc::new(volumes));
+    }
+
+    pub(crate) fn unpublish_volume(&self, name: &str) {
+        let mut volumes = (**self.volumes.load()).clone();
+        volumes.remove(name);
+        self.volumes.store(Arc::new(volumes));
+    }
+}
+
+/// Map an I/O error outside persistent-data to [`Error::Io`] saying what was being done.
+pub(crate) fn io_error(what: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { what, source }
+}
