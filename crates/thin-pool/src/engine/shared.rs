@@ -11,6 +11,7 @@ use crate::engine::catalog::{Catalog, CatalogStore, CatalogVolume};
 use crate::engine::committer::Signal;
 use crate::engine::data_device::DataDevice;
 use crate::engine::gate::WriteGate;
+use crate::engine::grace::{Limbo, Readers};
 use crate::engine::index::Index;
 use crate::engine::options::{PoolMode, PoolOptions};
 use crate::error::{Error, Result};
@@ -24,6 +25,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Block locks per volume (hashed by virtual block).
 const BLOCK_LOCKS: usize = 256;
+
+/// `open_count` of a volume claimed by a delete.
+const DELETING: usize = usize::MAX;
 
 /// Events kept for [`crate::Pool::events`].
 const EVENTS_MAX: usize = 1000;
@@ -59,12 +63,17 @@ pub(crate) struct MetaState {
     pub(crate) ops_taken: u64,
     /// Data blocks a discard freed in this transaction: discarded on the data device only
     /// once the commit that frees them is durable (before it, the committed metadata may
-    /// still map them, e.g. in a snapshot whose copy-on-write is not committed).
+    /// still map them, e.g. in a snapshot whose copy-on-write is not committed) and no
+    /// lock-free I/O can reach them (see `limbo`).
     pub(crate) passdown: Vec<DataBlock>,
+    /// Data blocks freed by commits, held in the metadata until no I/O pinned before they
+    /// were unmapped is left (`grace`).
+    pub(crate) limbo: Limbo,
 }
 
 impl MetaState {
-    pub(crate) fn new(md: PoolMetadata, catalog: Catalog) -> MetaState {
+    pub(crate) fn new(mut md: PoolMetadata, catalog: Catalog) -> MetaState {
+        md.hold_freed_data_blocks();
         MetaState {
             md: Some(md),
             generation: 0,
@@ -73,6 +82,7 @@ impl MetaState {
             ops_queued: 0,
             ops_taken: 0,
             passdown: Vec::new(),
+            limbo: Limbo::default(),
         }
     }
 
@@ -113,7 +123,9 @@ pub(crate) struct VolumeState {
     pub(crate) snapshotted_time: AtomicU32,
     pub(crate) gate: WriteGate,
     block_locks: Vec<Mutex<()>>,
-    pub(crate) open_count: AtomicUsize,
+    /// Handles alive, or [`DELETING`] once a delete claimed the volume (then no handle
+    /// can be opened; see [`VolumeState::open`]).
+    open_count: AtomicUsize,
     pub(crate) origin: Option<String>,
 }
 
@@ -131,6 +143,77 @@ impl VolumeState {
             open_count: AtomicUsize::new(0),
             origin: entry.origin.clone(),
         }
+    }
+
+    /// Count a new handle. Refused once a delete claimed the volume, so that a delete and
+    /// an open are atomic with respect to each other.
+    pub(crate) fn open(&self) -> Result<()> {
+        let mut count = self.open_count.load(Ordering::Acquire);
+        loop {
+            if count == DELETING {
+                return Err(Error::Busy(format!(
+                    "volume {:?} is being deleted",
+                    self.name
+                )));
+            }
+            match self.open_count.compare_exchange_weak(
+                count,
+                count + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(now) => count = now,
+            }
+        }
+    }
+
+    /// Count one more handle beside an existing one (a clone).
+    pub(crate) fn open_another(&self) {
+        let before = self.open_count.fetch_add(1, Ordering::AcqRel);
+        assert!(
+            before != 0 && before != DELETING,
+            "a handle is cloned only from a live one"
+        );
+    }
+
+    /// A handle is dropped.
+    pub(crate) fn close(&self) {
+        let before = self.open_count.fetch_sub(1, Ordering::AcqRel);
+        assert!(
+            before != 0 && before != DELETING,
+            "volume {:?}: a handle closed twice",
+            self.name
+        );
+    }
+
+    /// Handles alive (0 while being deleted).
+    pub(crate) fn open_count(&self) -> usize {
+        match self.open_count.load(Ordering::Acquire) {
+            DELETING => 0,
+            count => count,
+        }
+    }
+
+    /// Claim the volume for deletion: refused while any handle is alive; from then on no
+    /// handle can be opened until [`VolumeState::end_delete`] (a failed delete) or forever.
+    pub(crate) fn begin_delete(&self) -> Result<()> {
+        self.open_count
+            .compare_exchange(0, DELETING, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+            .map_err(|_| Error::Busy(format!("volume {:?} is open", self.name)))
+    }
+
+    /// A delete failed: handles may be opened again.
+    pub(crate) fn end_delete(&self) {
+        let claimed =
+            self.open_count
+                .compare_exchange(DELETING, 0, Ordering::AcqRel, Ordering::Acquire);
+        assert!(
+            claimed.is_ok(),
+            "volume {:?} was claimed for deletion",
+            self.name
+        );
     }
 
     /// The lock ordering provisioning of `block` (hashed: one of [`BLOCK_LOCKS`]).
@@ -168,6 +251,8 @@ pub(crate) struct Shared {
     pub(crate) committer: Signal,
     pub(crate) catalog_store: Box<dyn CatalogStore>,
     events: Mutex<Vec<String>>,
+    /// Threads doing lock-free I/O on data blocks they looked up (`grace`).
+    pub(crate) readers: Readers,
 }
 
 impl Shared {
@@ -199,6 +284,7 @@ impl Shared {
             committer: Signal::default(),
             catalog_store,
             events: Mutex::new(Vec::new()),
+            readers: Readers::default(),
         }
     }
 
