@@ -57,7 +57,13 @@ impl Shared {
     /// those ops were queued.
     pub(crate) fn commit_locked(&self, meta: &mut MetaState, count: usize) -> Result<()> {
         self.apply_ops(meta, count)?;
-        self.commit_change(meta, |_| Ok(()))
+        self.commit_change(meta, |_| Ok(()))?;
+        // Every block this commit freed was unmapped from its index when its op was
+        // queued: start its grace period now and, if no I/O pinned before is left (the
+        // usual case), release it and pass it down at once.
+        self.reclaim(meta);
+        self.reclaim(meta);
+        Ok(())
     }
 
     /// Run `change` on the metadata and commit. A change refused before it changed anything
