@@ -10,6 +10,11 @@
 //! the committed space map (see `format::metadata::data_space`), so a crash never leaves a
 //! mapping without its data nor a leaked block.
 //!
+//! Freed data blocks: a commit holds the blocks its transaction freed (they stay free in
+//! the space map but are not reserved) and parks them in the limbo (`grace`); the next
+//! commits release them, and pass down those a discard freed, once no I/O pinned before
+//! their unmap is left. A write out of space waits for that ([`Shared::wait_for_held`]).
+//!
 //! Failure: a metadata operation refused before any change (see
 //! [`PoolMetadata::transaction_failed`]) is reported and the transaction goes on; any other
 //! failure abandons the transaction as dm-thin does ([`Shared::metadata_failed`]). A panic
@@ -17,6 +22,7 @@
 //! ([`Shared::contained`], [`Shared::fail`]): nothing of that transaction is written.
 
 use crate::engine::catalog::Catalog;
+use crate::engine::grace::Held;
 use crate::engine::options::{FaultPoint, PoolMode};
 use crate::engine::shared::{MetaState, Op, Shared};
 use crate::error::{Error, Result};
@@ -24,6 +30,7 @@ use crate::format::metadata::PoolMetadata;
 use crate::ids::{DataBlock, VirtualBlock};
 use std::collections::BTreeMap;
 use std::sync::MutexGuard;
+use std::time::{Duration, Instant};
 
 /// Metadata blocks one commit may need per applied op: roughly a leaf split every 126
 /// inserts (over-estimated as one per 64 ops), plus a path shadow per volume touched.
@@ -52,7 +59,13 @@ impl Shared {
     /// those ops were queued.
     pub(crate) fn commit_locked(&self, meta: &mut MetaState, count: usize) -> Result<()> {
         self.apply_ops(meta, count)?;
-        self.commit_change(meta, |_| Ok(()))
+        self.commit_change(meta, |_| Ok(()))?;
+        // Every block this commit freed was unmapped from its index when its op was
+        // queued: start its grace period now and, if no I/O pinned before is left (the
+        // usual case), release it and pass it down at once.
+        self.reclaim(meta);
+        self.reclaim(meta);
+        Ok(())
     }
 
     /// Run `change` on the metadata and commit. A change refused before it changed anything
@@ -63,13 +76,16 @@ impl Shared {
         change: impl FnOnce(&mut PoolMetadata) -> Result<T>,
     ) -> Result<T> {
         self.contained(meta, "a metadata commit", |meta| {
+            // Blocks freed by earlier commits were unmapped from every index before this
+            // lock was taken: they may start (or end) their grace period.
+            self.reclaim(meta);
             let md = meta.md()?;
             let result = change(md).and_then(|value| {
                 self.fault_point(FaultPoint::Commit);
                 md.commit().map(|()| value)
             });
             let value = self.checked(meta, result)?;
-            self.pass_down(meta);
+            self.park_freed(meta);
             Ok(value)
         })
     }
@@ -193,20 +209,60 @@ impl Shared {
         }
     }
 
-    /// After a durable commit: discard the data blocks discards freed, if nothing took them
-    /// since (nothing can: the metadata lock is held from the commit to here).
-    fn pass_down(&self, meta: &mut MetaState) {
-        let blocks = std::mem::take(&mut meta.passdown);
-        let Some(md) = meta.md.as_ref() else { return };
-        for block in blocks {
-            if md.data_block_count(block) == 0 && !md.is_reserved(block) {
+    /// After a durable commit: the data blocks it freed (held by the metadata) go to the
+    /// limbo, those a discard freed marked for passdown. Their grace period starts at a
+    /// later `reclaim`: the caller may still be unmapping them from an index (a shrink
+    /// clears its index after the commit, under the metadata lock).
+    fn park_freed(&self, meta: &mut MetaState) {
+        let passdown: std::collections::HashSet<DataBlock> =
+            std::mem::take(&mut meta.passdown).into_iter().collect();
+        let Some(md) = meta.md.as_mut() else { return };
+        let held = md.take_newly_held_data_blocks();
+        meta.limbo.add(held.into_iter().map(|block| Held {
+            block,
+            pass_down: passdown.contains(&block),
+        }));
+    }
+
+    /// Without waiting: release the held blocks no pinned I/O can reach any more (passing
+    /// down those a discard freed), and start the grace period of those freed since.
+    pub(crate) fn reclaim(&self, meta: &mut MetaState) {
+        let released = meta.limbo.poll(&self.readers);
+        let Some(md) = meta.md.as_mut() else { return };
+        for held in released {
+            if !md.is_held(held.block) {
+                continue;
+            }
+            if held.pass_down {
                 // A discard failure only costs space on the data device.
                 let _ = self.data.discard(
-                    block.offset_bytes(self.block_size_bytes),
+                    held.block.offset_bytes(self.block_size_bytes),
                     self.block_size_bytes,
                 );
             }
+            md.release_held_data_block(held.block);
         }
+    }
+
+    /// Wait (until `deadline`) for every held block to be released: pinned I/O is short
+    /// and takes no lock, so this ends unless a device stalls. The caller is not pinned.
+    pub(crate) fn wait_for_held(&self, deadline: Instant) {
+        let mut pause = Duration::from_micros(10);
+        loop {
+            {
+                let mut meta = self.lock_meta();
+                self.reclaim(&mut meta);
+                if meta.limbo.is_empty() {
+                    break;
+                }
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        self.space.notify_all();
     }
 
     /// A metadata operation failed: abandon the transaction as dm-thin does. Out of metadata
@@ -224,13 +280,42 @@ impl Shared {
             let _ = PoolMetadata::mark_needs_check(&*self.metadata_device);
         }
         match PoolMetadata::open(self.metadata_device.clone()) {
-            Ok(md) => {
-                if let Err(e) = self.resync_indexes(&md) {
-                    self.log(format!("reloading the index failed: {e}"));
-                    self.record_fail_reason(&format!("{error}; reloading the index failed: {e}"));
-                    self.set_mode(PoolMode::Fail);
-                    return error;
-                }
+            Ok(mut md) => {
+                let unmapped = match self.resync_indexes(&md) {
+                    Ok(unmapped) => unmapped,
+                    Err(e) => {
+                        self.log(format!("reloading the index failed: {e}"));
+                        self.record_fail_reason(&format!(
+                            "{error}; reloading the index failed: {e}"
+                        ));
+                        self.set_mode(PoolMode::Fail);
+                        return error;
+                    }
+                };
+                // Blocks in their grace period, and blocks of the mappings the index just
+                // dropped, may still be reached by pinned I/O: hold them in the reopened
+                // metadata too (those it maps again are not free and stay unheld).
+                md.hold_freed_data_blocks();
+                let still_held: Vec<Held> = meta
+                    .limbo
+                    .blocks()
+                    .filter(|&block| md.is_held(block) || md.hold_data_block(block))
+                    .map(|block| Held {
+                        block,
+                        pass_down: false,
+                    })
+                    .collect();
+                meta.limbo = Default::default();
+                meta.limbo.add(still_held);
+                meta.limbo.add(
+                    unmapped
+                        .into_iter()
+                        .filter(|&block| md.hold_data_block(block))
+                        .map(|block| Held {
+                            block,
+                            pass_down: false,
+                        }),
+                );
                 meta.md = Some(md);
                 self.set_mode(if out_of_space {
                     PoolMode::OutOfMetadataSpace
@@ -251,8 +336,10 @@ impl Shared {
     /// again. The abandoned ops' mappings leave the index (their blocks are free in the
     /// reopened metadata and may be reserved again), and mappings whose removal was
     /// abandoned come back. Provisioning cannot race this: it needs a reservation of the
-    /// current generation, and the caller holds the metadata lock.
-    fn resync_indexes(&self, md: &PoolMetadata) -> Result<()> {
+    /// current generation, and the caller holds the metadata lock. Returns the data blocks
+    /// of the mappings dropped from an index.
+    fn resync_indexes(&self, md: &PoolMetadata) -> Result<Vec<DataBlock>> {
+        let mut unmapped = Vec::new();
         for volume in self.volumes.load().values() {
             if !md.has_volume(volume.id) {
                 continue;
@@ -269,6 +356,7 @@ impl Shared {
                 &mut |block, mapping| {
                     if tree.get(&block) != Some(&mapping) {
                         stale.push(block);
+                        unmapped.push(mapping.data_block());
                     }
                 },
             );
@@ -283,7 +371,7 @@ impl Shared {
                 }
             }
         }
-        Ok(())
+        Ok(unmapped)
     }
 }
 

@@ -11,7 +11,7 @@ use crate::engine::catalog::{validate_name, CatalogVolume};
 use crate::engine::index::Index;
 use crate::engine::options::{PoolMode, VolumeInfo};
 use crate::engine::pool::Pool;
-use crate::engine::shared::{io_error, VolumeState};
+use crate::engine::shared::{io_error, Shared, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{TransactionId, VirtualBlock};
 use std::sync::atomic::Ordering;
@@ -61,6 +61,7 @@ impl Pool {
         let _pause = origin_volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_changes_allowed()?;
+        still_published(shared, origin, &origin_volume)?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         if meta.catalog.find(name).is_some() {
             return Err(Error::NameExists(name.to_string()));
@@ -94,26 +95,34 @@ impl Pool {
         self.info(name)
     }
 
-    /// Delete a volume (refused while it is open).
+    /// Delete a volume. Refused (busy) while it is open; from the moment it is claimed
+    /// until it is gone no handle can be opened, so when it returns no handle reaches the
+    /// volume, and its thin id and data blocks can be given to another.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         shared.check_changes_allowed()?;
         let volume = shared.volume_named(name)?;
-        if volume.open_count.load(Ordering::Acquire) > 0 {
-            return Err(Error::Busy(format!("volume {name:?} is open")));
+        volume.begin_delete()?;
+        let result = (|| -> Result<()> {
+            let (mut meta, taken) = shared.flush_and_lock()?;
+            let mut catalog = meta.catalog.clone();
+            let id = volume.id;
+            // Its snapshots lose their origin: the id and the name may be reused.
+            catalog.remove(id);
+            shared.catalog_transaction(&mut meta, taken, catalog, |md| md.delete(id))?;
+            // Under the metadata lock: no commit sees the volume's id free while the
+            // volume is still published.
+            shared.unpublish_volume(name);
+            for snapshot in shared.volumes.load().values() {
+                snapshot.forget_origin(id);
+            }
+            Ok(())
+        })();
+        if result.is_err() {
+            volume.end_delete();
         }
-        let (mut meta, taken) = shared.flush_and_lock()?;
-        let mut catalog = meta.catalog.clone();
-        let id = volume.id;
-        // Its snapshots lose their origin: the id and the name may be reused.
-        catalog.remove(id);
-        shared.catalog_transaction(&mut meta, taken, catalog, |md| md.delete(id))?;
-        shared.unpublish_volume(name);
-        for snapshot in shared.volumes.load().values() {
-            snapshot.forget_origin(id);
-        }
-        drop(meta);
+        result?;
         shared.space.notify_all();
         Ok(())
     }
@@ -126,6 +135,7 @@ impl Pool {
         let _pause = volume.gate.pause();
         let _commit = shared.lock_commit();
         shared.check_changes_allowed()?;
+        still_published(shared, name, &volume)?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         let block_count = size_bytes.div_ceil(shared.block_size_bytes);
         let old_block_count = volume.index.block_count();
@@ -249,6 +259,15 @@ impl Pool {
         let (mut meta, taken) = shared.flush_and_lock()?;
         shared.apply_ops(&mut meta, taken)?;
         shared.commit_change(&mut meta, |md| md.release_metadata_snap())
+    }
+}
+
+/// Whether `volume`, looked up before the commit lock was taken, is still the one published
+/// as `name`: a delete (and a create reusing its thin id) may have run in between.
+fn still_published(shared: &Shared, name: &str, volume: &Arc<VolumeState>) -> Result<()> {
+    match shared.volume_named(name) {
+        Ok(now) if Arc::ptr_eq(&now, volume) => Ok(()),
+        _ => Err(Error::NoSuchVolume(name.to_string())),
     }
 }
 

@@ -12,6 +12,8 @@
 //! - `committer`: the periodic commit thread;
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
+//! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
+//!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
 //!   volume catalog and the data device.
 //!
@@ -23,6 +25,7 @@ mod commit;
 mod committer;
 pub mod data_device;
 pub mod gate;
+mod grace;
 pub mod index;
 mod manage;
 pub mod options;

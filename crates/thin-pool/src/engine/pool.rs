@@ -450,10 +450,11 @@ impl Pool {
         self.shared.events()
     }
 
-    /// Open a volume by name for I/O.
+    /// Open a volume by name for I/O. Refused (busy) while a delete of it is under way:
+    /// a delete that succeeds leaves no handle behind.
     pub fn volume(&self, name: &str) -> Result<Volume> {
         let state = self.shared.volume_named(name)?;
-        Ok(Volume::new(Provisioner::new(self.shared.clone()), state))
+        Volume::open(Provisioner::new(self.shared.clone()), state)
     }
 
     /// Every volume, in name order.
@@ -475,7 +476,7 @@ impl Pool {
                     .and_then(|id| names.get(&id))
                     .map(|name| name.to_string()),
                 read_only: v.read_only.load(Ordering::Acquire),
-                open_count: v.open_count.load(Ordering::Acquire),
+                open_count: v.open_count(),
             })
             .collect()
     }

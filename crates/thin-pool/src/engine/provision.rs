@@ -17,6 +17,7 @@
 //! the queued ops, also when a metadata failure drops the queue.
 
 use crate::engine::data_device::DataDevice;
+use crate::engine::grace::Pin;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
 use crate::engine::options::{FaultPoint, PoolMode, PoolOptions};
 use crate::engine::shared::{Op, Shared, VolumeState};
@@ -28,6 +29,10 @@ use std::time::{Duration, Instant};
 
 /// Longest wait on the space condition before checking the deadline again.
 const SPACE_WAIT_STEP: Duration = Duration::from_millis(200);
+
+/// Longest wait, out of space, for freed blocks to leave their grace period (pinned I/O
+/// to finish) before the no-space policy applies.
+const GRACE_WAIT_MAX: Duration = Duration::from_secs(5);
 
 /// The pool as volume I/O sees it. Cheap to clone.
 #[derive(Clone)]
@@ -86,6 +91,13 @@ impl Provisioner {
         &self.shared.options
     }
 
+    /// Pin the calling thread around a lookup and the data I/O it leads to (see `grace`):
+    /// while pinned, take no lock and do not wait for space.
+    #[inline]
+    pub(crate) fn pin(&self) -> Pin<'_> {
+        self.shared.readers.pin()
+    }
+
     /// Make every completed write durable: commit (a pool read-only by option only
     /// flushes the data device).
     pub(crate) fn flush(&self) -> Result<()> {
@@ -133,7 +145,10 @@ impl Provisioner {
                     drop(meta);
                     if !committed_once {
                         committed_once = true;
+                        // Frees the blocks discards unmapped; they become reservable once
+                        // the I/O pinned before their unmap is done.
                         shared.commit()?;
+                        shared.wait_for_held(deadline.min(Instant::now() + GRACE_WAIT_MAX));
                         continue;
                     }
                     shared.set_mode(PoolMode::OutOfDataSpace);
@@ -194,6 +209,16 @@ impl Provisioner {
                 // went with it, and the write cannot be recorded.
                 reservation.mapped = true;
                 return Err(Error::ReadOnly { needs_check: true });
+            }
+            // The volume's size only changes under this lock (and with its writers
+            // paused); a write beyond it is refused, never queued.
+            let block_count = volume.index.block_count();
+            if block.get() >= block_count {
+                drop(meta);
+                return Err(Error::Invalid(format!(
+                    "volume {:?}: block {block} is beyond its {block_count} blocks",
+                    volume.name
+                )));
             }
             meta.push(Op::Insert {
                 volume: volume.id,

@@ -19,6 +19,7 @@ use crate::engine::catalog::{Catalog, CatalogStore, CatalogVolume};
 use crate::engine::committer::Signal;
 use crate::engine::data_device::DataDevice;
 use crate::engine::gate::WriteGate;
+use crate::engine::grace::{Limbo, Readers};
 use crate::engine::index::Index;
 use crate::engine::options::{PoolMode, PoolOptions};
 use crate::error::{Error, Result};
@@ -33,6 +34,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Block locks per volume (hashed by virtual block).
 const BLOCK_LOCKS: usize = 256;
+
+/// `open_count` of a volume claimed by a delete.
+const DELETING: usize = usize::MAX;
 
 /// Events kept for [`crate::Pool::events`].
 const EVENTS_MAX: usize = 1000;
@@ -68,12 +72,17 @@ pub(crate) struct MetaState {
     pub(crate) ops_taken: u64,
     /// Data blocks a discard freed in this transaction: discarded on the data device only
     /// once the commit that frees them is durable (before it, the committed metadata may
-    /// still map them, e.g. in a snapshot whose copy-on-write is not committed).
+    /// still map them, e.g. in a snapshot whose copy-on-write is not committed) and no
+    /// lock-free I/O can reach them (see `limbo`).
     pub(crate) passdown: Vec<DataBlock>,
+    /// Data blocks freed by commits, held in the metadata until no I/O pinned before they
+    /// were unmapped is left (`grace`).
+    pub(crate) limbo: Limbo,
 }
 
 impl MetaState {
-    pub(crate) fn new(md: PoolMetadata, catalog: Catalog) -> MetaState {
+    pub(crate) fn new(mut md: PoolMetadata, catalog: Catalog) -> MetaState {
+        md.hold_freed_data_blocks();
         MetaState {
             md: Some(md),
             generation: 0,
@@ -82,6 +91,7 @@ impl MetaState {
             ops_queued: 0,
             ops_taken: 0,
             passdown: Vec::new(),
+            limbo: Limbo::default(),
         }
     }
 
@@ -122,7 +132,9 @@ pub(crate) struct VolumeState {
     pub(crate) snapshotted_time: AtomicU32,
     pub(crate) gate: WriteGate,
     block_locks: Vec<Mutex<()>>,
-    pub(crate) open_count: AtomicUsize,
+    /// Handles alive, or [`DELETING`] once a delete claimed the volume (then no handle
+    /// can be opened; see [`VolumeState::open`]).
+    open_count: AtomicUsize,
     /// The thin id of the volume it was snapshotted from ([`NO_ORIGIN`]: none, or deleted).
     origin: AtomicU32,
 }
@@ -164,6 +176,77 @@ impl VolumeState {
         );
     }
 
+    /// Count a new handle. Refused once a delete claimed the volume, so that a delete and
+    /// an open are atomic with respect to each other.
+    pub(crate) fn open(&self) -> Result<()> {
+        let mut count = self.open_count.load(Ordering::Acquire);
+        loop {
+            if count == DELETING {
+                return Err(Error::Busy(format!(
+                    "volume {:?} is being deleted",
+                    self.name
+                )));
+            }
+            match self.open_count.compare_exchange_weak(
+                count,
+                count + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(()),
+                Err(now) => count = now,
+            }
+        }
+    }
+
+    /// Count one more handle beside an existing one (a clone).
+    pub(crate) fn open_another(&self) {
+        let before = self.open_count.fetch_add(1, Ordering::AcqRel);
+        assert!(
+            before != 0 && before != DELETING,
+            "a handle is cloned only from a live one"
+        );
+    }
+
+    /// A handle is dropped.
+    pub(crate) fn close(&self) {
+        let before = self.open_count.fetch_sub(1, Ordering::AcqRel);
+        assert!(
+            before != 0 && before != DELETING,
+            "volume {:?}: a handle closed twice",
+            self.name
+        );
+    }
+
+    /// Handles alive (0 while being deleted).
+    pub(crate) fn open_count(&self) -> usize {
+        match self.open_count.load(Ordering::Acquire) {
+            DELETING => 0,
+            count => count,
+        }
+    }
+
+    /// Claim the volume for deletion: refused while any handle is alive; from then on no
+    /// handle can be opened until [`VolumeState::end_delete`] (a failed delete) or forever.
+    pub(crate) fn begin_delete(&self) -> Result<()> {
+        self.open_count
+            .compare_exchange(0, DELETING, Ordering::AcqRel, Ordering::Acquire)
+            .map(|_| ())
+            .map_err(|_| Error::Busy(format!("volume {:?} is open", self.name)))
+    }
+
+    /// A delete failed: handles may be opened again.
+    pub(crate) fn end_delete(&self) {
+        let claimed =
+            self.open_count
+                .compare_exchange(DELETING, 0, Ordering::AcqRel, Ordering::Acquire);
+        assert!(
+            claimed.is_ok(),
+            "volume {:?} was claimed for deletion",
+            self.name
+        );
+    }
+
     /// The lock ordering provisioning of `block` (hashed: one of [`BLOCK_LOCKS`]).
     pub(crate) fn block_lock(&self, block: VirtualBlock) -> MutexGuard<'_, ()> {
         let i = (block.get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % BLOCK_LOCKS;
@@ -201,6 +284,8 @@ pub(crate) struct Shared {
     events: Mutex<Vec<String>>,
     /// Why the pool is in fail mode, once it is.
     fail_reason: Mutex<Option<String>>,
+    /// Threads doing lock-free I/O on data blocks they looked up (`grace`).
+    pub(crate) readers: Readers,
 }
 
 impl Shared {
@@ -233,6 +318,7 @@ impl Shared {
             catalog_store,
             events: Mutex::new(Vec::new()),
             fail_reason: Mutex::new(None),
+            readers: Readers::default(),
         }
     }
 

@@ -16,6 +16,12 @@
 //! A mapping is *shared* when the volume was snapshotted after it was made (spec §8.5);
 //! the test is conservative, as in dm-thin.
 //!
+//! Every lookup whose data block is then read or written runs pinned (`Provisioner::pin`,
+//! see `grace`) until that I/O is done, so a block freed meanwhile (a discard, a shrink)
+//! is not given to another volume under it. A pinned thread takes no lock and never waits
+//! for space. Writes, discards and write-zeroes check their range again once inside the
+//! write gate: a shrink may have run while they waited at it.
+//!
 //! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
 //! unmap); the volume's own state is its `VolumeState`.
 
@@ -64,13 +70,17 @@ pub struct Volume {
 
 impl Clone for Volume {
     fn clone(&self) -> Volume {
-        Volume::new(self.pool.clone(), self.volume.clone())
+        self.volume.open_another();
+        Volume {
+            pool: self.pool.clone(),
+            volume: self.volume.clone(),
+        }
     }
 }
 
 impl Drop for Volume {
     fn drop(&mut self) {
-        self.volume.open_count.fetch_sub(1, Ordering::AcqRel);
+        self.volume.close();
     }
 }
 
@@ -90,9 +100,10 @@ fn data_io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
 }
 
 impl Volume {
-    pub(crate) fn new(pool: Provisioner, volume: Arc<VolumeState>) -> Volume {
-        volume.open_count.fetch_add(1, Ordering::AcqRel);
-        Volume { pool, volume }
+    /// A handle on `volume`, unless a delete claimed it.
+    pub(crate) fn open(pool: Provisioner, volume: Arc<VolumeState>) -> Result<Volume> {
+        volume.open()?;
+        Ok(Volume { pool, volume })
     }
 
     /// The volume's name.
@@ -181,6 +192,7 @@ impl Volume {
         if self.pool.mode() == PoolMode::Fail {
             return Err(Error::ReadOnly { needs_check: true });
         }
+        let _pin = self.pool.pin();
         let mut done = 0usize;
         for (block, in_block, n) in self.pieces(offset, buf.len() as u64) {
             let piece = &mut buf[done..done + n as usize];
@@ -203,6 +215,7 @@ impl Volume {
         self.check_writable()?;
         {
             let _pass = self.volume.gate.enter();
+            self.check_range(offset, data.len() as u64)?;
             let mut done = 0usize;
             for (block, in_block, n) in self.pieces(offset, data.len() as u64) {
                 let piece = &data[done..done + n as usize];
@@ -223,6 +236,7 @@ impl Volume {
         self.check_writable()?;
         {
             let _pass = self.volume.gate.enter();
+            self.check_range(offset, len)?;
             let block_size = self.pool.block_size_bytes();
             for (block, in_block, n) in self.pieces(offset, len) {
                 if may_unmap && n == block_size {
@@ -245,11 +259,15 @@ impl Volume {
         self.check_range(offset, len)?;
         self.check_writable()?;
         let _pass = self.volume.gate.enter();
+        self.check_range(offset, len)?;
         let block_size = self.pool.block_size_bytes();
         for (block, in_block, n) in self.pieces(offset, len) {
             if n == block_size {
                 self.unmap(block);
-            } else if let Some(mapping) = self.volume.index.lookup(block) {
+                continue;
+            }
+            let _pin = self.pool.pin();
+            if let Some(mapping) = self.volume.index.lookup(block) {
                 if !self.volume.is_shared(mapping) {
                     self.pool
                         .data()
@@ -318,27 +336,49 @@ impl Volume {
         payload: Payload<'_>,
         provision: bool,
     ) -> Result<()> {
-        if let Some(mapping) = self.volume.index.lookup(block) {
-            if !self.volume.is_shared(mapping) {
-                return self.write_payload(self.data_offset(mapping, in_block), payload);
-            }
+        if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
+            return done;
         }
         let _order = self.volume.block_lock(block);
+        if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
+            return done;
+        }
+        // Unmapped or shared: provision. No pin while reserving (it may wait for space,
+        // and space may wait for pinned threads).
+        let reservation = self.pool.alloc(&self.volume)?;
+        // Under the block lock only a metadata failure (reloading the index) changes the
+        // mapping meanwhile.
+        if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
+            return done;
+        }
+        let pin = self.pool.pin();
         let current = self.volume.index.lookup(block);
-        match current {
+        let base = reservation
+            .data_block()
+            .offset_bytes(self.pool.block_size_bytes());
+        self.fill_new_block(base, current, in_block, payload.len())?;
+        self.write_payload(base + in_block, payload)?;
+        drop(pin);
+        self.pool.map(&self.volume, block, reservation)
+    }
+
+    /// The piece's write if it needs no new block: in place (mapped and unshared, looked
+    /// up and written pinned), or nothing (unmapped and not to be provisioned). None: the
+    /// block must be provisioned.
+    fn write_in_place(
+        &self,
+        block: VirtualBlock,
+        in_block: u64,
+        payload: Payload<'_>,
+        provision: bool,
+    ) -> Option<Result<()>> {
+        let _pin = self.pool.pin();
+        match self.volume.index.lookup(block) {
             Some(mapping) if !self.volume.is_shared(mapping) => {
-                self.write_payload(self.data_offset(mapping, in_block), payload)
+                Some(self.write_payload(self.data_offset(mapping, in_block), payload))
             }
-            None if !provision => Ok(()),
-            _ => {
-                let reservation = self.pool.alloc(&self.volume)?;
-                let base = reservation
-                    .data_block()
-                    .offset_bytes(self.pool.block_size_bytes());
-                self.fill_new_block(base, current, in_block, payload.len())?;
-                self.write_payload(base + in_block, payload)?;
-                self.pool.map(&self.volume, block, reservation)
-            }
+            None if !provision => Some(Ok(())),
+            _ => None,
         }
     }
 

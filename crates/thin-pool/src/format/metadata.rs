@@ -352,6 +352,34 @@ impl PoolMetadata {
         self.data.count(block)
     }
 
+    /// From now on, a commit holds the data blocks its transaction freed instead of making
+    /// them reservable, until [`PoolMetadata::release_held_data_block`] (the engine keeps
+    /// them from reuse while lock-free I/O may still reach them). Held blocks are free in
+    /// the space map; like reservations they live in memory only.
+    pub fn hold_freed_data_blocks(&mut self) {
+        self.data.set_hold_freed(true);
+    }
+
+    /// The data blocks commits held since the last call.
+    pub fn take_newly_held_data_blocks(&mut self) -> Vec<DataBlock> {
+        self.data.take_newly_held()
+    }
+
+    /// Hold a free data block (count zero, not reserved). Returns whether it is now held.
+    pub fn hold_data_block(&mut self, block: DataBlock) -> bool {
+        self.data.hold(block)
+    }
+
+    /// Whether a data block is held.
+    pub fn is_held(&self, block: DataBlock) -> bool {
+        self.data.is_held(block)
+    }
+
+    /// Let a held data block be reserved again. Returns whether it was held.
+    pub fn release_held_data_block(&mut self, block: DataBlock) -> bool {
+        self.data.release_held(block)
+    }
+
     /// Grow the data space map to `block_count` data blocks (never shrinks).
     pub fn extend_data(&mut self, block_count: u64) -> Result<()> {
         self.check_writable()?;

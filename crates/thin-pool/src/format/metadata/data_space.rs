@@ -15,6 +15,12 @@
 //!
 //! Invariants: reserved ∩ {count > 0} = ∅ (checked at every commit in debug builds, and on
 //! every reference taken); reserved ∩ freed = ∅.
+//!
+//! *Held* blocks: with [`DataSpace::set_hold_freed`], a commit does not make the blocks
+//! its transaction freed reservable, but holds them (free in the space map, so not counted
+//! as used, yet never reserved) until the owner releases each one: the engine holds them
+//! while lock-free I/O may still reach them through a stale lookup (`engine::grace`).
+//! held ∩ reserved = ∅, and every held block has count zero.
 
 use crate::error::{Error, Result};
 use crate::format::writer::{DataRefCounter, DataRefs};
@@ -60,6 +66,12 @@ pub(crate) struct DataSpace {
     reserved: BlockSet,
     /// Blocks whose count fell to zero in this transaction: not reserved before it commits.
     freed: BlockSet,
+    /// Blocks held back from reservation (see the module documentation).
+    held: BlockSet,
+    /// Whether a commit holds the blocks its transaction freed.
+    hold_freed: bool,
+    /// Blocks held by commits since the last [`DataSpace::take_newly_held`].
+    newly_held: Vec<DataBlock>,
     /// Where the next search starts (after the last reservation), so a run of reservations
     /// costs O(1) amortised.
     cursor: u64,
@@ -71,6 +83,9 @@ impl DataSpace {
             map,
             reserved: BlockSet::default(),
             freed: BlockSet::default(),
+            held: BlockSet::default(),
+            hold_freed: false,
+            newly_held: Vec::new(),
             cursor: 0,
         }
     }
@@ -142,7 +157,10 @@ impl DataSpace {
                         break;
                     }
                     let b = DataBlock::new(candidate);
-                    if !self.reserved.contains(&b) && !self.freed.contains(&b) {
+                    if !self.reserved.contains(&b)
+                        && !self.freed.contains(&b)
+                        && !self.held.contains(&b)
+                    {
                         return Some(candidate);
                     }
                     free &= free - 1;
@@ -157,6 +175,39 @@ impl DataSpace {
     /// Forget a reservation. Returns whether `block` was reserved.
     pub(crate) fn release(&mut self, block: DataBlock) -> bool {
         self.reserved.remove(&block)
+    }
+
+    /// From now on, hold the blocks each commit frees.
+    pub(crate) fn set_hold_freed(&mut self, hold: bool) {
+        self.hold_freed = hold;
+    }
+
+    /// The blocks commits held since the last call.
+    pub(crate) fn take_newly_held(&mut self) -> Vec<DataBlock> {
+        std::mem::take(&mut self.newly_held)
+    }
+
+    /// Hold `block` if it is free (count zero, in range, not reserved, not freed in this
+    /// transaction, not held). Returns whether it is now held.
+    pub(crate) fn hold(&mut self, block: DataBlock) -> bool {
+        if block.get() >= self.map.block_count()
+            || self.map.count(block.get()) != 0
+            || self.reserved.contains(&block)
+            || self.freed.contains(&block)
+        {
+            return false;
+        }
+        self.held.insert(block)
+    }
+
+    /// Whether `block` is held.
+    pub(crate) fn is_held(&self, block: DataBlock) -> bool {
+        self.held.contains(&block)
+    }
+
+    /// Let a held block be reserved again. Returns whether it was held.
+    pub(crate) fn release_held(&mut self, block: DataBlock) -> bool {
+        self.held.remove(&block)
     }
 
     /// Map a reserved block: it leaves the reserved set and enters the space map with the
@@ -185,7 +236,15 @@ impl DataSpace {
             "a reserved data block is referenced in the space map being committed"
         );
         let root = self.map.commit(tm)?;
-        self.freed.clear();
+        if self.hold_freed {
+            for block in self.freed.drain() {
+                if self.map.count(block.get()) == 0 && self.held.insert(block) {
+                    self.newly_held.push(block);
+                }
+            }
+        } else {
+            self.freed.clear();
+        }
         Ok(root)
     }
 }
@@ -264,6 +323,32 @@ mod tests {
         assert_eq!(root.allocated_count, 1, "the committed map leaves out {b}");
         assert!(space.release(b));
         assert_eq!(space.used_count(), 1);
+    }
+
+    #[test]
+    fn blocks_freed_while_holding_stay_out_of_reach_until_released() {
+        let (mut tm, mut space) = space(2);
+        space.set_hold_freed(true);
+        let a = space.reserve().unwrap();
+        space.take_reserved(a).unwrap();
+        space.commit(&mut tm).unwrap();
+        assert!(space.take_newly_held().is_empty());
+        space.dec(a).unwrap();
+        assert_eq!(space.count(a), 0);
+        space.commit(&mut tm).unwrap();
+        assert_eq!(space.take_newly_held(), vec![a]);
+        assert!(space.is_held(a));
+        assert_eq!(
+            space.used_count(),
+            0,
+            "a held block is free in the space map"
+        );
+        let b = space.reserve().unwrap();
+        assert_ne!(a, b);
+        assert!(space.reserve().is_err(), "the held block is not reserved");
+        assert!(!space.hold(b), "a reserved block is not held");
+        assert!(space.release_held(a));
+        assert_eq!(space.reserve().unwrap(), a);
     }
 
     #[test]
