@@ -364,8 +364,6 @@ pub struct Target {
     pub options: StoredOptions,
     /// Names volumes may not take (raw exports).
     pub reserved_names: Vec<String>,
-    /// The pool's data file (grown by `grow_data`).
-    pub data_path: PathBuf,
 }
 
 impl Target {
@@ -407,7 +405,8 @@ impl Target {
                         ),
                     ));
                 }
-                self.extend_data_file(*size_bytes)?;
+                // The engine checks the grow, then extends a regular data file (a block
+                // device must already be large enough).
                 pool.grow_data(*size_bytes)?;
                 let status = pool.status();
                 if status.data_total_blocks < wanted_blocks {
@@ -429,30 +428,6 @@ impl Target {
                 &self.options,
             ))),
         }
-    }
-
-    /// A regular data file is extended here (the engine only rereads the size); a block
-    /// device must already be large enough. Failures are the engine's I/O errors, so they get
-    /// its errno mapping (a host ENOSPC stays ENOSPC).
-    fn extend_data_file(&self, size_bytes: u64) -> Result<(), OpError> {
-        let path = &self.data_path;
-        let io = |what: &str, source: std::io::Error| {
-            OpError::from(thin_pool::Error::Io {
-                what: format!("{what} {}", path.display()),
-                source,
-            })
-        };
-        let metadata = std::fs::metadata(path).map_err(|e| io("cannot stat", e))?;
-        if metadata.is_file() && metadata.len() < size_bytes {
-            let file = std::fs::OpenOptions::new()
-                .write(true)
-                .open(path)
-                .map_err(|e| io("cannot open", e))?;
-            file.set_len(size_bytes)
-                .map_err(|e| io("cannot extend", e))?;
-            file.sync_all().map_err(|e| io("cannot sync", e))?;
-        }
-        Ok(())
     }
 
     fn check_name_free(&self, name: &str) -> Result<(), OpError> {
@@ -478,7 +453,6 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
                 pool,
                 options,
                 reserved_names: Vec::new(),
-                data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
             };
             let result = target.execute(request);
             target

@@ -123,7 +123,6 @@ pub fn create_pool(
         pool,
         options: stored,
         reserved_names: Vec::new(),
-        data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

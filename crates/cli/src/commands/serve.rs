@@ -142,7 +142,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         pool: pool.clone(),
         options,
         reserved_names: registry.raw_names(),
-        data_path: dir.path.join(thin_pool::engine::pool::DATA_FILE),
     });
     let mut config = nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
