@@ -183,3 +183,39 @@ fn a_pool_whose_metadata_cannot_hold_its_data_space_map_is_not_created() {
     drop(pool);
     check(&dir);
 }
+
+#[test]
+fn a_data_device_grown_beyond_what_the_metadata_can_record_still_opens() {
+    let temp = ScratchDir::new("limits-grown-outside");
+    let dir = temp.join("pool");
+    let pool = create(&dir, 256 << 20, None);
+    pool.create_volume("v", 1 << 20).unwrap();
+    pool.volume("v")
+        .unwrap()
+        .write(0, &[3u8; BLOCK as usize], true)
+        .unwrap();
+    pool.close().unwrap();
+    drop(pool);
+    // As an operator extending the data file (or LV) by hand would.
+    let data = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join(DATA_FILE))
+        .unwrap();
+    data.set_len(8 << 40).unwrap();
+    drop(data);
+    let pool = Pool::open(&dir, options()).unwrap();
+    assert_eq!(pool.mode(), PoolMode::Write);
+    assert_eq!(pool.status().data_total_blocks, 4096);
+    let events = pool.events();
+    assert!(
+        events.iter().any(|e| e.contains("grow the metadata")),
+        "{events:?}"
+    );
+    pool.volume("v")
+        .unwrap()
+        .write(BLOCK, &[4u8; BLOCK as usize], true)
+        .unwrap();
+    pool.close().unwrap();
+    drop(pool);
+    check(&dir);
+}

@@ -331,3 +331,46 @@ pub(crate) fn data_grow_metadata_blocks(from: u64, to: u64) -> u64 {
     let blocks = bitmaps + index;
     blocks + blocks.div_ceil(ENTRIES_PER_BITMAP) + 1
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::options::{CreateOptions, PoolOptions};
+
+    /// The estimate of a data grow's metadata cost is never below what the grow takes.
+    #[test]
+    fn the_data_grow_estimate_covers_the_blocks_used() {
+        let dir = std::env::temp_dir().join(format!("tp-grow-estimate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let block = 64 * 1024;
+        let pool = Pool::create(
+            &dir,
+            &CreateOptions {
+                data_size_bytes: 256 << 20,
+                block_size_bytes: block,
+                metadata_size_bytes: Some(64 << 20),
+            },
+            PoolOptions {
+                commit_interval: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let mut blocks = 4096;
+        // 1 GiB, 1 TiB, 4 TiB of 64 KiB blocks (the data file is sparse).
+        for next in [1u64 << 14, 1 << 24, 1 << 26] {
+            let before = pool.status().metadata_used_blocks;
+            assert_eq!(pool.grow_data(next * block).unwrap(), next);
+            let used = pool.status().metadata_used_blocks - before;
+            let estimate = data_grow_metadata_blocks(blocks, next);
+            assert!(
+                used <= estimate,
+                "{blocks} → {next}: used {used}, estimated {estimate}"
+            );
+            blocks = next;
+        }
+        pool.close().unwrap();
+        drop(pool);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -26,7 +26,7 @@
 //! metadata error, with needs_check set) and `Fail`.
 
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
-use crate::engine::commit::metadata_reserve_blocks;
+use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
 use crate::engine::committer::Committer;
 use crate::engine::data_device::{DataDevice, FileDataDevice};
 use crate::engine::index::{Index, INDEX_DATA_BLOCK_MAX};
@@ -357,11 +357,25 @@ impl Pool {
             )));
         }
         let mut mode = PoolMode::Write;
+        let mut unrecorded = None;
         if options.read_only || md.needs_check() {
             mode = PoolMode::ReadOnly;
         } else if data_blocks > recorded {
-            md.extend_data(data_blocks)?;
-            md.commit()?;
+            // A data device grown outside the pool: take what the metadata can record, as
+            // `grow_data` would; the rest waits for a metadata grow (never a failed open).
+            let usage = md.usage();
+            let total = usage.metadata_total_blocks;
+            let free = total - usage.metadata_used_blocks;
+            let usable = data_blocks.min(INDEX_DATA_BLOCK_MAX + 1);
+            let cost = data_grow_metadata_blocks(recorded, usable);
+            if cost + metadata_reserve_blocks(total) + metadata_blocks_for_ops(0) <= free {
+                md.extend_data(usable)?;
+                md.commit()?;
+            } else {
+                unrecorded = Some(format!(
+                    "the data device holds {data_blocks} blocks, the pool uses its first {recorded}: recording the rest needs {cost} metadata blocks, {free} of {total} are free; grow the metadata, then the data"
+                ));
+            }
         }
         let time = md.pool_time()?;
         let volumes = load_volumes(&md, &catalog, block_size_bytes)?;
@@ -376,6 +390,9 @@ impl Pool {
             time,
             catalog_store,
         ));
+        if let Some(event) = unrecorded {
+            shared.log(event);
+        }
         let interval = options
             .commit_interval
             .filter(|_| mode != PoolMode::ReadOnly);
