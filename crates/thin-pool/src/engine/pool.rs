@@ -30,7 +30,7 @@ use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
 use crate::engine::committer::Committer;
 use crate::engine::data_device::{DataDevice, FileDataDevice};
 use crate::engine::index::{Index, INDEX_DATA_BLOCK_MAX};
-use crate::engine::manage::data_grow_metadata_blocks;
+use crate::engine::manage::{data_grow_metadata_blocks, VOLUME_SIZE_MAX_BYTES};
 use crate::engine::provision::Provisioner;
 use crate::engine::shared::{io_error, MetaState, Shared, VolumeState};
 use crate::engine::volume::Volume;
@@ -137,6 +137,12 @@ fn load_volumes(
     let mut volumes = BTreeMap::new();
     for v in &catalog.volumes {
         let details = md.details(v.id)?;
+        if v.size_bytes > VOLUME_SIZE_MAX_BYTES {
+            return Err(Error::Corrupt(format!(
+                "volume {:?} has a size of {} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})",
+                v.name, v.size_bytes
+            )));
+        }
         let block_count = v.size_bytes.div_ceil(block_size_bytes);
         let index = Index::new(block_count);
         let mut beyond = None;
