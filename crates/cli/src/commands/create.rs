@@ -58,6 +58,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         block_size_bytes: parse_size(&args.block_size)?,
         metadata_size_bytes: args.metadata_size.as_deref().map(parse_size).transpose()?,
     };
+    if let Some(warning) = host_space_warning(&dir.path, create.data_size_bytes) {
+        eprintln!("{warning}");
+    }
     let status = create_pool(&dir, &create, stored)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
@@ -74,6 +77,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// A pool whose data is larger than the host file system's free space is allowed (the data
+/// file is sparse, as thin provisioning intends), with this warning: writes beyond that space
+/// will fail with ENOSPC. (Metadata that does not fit is refused by [`Pool::create`]: it is
+/// preallocated.)
+fn host_space_warning(dir: &std::path::Path, data_size_bytes: u64) -> Option<String> {
+    let free = thin_pool::engine::pool::host_free_bytes(dir)?;
+    (data_size_bytes > free).then(|| {
+        format!(
+            "warning: the data file ({}, sparse) is larger than the {} free on the host file system of {}: writes beyond that will fail with ENOSPC",
+            format_size(data_size_bytes),
+            format_size(free),
+            dir.display()
+        )
+    })
 }
 
 fn on_off(value: bool) -> &'static str {

@@ -55,6 +55,8 @@ impl Target {
                         ),
                     ));
                 }
+                // The engine checks the grow, then extends a regular data file (a block
+                // device must already be large enough).
                 pool.grow_data(*size_bytes)?;
                 let status = pool.status();
                 if status.data_total_blocks < wanted_blocks {

@@ -46,7 +46,8 @@ impl FileDevice {
         })
     }
 
-    /// Create (or truncate) a regular file of `block_count` blocks, sparse. A new file is
+    /// Create (or truncate) a regular file of `block_count` blocks, preallocated (see
+    /// [`preallocate`]: a host ENOSPC fails the create, not a later commit). A new file is
     /// private to its owner (mode 0600); a symbolic link at `path` is refused, not followed.
     pub fn create(path: &Path, block_count: u64) -> io::Result<FileDevice> {
         use std::os::unix::fs::OpenOptionsExt;
@@ -59,6 +60,7 @@ impl FileDevice {
             .custom_flags(libc::O_NOFOLLOW)
             .open(path)?;
         file.set_len(block_count * BLOCK_SIZE as u64)?;
+        preallocate(&file, 0, block_count * BLOCK_SIZE as u64)?;
         Ok(FileDevice {
             file,
             path: path.to_path_buf(),
@@ -81,6 +83,21 @@ impl FileDevice {
         let blocks = device_size_bytes(&self.file)? / BLOCK_SIZE as u64;
         self.block_count.store(blocks, Ordering::Release);
         Ok(blocks)
+    }
+}
+
+/// Allocate `len` bytes at `offset` of a regular file on the host file system (fallocate), so
+/// that writing them later cannot fail for lack of space. A file system without fallocate
+/// leaves the file sparse (no guarantee, no error); a copy-on-write one (btrfs) may still
+/// need space on overwrite.
+fn preallocate(file: &File, offset: u64, len: u64) -> io::Result<()> {
+    if len == 0 {
+        return Ok(());
+    }
+    match rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), offset, len) {
+        Ok(()) => Ok(()),
+        Err(e) if e == rustix::io::Errno::OPNOTSUPP || e == rustix::io::Errno::NOSYS => Ok(()),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -121,9 +138,17 @@ impl BlockDevice for FileDevice {
         self.file.sync_data()
     }
 
+    /// A regular file grows preallocated; on failure (a full host file system) it keeps its
+    /// size.
     fn extend_to(&self, block_count: u64) -> io::Result<u64> {
+        let old_bytes = self.block_count() * BLOCK_SIZE as u64;
         if self.file.metadata()?.is_file() && block_count > self.block_count() {
-            self.file.set_len(block_count * BLOCK_SIZE as u64)?;
+            let new_bytes = block_count * BLOCK_SIZE as u64;
+            self.file.set_len(new_bytes)?;
+            if let Err(e) = preallocate(&self.file, old_bytes, new_bytes - old_bytes) {
+                self.file.set_len(old_bytes)?;
+                return Err(e);
+            }
         }
         self.refresh_size()
     }

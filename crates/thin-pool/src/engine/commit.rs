@@ -37,6 +37,16 @@ use std::time::{Duration, Instant};
 const METADATA_BLOCKS_PER_OP_DIVISOR: u64 = 64;
 const METADATA_BLOCKS_PER_COMMIT: u64 = 16;
 
+/// Metadata blocks kept free for management operations (writes stop before they take them).
+pub(crate) fn metadata_reserve_blocks(total: u64) -> u64 {
+    (total / 10).clamp(8, 4096)
+}
+
+/// Metadata blocks a commit applying `count` ops may need.
+pub(crate) fn metadata_blocks_for_ops(count: usize) -> u64 {
+    count as u64 / METADATA_BLOCKS_PER_OP_DIVISOR + METADATA_BLOCKS_PER_COMMIT
+}
+
 impl Shared {
     /// Commit: take the ops queued now, flush data, apply them, commit metadata.
     pub(crate) fn commit(&self) -> Result<()> {
@@ -174,10 +184,7 @@ impl Shared {
         let usage = meta.md()?.usage();
         let total = usage.metadata_total_blocks;
         let free = total - usage.metadata_used_blocks;
-        let reserve = (total / 10).clamp(8, 4096);
-        let needed =
-            reserve + count as u64 / METADATA_BLOCKS_PER_OP_DIVISOR + METADATA_BLOCKS_PER_COMMIT;
-        if free < needed {
+        if free < metadata_reserve_blocks(total) + metadata_blocks_for_ops(count) {
             self.set_mode(PoolMode::OutOfMetadataSpace);
             return Err(Error::OutOfMetadataSpace { block_count: total });
         }

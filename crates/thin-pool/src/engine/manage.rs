@@ -8,17 +8,26 @@
 //! volumes, indexes, the pool time). A refused operation changes nothing.
 
 use crate::engine::catalog::{validate_name, CatalogVolume};
-use crate::engine::index::Index;
+use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
+use crate::engine::index::{Index, INDEX_BLOCKS_MAX, INDEX_DATA_BLOCK_MAX};
 use crate::engine::options::{PoolMode, VolumeInfo};
 use crate::engine::pool::Pool;
 use crate::engine::shared::{io_error, Shared, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{TransactionId, VirtualBlock};
+use persistent_data::btree::node::max_entries;
+use persistent_data::space_map::core::{bitmap_count, ENTRIES_PER_BITMAP};
+use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Largest volume size accepted, in bytes.
-pub(crate) const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
+/// The largest volume, in bytes: 1 EiB. dm-thin's virtual block keys are 64-bit; the limit
+/// is the index's ([`INDEX_BLOCKS_MAX`] blocks of the smallest block size, 64 KiB), and keeps
+/// every byte offset far inside the `i64` that NBD clients and the kernel use. An unwritten
+/// volume of this size costs 4 KiB of index.
+pub const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
+
+const _: () = assert!(VOLUME_SIZE_MAX_BYTES / (64 * 1024) <= INDEX_BLOCKS_MAX);
 
 impl Pool {
     /// Create a thin volume of `size_bytes` (a multiple of 512).
@@ -161,9 +170,7 @@ impl Pool {
             }
             Ok(())
         })?;
-        for block in block_count..old_block_count {
-            volume.index.clear(VirtualBlock::new(block));
-        }
+        volume.index.clear_from(VirtualBlock::new(block_count));
         volume.index.resize(block_count);
         volume.size_bytes.store(size_bytes, Ordering::Release);
         drop(meta);
@@ -176,6 +183,7 @@ impl Pool {
     pub fn grow_data(&self, size_bytes: u64) -> Result<u64> {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
+        self.check_data_grow(size_bytes)?;
         let device_bytes = shared
             .data
             .grow_to(size_bytes)
@@ -204,6 +212,13 @@ impl Pool {
         let shared = &self.shared;
         let _commit = shared.lock_commit();
         let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
+        if wanted_blocks > METADATA_BLOCKS_MAX {
+            return Err(Error::Invalid(format!(
+                "metadata size {} bytes: the format addresses at most {METADATA_BLOCKS_MAX} blocks of 4 KiB ({} bytes)",
+                size_bytes.unwrap_or(0),
+                METADATA_BLOCKS_MAX * 4096
+            )));
+        }
         let blocks = shared
             .metadata_device
             .extend_to(wanted_blocks)
@@ -279,8 +294,106 @@ fn check_size(size_bytes: u64) -> Result<()> {
     }
     if size_bytes > VOLUME_SIZE_MAX_BYTES {
         return Err(Error::Invalid(format!(
-            "volume size {size_bytes} bytes is too large"
+            "volume size {size_bytes} bytes is larger than the largest volume, {VOLUME_SIZE_MAX_BYTES} bytes (1 EiB)"
         )));
     }
     Ok(())
+}
+
+impl Pool {
+    /// Refuse a data grow to `size_bytes` that the pool could not map or record: more data
+    /// blocks than the index and the format address, or a data space map whose new bitmaps
+    /// and index would not fit in the free metadata blocks beside the reserve. Called before
+    /// the data device changes.
+    fn check_data_grow(&self, size_bytes: u64) -> Result<()> {
+        let shared = &self.shared;
+        let blocks = size_bytes / shared.block_size_bytes;
+        let blocks_max = INDEX_DATA_BLOCK_MAX + 1;
+        if blocks > blocks_max {
+            return Err(Error::Invalid(format!(
+                "data size {size_bytes} bytes is {blocks} blocks of {} bytes: a pool holds at most {blocks_max}",
+                shared.block_size_bytes
+            )));
+        }
+        let mut meta = shared.lock_meta();
+        let ops = meta.ops.len();
+        let md = meta.md()?;
+        let current = md.data_space_map().block_count();
+        if blocks <= current {
+            return Ok(());
+        }
+        let usage = md.usage();
+        let total = usage.metadata_total_blocks;
+        let free = total - usage.metadata_used_blocks;
+        let cost = data_grow_metadata_blocks(current, blocks);
+        let reserve = metadata_reserve_blocks(total);
+        let needed = cost + reserve + metadata_blocks_for_ops(ops);
+        if needed > free {
+            return Err(Error::Invalid(format!(
+                "growing the data from {current} to {blocks} blocks needs {cost} metadata blocks for the data space map's bitmaps and index, and {reserve} stay reserved: {free} of the {total} metadata blocks are free; grow the metadata first"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Metadata blocks the commit growing a data space map from `from` to `to` blocks may take,
+/// counted high: the new bitmaps and the last old one (rewritten), the whole index btree for
+/// the new size at half occupancy (leaves of 168 entries, internal nodes of 252), and the
+/// metadata space map's bitmaps and index recording those blocks.
+pub(crate) fn data_grow_metadata_blocks(from: u64, to: u64) -> u64 {
+    let old = bitmap_count(from) as u64;
+    let new = bitmap_count(to) as u64;
+    let bitmaps = new - old + u64::from(old > 0);
+    let mut level = new.div_ceil(max_entries(16) as u64 / 2).max(1);
+    let mut index = level;
+    while level > 1 {
+        level = level.div_ceil(max_entries(8) as u64 / 2);
+        index += level;
+    }
+    let blocks = bitmaps + index;
+    blocks + blocks.div_ceil(ENTRIES_PER_BITMAP) + 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::options::{CreateOptions, PoolOptions};
+
+    /// The estimate of a data grow's metadata cost is never below what the grow takes.
+    #[test]
+    fn the_data_grow_estimate_covers_the_blocks_used() {
+        let dir = std::env::temp_dir().join(format!("tp-grow-estimate-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let block = 64 * 1024;
+        let pool = Pool::create(
+            &dir,
+            &CreateOptions {
+                data_size_bytes: 256 << 20,
+                block_size_bytes: block,
+                metadata_size_bytes: Some(64 << 20),
+            },
+            PoolOptions {
+                commit_interval: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        let mut blocks = 4096;
+        // 1 GiB, 1 TiB, 4 TiB of 64 KiB blocks (the data file is sparse).
+        for next in [1u64 << 14, 1 << 24, 1 << 26] {
+            let before = pool.status().metadata_used_blocks;
+            assert_eq!(pool.grow_data(next * block).unwrap(), next);
+            let used = pool.status().metadata_used_blocks - before;
+            let estimate = data_grow_metadata_blocks(blocks, next);
+            assert!(
+                used <= estimate,
+                "{blocks} → {next}: used {used}, estimated {estimate}"
+            );
+            blocks = next;
+        }
+        pool.close().unwrap();
+        drop(pool);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

@@ -26,16 +26,19 @@
 //! metadata error, with needs_check set) and `Fail`.
 
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
+use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
 use crate::engine::committer::Committer;
 use crate::engine::data_device::{DataDevice, FileDataDevice};
-use crate::engine::index::Index;
-use crate::engine::manage::VOLUME_SIZE_MAX_BYTES;
+use crate::engine::index::{Index, INDEX_DATA_BLOCK_MAX};
+use crate::engine::manage::{data_grow_metadata_blocks, VOLUME_SIZE_MAX_BYTES};
 use crate::engine::provision::Provisioner;
 use crate::engine::shared::{io_error, MetaState, Shared, VolumeState};
 use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
 use crate::ids::{Time, VirtualBlock, VolumeId};
+use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
+use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::{BlockDevice, FileDevice};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -81,6 +84,14 @@ pub fn default_metadata_size_bytes(data_size_bytes: u64, block_size_bytes: u64) 
         4 << 20,
         persistent_data::space_map::METADATA_BLOCKS_MAX * 4096,
     )
+}
+
+/// Bytes an unprivileged writer may still allocate on the file system holding `path` (or its
+/// nearest existing ancestor), if the file system says.
+pub fn host_free_bytes(path: &Path) -> Option<u64> {
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let stat = rustix::fs::statvfs(existing).ok()?;
+    Some(stat.f_bavail.saturating_mul(stat.f_frsize))
 }
 
 fn lock_exclusive(file: &std::fs::File, path: &Path) -> Result<()> {
@@ -212,6 +223,12 @@ fn load_volumes(
     let mut sharing = writable.then(|| Sharing::new(data_blocks));
     for v in &catalog.volumes {
         let details = md.details(v.id)?;
+        if v.size_bytes > VOLUME_SIZE_MAX_BYTES {
+            return Err(Error::Corrupt(format!(
+                "volume {:?} has a size of {} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})",
+                v.name, v.size_bytes
+            )));
+        }
         let block_count = v.size_bytes.div_ceil(block_size_bytes);
         let index = Index::new(block_count);
         let mut mapped = 0u64;
@@ -270,6 +287,13 @@ fn load_volumes(
 impl Pool {
     /// Create a pool in directory `dir` (created if missing; must not hold a pool): files
     /// `metadata` and `data`, and the volume catalog. Returns it open.
+    ///
+    /// Every limit is checked before a file is made: the block size, a data size the index
+    /// and the format address, a metadata size within the format that can hold the data
+    /// space map beside the reserve, and room on the host file system for the metadata. The
+    /// metadata file is preallocated (so a full host file system cannot fail a commit); the
+    /// data file is sparse, as thin provisioning intends (a host ENOSPC on it reaches the
+    /// writer as ENOSPC). A failed create removes what it made.
     pub fn create(dir: &Path, create: &CreateOptions, options: PoolOptions) -> Result<Pool> {
         let block_size = create.block_size_bytes;
         if !block_size.is_multiple_of(512)
@@ -288,12 +312,11 @@ impl Pool {
                 create.data_size_bytes
             )));
         }
-        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
-        let metadata_path = dir.join(METADATA_FILE);
-        if metadata_path.exists() {
+        if data_blocks > INDEX_DATA_BLOCK_MAX + 1 {
             return Err(Error::Invalid(format!(
-                "{} already holds a pool",
-                dir.display()
+                "data size {} bytes is {data_blocks} blocks: a pool holds at most {}",
+                create.data_size_bytes,
+                INDEX_DATA_BLOCK_MAX + 1
             )));
         }
         let metadata_bytes = create
@@ -305,8 +328,61 @@ impl Pool {
                 "metadata size {metadata_bytes} bytes: at least 256 KiB"
             )));
         }
-        let metadata = FileDevice::create(&metadata_path, metadata_blocks)
-            .map_err(io_error(format!("creating {}", metadata_path.display())))?;
+        if metadata_blocks > METADATA_BLOCKS_MAX {
+            return Err(Error::Invalid(format!(
+                "metadata size {metadata_bytes} bytes: the format addresses at most {} bytes",
+                METADATA_BLOCKS_MAX * 4096
+            )));
+        }
+        let space_map = data_grow_metadata_blocks(0, data_blocks);
+        let reserve = metadata_reserve_blocks(metadata_blocks);
+        // The superblock, the empty trees and the metadata space map's own blocks.
+        let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
+        if space_map + reserve + formatted > metadata_blocks {
+            return Err(Error::Invalid(format!(
+                "metadata of {metadata_blocks} blocks cannot map {data_blocks} data blocks: their space map needs {space_map} metadata blocks, {reserve} stay reserved and {formatted} hold the rest"
+            )));
+        }
+        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
+        let metadata_path = dir.join(METADATA_FILE);
+        if metadata_path.exists() {
+            return Err(Error::Invalid(format!(
+                "{} already holds a pool",
+                dir.display()
+            )));
+        }
+        if let Some(free) = host_free_bytes(dir) {
+            if free < metadata_bytes {
+                return Err(Error::Invalid(format!(
+                    "{}: the host file system has {free} bytes free, the metadata needs {metadata_bytes} (it is preallocated)",
+                    dir.display()
+                )));
+            }
+        }
+        let data_path = dir.join(DATA_FILE);
+        let made = Pool::create_files(dir, block_size, data_blocks, metadata_blocks, options);
+        if made.is_err() {
+            let _ = std::fs::remove_file(&metadata_path);
+            let _ = std::fs::remove_file(&data_path);
+        }
+        made
+    }
+
+    /// The files of [`Pool::create`], its limits checked.
+    fn create_files(
+        dir: &Path,
+        block_size: u64,
+        data_blocks: u64,
+        metadata_blocks: u64,
+        options: PoolOptions,
+    ) -> Result<Pool> {
+        let metadata_path = dir.join(METADATA_FILE);
+        let metadata =
+            FileDevice::create(&metadata_path, metadata_blocks).map_err(io_error(format!(
+                "creating and preallocating {} ({} bytes)",
+                metadata_path.display(),
+                metadata_blocks * 4096
+            )))?;
         lock_exclusive(metadata.file(), &metadata_path)?;
         let data_path = dir.join(DATA_FILE);
         let data = FileDataDevice::create(&data_path, data_blocks * block_size)
@@ -400,11 +476,25 @@ impl Pool {
             )));
         }
         let mut mode = PoolMode::Write;
+        let mut unrecorded = None;
         if options.read_only || md.needs_check() {
             mode = PoolMode::ReadOnly;
         } else if data_blocks > recorded {
-            md.extend_data(data_blocks)?;
-            md.commit()?;
+            // A data device grown outside the pool: take what the metadata can record, as
+            // `grow_data` would; the rest waits for a metadata grow (never a failed open).
+            let usage = md.usage();
+            let total = usage.metadata_total_blocks;
+            let free = total - usage.metadata_used_blocks;
+            let usable = data_blocks.min(INDEX_DATA_BLOCK_MAX + 1);
+            let cost = data_grow_metadata_blocks(recorded, usable);
+            if cost + metadata_reserve_blocks(total) + metadata_blocks_for_ops(0) <= free {
+                md.extend_data(usable)?;
+                md.commit()?;
+            } else {
+                unrecorded = Some(format!(
+                    "the data device holds {data_blocks} blocks, the pool uses its first {recorded}: recording the rest needs {cost} metadata blocks, {free} of {total} are free; grow the metadata, then the data"
+                ));
+            }
         }
         let time = md.pool_time()?;
         let volumes = load_volumes(&md, &catalog, block_size_bytes, mode != PoolMode::ReadOnly)?;
@@ -419,6 +509,9 @@ impl Pool {
             time,
             catalog_store,
         ));
+        if let Some(event) = unrecorded {
+            shared.log(event);
+        }
         let interval = options
             .commit_interval
             .filter(|_| mode != PoolMode::ReadOnly);
