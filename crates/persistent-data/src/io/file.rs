@@ -47,7 +47,7 @@ impl FileDevice {
     }
 
     /// Create (or truncate) a regular file of `block_count` blocks, preallocated (see
-    /// [`preallocate`]: a host ENOSPC fails the create, not a later commit). A new file is
+    /// `preallocate`: a host ENOSPC fails the create, not a later commit). A new file is
     /// private to its owner (mode 0600); a symbolic link at `path` is refused, not followed.
     pub fn create(path: &Path, block_count: u64) -> io::Result<FileDevice> {
         use std::os::unix::fs::OpenOptionsExt;
