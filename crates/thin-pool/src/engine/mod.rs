@@ -27,6 +27,7 @@ pub mod data_device;
 pub mod gate;
 mod grace;
 pub mod index;
+mod load;
 mod manage;
 pub mod options;
 pub mod pool;
