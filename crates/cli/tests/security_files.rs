@@ -76,25 +76,10 @@ fn p(path: &Path) -> &str {
     path.to_str().unwrap()
 }
 
-/// Runs a command to completion, with a deadline.
-fn run(mut command: Command) -> Output {
+/// `command` with captured output, killed by PID after [`COMMAND_DEADLINE`] (testkit's runner).
+fn run(command: Command) -> Output {
     let shown = format!("{command:?}");
-    let mut child = command
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {shown}: {e}"));
-    let deadline = Instant::now() + COMMAND_DEADLINE;
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{shown} did not finish within {COMMAND_DEADLINE:?}");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
+    testkit::process::run_command(command, &shown, COMMAND_DEADLINE)
 }
 
 fn thinpool(args: &[&str]) -> Output {

@@ -52,26 +52,9 @@ impl Drop for TempDir {
     }
 }
 
-/// `thinpool ARGS`, killed after 60 s.
+/// `thinpool ARGS` (with `$THINPOOL_POOL` unset), killed by PID after 60 s.
 fn thinpool(args: &[&str]) -> Output {
-    let mut child = Command::new(THINPOOL)
-        .args(args)
-        .env_remove("THINPOOL_POOL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start thinpool");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while child.try_wait().unwrap().is_none() {
-        if Instant::now() >= deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("thinpool {args:?} did not finish within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    child.wait_with_output().unwrap()
+    testkit::process::run_tool(THINPOOL, args, Duration::from_secs(60))
 }
 
 #[track_caller]
