@@ -234,8 +234,14 @@ impl<S: Read + Write> Handshake<'_, S> {
     fn open(&self, name: &str) -> Result<std::result::Result<Arc<dyn Export>, String>> {
         Ok(match self.registry.open(name) {
             Ok(Some(export)) => Ok(export),
-            Ok(None) => Err(format!("no export named {}", quoted(name))),
-            Err(error) => Err(format!("cannot open export {}: {error}", quoted(name))),
+            Ok(None) => {
+                tracing::info!(export = %quoted(name), "unknown export requested");
+                Err(format!("no export named {}", quoted(name)))
+            }
+            Err(error) => {
+                tracing::warn!(export = %quoted(name), %error, "cannot open export");
+                Err(format!("cannot open export {}: {error}", quoted(name)))
+            }
         })
     }
 

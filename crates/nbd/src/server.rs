@@ -161,8 +161,22 @@ const ACCEPT_STOP_WAIT: Duration = Duration::from_secs(2);
 /// How to wake a listener blocked in accept.
 #[derive(Clone, Debug)]
 enum Listening {
-    Unix(PathBuf),
+    /// A Unix socket: its path if it has one (a passed socket may not), and whether the
+    /// server made it (and so removes it at shutdown) or was given it.
+    Unix { path: Option<PathBuf>, owned: bool },
     Tcp(SocketAddr),
+}
+
+impl fmt::Display for Listening {
+    fn fmt(&self, formatter: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Listening::Unix {
+                path: Some(path), ..
+            } => write!(formatter, "{}", path.display()),
+            Listening::Unix { path: None, .. } => formatter.write_str("unnamed unix socket"),
+            Listening::Tcp(address) => write!(formatter, "tcp {address}"),
+        }
+    }
 }
 
 struct Shared {
@@ -208,6 +222,24 @@ impl Peer {
 struct Table {
     streams: HashMap<u64, Stream>,
     per_peer: HashMap<Peer, usize>,
+    /// The export each connection in transmission serves (as quoted for logs).
+    exports: HashMap<u64, String>,
+}
+
+impl Table {
+    /// "#3 \"disk\", #4 (handshake)": the live connections, for the shutdown log line.
+    fn describe(&self) -> String {
+        let mut ids: Vec<u64> = self.streams.keys().copied().collect();
+        ids.sort_unstable();
+        let described: Vec<String> = ids
+            .iter()
+            .map(|id| match self.exports.get(id) {
+                Some(export) => format!("#{id} {export}"),
+                None => format!("#{id} (handshake)"),
+            })
+            .collect();
+        described.join(", ")
+    }
 }
 
 /// An NBD server: serves the exports of a registry on any number of listeners.
@@ -266,9 +298,33 @@ impl Server {
             .map_err(|e| Error::io(format!("bind unix socket {}", path.display()), e))?;
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| Error::io(format!("chmod 0600 {}", path.display()), e))?;
-        sync::lock(&self.shared.listening).push(Listening::Unix(path.clone()));
+        self.accept_unix(listener, Some(path), true)
+    }
+
+    /// Serves on a Unix socket listening already (one passed by systemd's socket
+    /// activation, say). Its file, if any, is left in place at shutdown: whoever made it owns
+    /// it. Returns the socket's path, if it has one.
+    pub fn serve_unix_listener(&mut self, listener: UnixListener) -> Result<Option<PathBuf>> {
+        let path = listener
+            .local_addr()
+            .map_err(|e| Error::io("unix listener address", e))?
+            .as_pathname()
+            .map(Path::to_path_buf);
+        self.accept_unix(listener, path.clone(), false)?;
+        Ok(path)
+    }
+
+    fn accept_unix(
+        &mut self,
+        listener: UnixListener,
+        path: Option<PathBuf>,
+        owned: bool,
+    ) -> Result<()> {
+        let listening = Listening::Unix { path, owned };
+        let socket = listening.to_string();
+        tracing::info!(socket = %listening, "NBD listening");
+        sync::lock(&self.shared.listening).push(listening);
         let shared = Arc::clone(&self.shared);
-        let socket = path.display().to_string();
         let thread = std::thread::Builder::new()
             .name("nbd-accept-unix".into())
             .spawn(move || {
@@ -300,9 +356,16 @@ impl Server {
     /// Listens on TCP `address` (port 0 picks a free port); returns the bound address.
     pub fn listen_tcp(&mut self, address: impl ToSocketAddrs) -> Result<SocketAddr> {
         let listener = TcpListener::bind(address).map_err(|e| Error::io("bind tcp listener", e))?;
+        self.serve_tcp_listener(listener)
+    }
+
+    /// Serves on a TCP socket listening already (one passed by systemd's socket activation,
+    /// say); returns its address.
+    pub fn serve_tcp_listener(&mut self, listener: TcpListener) -> Result<SocketAddr> {
         let bound = listener
             .local_addr()
             .map_err(|e| Error::io("tcp listener address", e))?;
+        tracing::info!(socket = %Listening::Tcp(bound), "NBD listening");
         sync::lock(&self.shared.listening).push(Listening::Tcp(bound));
         let shared = Arc::clone(&self.shared);
         let thread = std::thread::Builder::new()
@@ -354,6 +417,11 @@ impl Server {
         }
         self.stopped = true;
         self.shared.request_shutdown();
+        // Accepting has stopped: these are the connections this shutdown closes.
+        let (closing_count, closing) = {
+            let table = sync::lock(&self.shared.connections);
+            (table.streams.len(), table.describe())
+        };
         // An accept loop that the wake-up connection could not reach (its socket file was
         // removed, say) is left to end on its next accept rather than hang shutdown.
         let deadline = Instant::now() + ACCEPT_STOP_WAIT;
@@ -367,16 +435,35 @@ impl Server {
         }
         let shared = &self.shared;
         if !shared.wait_for_connections(shared.config.shutdown_grace) {
-            for stream in sync::lock(&shared.connections).streams.values() {
+            let table = sync::lock(&shared.connections);
+            tracing::warn!(
+                connections = %table.describe(),
+                grace_seconds = shared.config.shutdown_grace.as_secs_f64(),
+                "cutting off connections still open after the grace period"
+            );
+            for stream in table.streams.values() {
                 let _ = stream.shutdown(Shutdown::Both);
             }
+            drop(table);
             shared.wait_for_connections(shared.config.shutdown_grace);
         }
-        for listening in sync::lock(&shared.listening).iter() {
-            if let Listening::Unix(path) = listening {
+        let listening = sync::lock(&shared.listening);
+        for listening in listening.iter() {
+            if let Listening::Unix {
+                path: Some(path),
+                owned: true,
+            } = listening
+            {
                 let _ = std::fs::remove_file(path);
             }
         }
+        let sockets: Vec<String> = listening.iter().map(ToString::to_string).collect();
+        tracing::info!(
+            sockets = %sockets.join(", "),
+            connections_closed = closing_count,
+            connections = %closing,
+            "NBD server stopped"
+        );
     }
 }
 
@@ -397,6 +484,7 @@ impl Drop for ConnectionGuard {
     fn drop(&mut self) {
         let mut table = sync::lock(&self.shared.connections);
         table.streams.remove(&self.id);
+        table.exports.remove(&self.id);
         if let Some(count) = table.per_peer.get_mut(&self.peer) {
             *count -= 1;
             if *count == 0 {
@@ -421,7 +509,11 @@ impl Shared {
         // Wake each accept loop with a throwaway connection; it sees the flag and stops.
         for listening in sync::lock(&self.listening).iter() {
             match listening {
-                Listening::Unix(path) => drop(UnixStream::connect(path)),
+                Listening::Unix {
+                    path: Some(path), ..
+                } => drop(UnixStream::connect(path)),
+                // Nothing to connect to: the loop ends at its next accept.
+                Listening::Unix { path: None, .. } => {}
                 Listening::Tcp(address) => {
                     let mut target = *address;
                     if target.ip().is_unspecified() {
@@ -479,6 +571,10 @@ impl Shared {
             .name(format!("nbd-conn-{id}"))
             .stack_size(self.config.thread_stack_bytes)
             .spawn(move || {
+                // Every line logged for this connection, on any of its threads, names it.
+                let span = tracing::info_span!("conn", conn = id, peer = %name);
+                let _entered = span.enter();
+                tracing::info!("connection opened");
                 let shared = Arc::clone(&guard.shared);
                 shared.emit(Event::Connected {
                     connection: id,
@@ -495,7 +591,9 @@ impl Shared {
     fn run_connection(self: &Arc<Self>, id: u64, stream: Stream, guard: ConnectionGuard) {
         let end = {
             let shared = Arc::clone(self);
-            move |result: Result<()>| {
+            move |result: Result<()>, requests: u64| {
+                let export = sync::lock(&shared.connections).exports.get(&id).cloned();
+                log_end(export.as_deref(), requests, &result);
                 shared.emit(Event::Disconnected {
                     connection: id,
                     error: result.err().map(|error| error.to_string()),
@@ -505,13 +603,16 @@ impl Shared {
         };
         match self.negotiate(stream) {
             Ok(Some((negotiated, reader))) => {
+                let export = handshake::quoted(&negotiated.requested_name);
+                tracing::info!(export = %export, read_only = negotiated.export.read_only(), "serving export");
+                sync::lock(&self.connections).exports.insert(id, export);
                 self.emit(Event::Serving {
                     connection: id,
                     export: negotiated.requested_name.clone(),
                 });
                 let writer = match reader.try_clone() {
                     Ok(writer) => writer,
-                    Err(error) => return end(Err(Error::io("clone connection", error))),
+                    Err(error) => return end(Err(Error::io("clone connection", error)), 0),
                 };
                 let limits = Limits {
                     threads: self.config.workers_per_connection,
@@ -524,8 +625,8 @@ impl Shared {
                 };
                 session::serve(negotiated, reader, writer, limits, Box::new(end));
             }
-            Ok(None) => end(Ok(())),
-            Err(error) => end(Err(error)),
+            Ok(None) => end(Ok(()), 0),
+            Err(error) => end(Err(error), 0),
         }
     }
 
@@ -559,5 +660,17 @@ impl Shared {
                 Ok(Some((negotiated, stream)))
             }
         }
+    }
+}
+
+/// The connection's closing line: info, or warn when the client broke the protocol.
+fn log_end(export: Option<&str>, requests: u64, result: &Result<()>) {
+    let export = export.unwrap_or("(none)");
+    match result {
+        Ok(()) => tracing::info!(export = %export, requests, "connection closed"),
+        Err(
+            error @ (Error::Protocol { .. } | Error::BadMagic { .. } | Error::TooLong { .. }),
+        ) => tracing::warn!(export = %export, requests, %error, "connection closed: protocol violation"),
+        Err(error) => tracing::info!(export = %export, requests, %error, "connection closed"),
     }
 }

@@ -89,8 +89,9 @@ pub(crate) struct Limits {
     pub(crate) thread_name: String,
 }
 
-/// Called once, by the last thread of a session to leave, with the session's result.
-pub(crate) type OnEnd = Box<dyn FnOnce(Result<()>) + Send>;
+/// Called once, by the last thread of a session to leave, with the session's result and
+/// the number of requests it read.
+pub(crate) type OnEnd = Box<dyn FnOnce(Result<()>, u64) + Send>;
 
 /// A checked request taken by a thread; its WRITE payload is in the thread's [`Scratch`].
 struct Job {
@@ -224,7 +225,7 @@ pub(crate) fn serve(
     )
     .unwrap_or(u32::MAX);
     if let Err(error) = reader.set_read_timeout(Some(idle_tick)) {
-        on_end(Err(Error::io("set idle timeout", error)));
+        on_end(Err(Error::io("set idle timeout", error)), 0);
         return;
     }
     let server_share_bytes = limits.server_bytes.fair_share_bytes();
@@ -269,7 +270,7 @@ impl Drop for Connection {
             .unwrap_or_else(|e| e.into_inner())
             .take();
         if let Some(on_end) = on_end {
-            on_end(result);
+            on_end(result, input.requests);
         }
     }
 }
@@ -319,10 +320,12 @@ impl Connection {
             return;
         }
         let connection = Arc::clone(self);
+        // The connection's span (its number and peer) goes with its threads.
+        let span = tracing::Span::current();
         let spawned = std::thread::Builder::new()
             .name(self.thread_name.clone())
             .stack_size(self.stack_bytes)
-            .spawn(move || connection.run_thread());
+            .spawn(move || span.in_scope(|| connection.run_thread()));
         if spawned.is_err() {
             // Serve with the threads there are.
             self.threads.fetch_sub(1, Ordering::SeqCst);

@@ -37,6 +37,8 @@ pub(super) struct Input {
     /// flight); reset by every byte received.
     pub(super) quiet_ticks: u32,
     idle_ticks_max: u32,
+    /// Requests read so far (DISC not counted), for the connection's closing log line.
+    pub(super) requests: u64,
 }
 
 impl Input {
@@ -50,6 +52,7 @@ impl Input {
             error: None,
             quiet_ticks: 0,
             idle_ticks_max,
+            requests: 0,
         }
     }
 
@@ -243,6 +246,7 @@ impl Connection {
             input.stop(Ok(()));
             return Ok(Next::End);
         }
+        input.requests += 1;
         let payload_length = self.payload_length(&request);
         if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
             // The payload cannot be skipped safely: answer, then hang up.
@@ -256,6 +260,8 @@ impl Connection {
         }
         match self.check(&request, payload_length) {
             Verdict::Refuse(error) => {
+                // Per request, so not above debug: a client could flood the log.
+                tracing::debug!(command = request.command, %error, "request refused");
                 input
                     .discard(payload_length)
                     .map_err(|e| Error::io("discard payload", e))?;
