@@ -61,6 +61,7 @@ const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest wait at shutdown for the accept loop and for requests being carried out.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
+mod log;
 mod protocol;
 mod server;
 mod target;

@@ -8,6 +8,7 @@
 mod commands;
 mod control;
 mod export;
+mod logging;
 mod pool_dir;
 
 use clap::{Parser, Subcommand};

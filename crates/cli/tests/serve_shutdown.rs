@@ -410,7 +410,8 @@ fn tcp_on_loopback_warns_that_every_local_user_can_use_every_volume() {
     );
     let stderr = server.stderr();
     assert!(
-        stderr.contains("warning: NBD on TCP 127.0.0.1:")
+        stderr.contains(" WARN ")
+            && stderr.contains("NBD on TCP 127.0.0.1:")
             && stderr.contains("no TLS and no authentication")
             && stderr.contains("every local user can read and write every volume"),
         "{stderr}"
@@ -420,7 +421,7 @@ fn tcp_on_loopback_warns_that_every_local_user_can_use_every_volume() {
 
     // The Unix socket alone: no warning.
     let mut server = Server::start(&["--pool", &pool], temp.0.join("stderr2"));
-    assert!(!server.stderr().contains("warning"), "{}", server.stderr());
+    assert!(!server.stderr().contains(" WARN "), "{}", server.stderr());
     server.terminate();
 }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 /// Environment variables removed from every process started here (the pool the `thinpool`
 /// binary would use by default).
-const CLEARED_VARIABLES: [&str; 1] = ["THINPOOL_POOL"];
+const CLEARED_VARIABLES: [&str; 2] = ["THINPOOL_POOL", "RUST_LOG"];
 /// How often polling loops look again.
 const POLL_INTERVAL: Duration = Duration::from_millis(10);
 

@@ -45,6 +45,7 @@ use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use nbd::ExportRegistry;
 
 mod shutdown;
+mod systemd;
 mod tcp;
 
 use shutdown::*;
@@ -81,9 +82,28 @@ pub struct Args {
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
     #[arg(long = "raw-export", value_name = "NAME=FILE")]
     raw_export: Vec<String>,
-    /// Don't log connections on stderr.
-    #[arg(short = 'q', long = "quiet")]
+    /// Log only warnings and errors on stderr (the log's level is info otherwise; `RUST_LOG`,
+    /// when set, replaces -v and -q). Example: `thinpool serve -q`.
+    #[arg(short = 'q', long = "quiet", conflicts_with = "verbose")]
     quiet: bool,
+    /// Log more: -v adds debug lines, -vv trace lines. Example: `thinpool serve -v`, or
+    /// `RUST_LOG=info,nbd=debug thinpool serve` for one crate.
+    #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
+    verbose: u8,
+    /// Write the server's process id to FILE once its sockets listen, remove it on a clean
+    /// shutdown; refused if FILE names a running process. Example:
+    /// `--pid-file /run/thinpool/pool.pid`.
+    #[arg(long = "pid-file", value_name = "FILE")]
+    pid_file: Option<PathBuf>,
+    /// Serve every export read-only, and open the pool without writing anything (no check,
+    /// no commit, no catalog change); management requests are refused. Example:
+    /// `thinpool serve --read-only --pool /srv/pool`.
+    #[arg(long = "read-only", conflicts_with = "raw_export")]
+    read_only: bool,
+    /// Log a commit (data flush included) that takes longer than this, at warn; 0 never.
+    /// Example: `--slow-commit-ms 250`.
+    #[arg(long = "slow-commit-ms", value_name = "MILLISECONDS", default_value_t = 1000)]
+    slow_commit_ms: u64,
     /// Most NBD connections served at once.
     #[arg(long = "connections-max", value_name = "N", default_value_t = nbd::Config::default().connections_max)]
     connections_max: usize,
@@ -102,21 +122,32 @@ pub struct Args {
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    crate::logging::init(crate::logging::level(args.verbose, args.quiet))?;
+    // Taken at once, so that no later code mistakes them for its own.
+    let activated = systemd::Activated::from_env()?;
+    if let Some(path) = &args.pid_file {
+        systemd::PidFile::check(path)?;
+    }
     let dir = args.pool.resolve();
     if !Pool::exists(&dir.path) {
-        if !dir.is_default {
+        if !dir.is_default || args.read_only {
             dir.require_pool()?;
         }
         create_default_pool(&dir)?;
     }
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
-    super::restore::name_restored_volumes(&dir.path)?;
+    if !args.read_only {
+        super::restore::name_restored_volumes(&dir.path)?;
+    }
     let options = StoredOptions::load(&dir)?;
     // Pool::open checks the metadata before opening it read-write (as LVM runs thin_check
     // before activation), unless told not to.
     let pool_options = thin_pool::PoolOptions {
         skip_check: args.skip_check,
+        read_only: args.read_only,
+        slow_commit_threshold: (args.slow_commit_ms > 0)
+            .then(|| Duration::from_millis(args.slow_commit_ms)),
         ..options.pool_options()
     };
     let pool = match Pool::open(&dir.path, pool_options) {
@@ -144,12 +175,24 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     // Checked before anything is bound: a refused address is never opened.
     let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    if tcp.is_some() && !activated.tcp.is_empty() {
+        bail!("--tcp and a TCP socket passed by socket activation: give one of them");
+    }
+    let passed_tcp = activated
+        .tcp
+        .iter()
+        .map(|listener| listener.local_addr())
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("cannot read a passed TCP socket's address")?;
     let tcp_exposure = tcp
+        .or(passed_tcp.first().copied())
         .map(|address| tcp_exposure(address, args.insecure))
         .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
-    remove_stale_socket(&nbd_socket)?;
+    if activated.unix.is_empty() {
+        remove_stale_socket(&nbd_socket)?;
+    }
     remove_stale_socket(&control_socket)?;
 
     let registry = Arc::new(PoolRegistry::new(pool.clone(), raw)?);
@@ -158,16 +201,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         options,
         reserved_names: registry.raw_names(),
     });
-    let mut config = nbd::Config {
+    let config = nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
         ..nbd::Config::default()
     };
-    if !args.quiet {
-        config.on_event = Some(Arc::new(log_event));
-    }
     // Signals are caught from here on, so a stop request during start-up is not lost.
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
@@ -178,12 +218,39 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Arc::clone(&registry) as Arc<dyn ExportRegistry>,
         config.clone(),
     );
-    server
-        .listen_unix(&nbd_socket)
-        .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
+    let mut nbd_socket = nbd_socket;
+    if activated.unix.is_empty() {
+        server
+            .listen_unix(&nbd_socket)
+            .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
+    }
+    for (index, listener) in activated.unix.into_iter().enumerate() {
+        let path = server
+            .serve_unix_listener(listener)
+            .context("cannot serve a passed Unix socket")?;
+        if let (0, Some(path)) = (index, path) {
+            nbd_socket = path;
+        }
+    }
     servers.push(server);
     let tcp_exports = (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone());
     let tcp_bound = match tcp {
+        None if !activated.tcp.is_empty() => {
+            let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
+                None => Arc::clone(&registry) as _,
+            };
+            let mut server = nbd::Server::new(tcp_registry, config);
+            let mut bound = None;
+            for listener in activated.tcp {
+                let address = server
+                    .serve_tcp_listener(listener)
+                    .context("cannot serve a passed TCP socket")?;
+                bound.get_or_insert(address);
+            }
+            servers.push(server);
+            bound
+        }
         Some(address) => {
             let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
                 Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
@@ -200,11 +267,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
-        eprintln!(
-            "thinpool: warning: {}",
-            exposure.warning(bound, tcp_exports.as_deref())
-        );
+        tracing::warn!("{}", exposure.warning(bound, tcp_exports.as_deref()));
     }
+    let pid_file = args
+        .pid_file
+        .as_deref()
+        .map(systemd::PidFile::write)
+        .transpose()?;
     print_banner(
         &dir,
         &pool,
@@ -213,15 +282,32 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
     )?;
 
+    let volumes: Vec<String> = pool.list().into_iter().map(|info| info.name).collect();
+    tracing::info!(
+        pool = %dir.path.display(),
+        nbd_socket = %nbd_socket.display(),
+        tcp = ?tcp_bound,
+        control_socket = %control_socket.display(),
+        volumes = %volumes.join(", "),
+        read_only = args.read_only,
+        "serving"
+    );
+    systemd::notify_ready(&format!("serving {} volumes", volumes.len()));
+
     let (stop_fail_watch, fail_watch) = start_fail_watch(pool.clone())?;
 
     let signal = signals.forever().next().unwrap_or(SIGTERM);
-    eprintln!("thinpool: {}: stopping", signal_name(signal));
+    systemd::notify_stopping();
+    tracing::info!(signal = signal_name(signal), "stopping");
     drop(stop_fail_watch);
     let _ = fail_watch.join();
     start_shutdown_watchdog(signals)?;
     drop(target);
-    Ok(shut_down(control, servers, &pool))
+    let code = shut_down(control, servers, &pool);
+    if let Some(pid_file) = pid_file {
+        pid_file.remove();
+    }
+    Ok(code)
 }
 
 /// Creates the default pool with its `disk` volume.
@@ -232,8 +318,8 @@ fn create_default_pool(dir: &PoolDir) -> anyhow::Result<()> {
     pool.create_volume(DEFAULT_VOLUME, DEFAULT_VOLUME_SIZE_BYTES)
         .with_context(|| format!("cannot create volume {DEFAULT_VOLUME:?}"))?;
     pool.close().context("cannot close the new pool")?;
-    eprintln!(
-        "thinpool: created pool {} with volume {DEFAULT_VOLUME:?} ({})",
+    tracing::info!(
+        "created pool {} with volume {DEFAULT_VOLUME:?} ({})",
         dir.path.display(),
         format_size(DEFAULT_VOLUME_SIZE_BYTES)
     );
@@ -357,21 +443,6 @@ fn print_banner(
     writeln!(out, "thinpool: ready (SIGINT or SIGTERM stops)")?;
     out.flush()?;
     Ok(())
-}
-
-fn log_event(event: &nbd::Event) {
-    match event {
-        nbd::Event::Serving { connection, export } => {
-            eprintln!("thinpool: connection {connection}: serving {export:?}");
-        }
-        nbd::Event::Disconnected {
-            connection,
-            error: Some(error),
-        } => {
-            eprintln!("thinpool: connection {connection} ended: {error}");
-        }
-        _ => {}
-    }
 }
 
 #[cfg(test)]

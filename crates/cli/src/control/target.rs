@@ -17,8 +17,31 @@ pub struct Target {
 }
 
 impl Target {
-    /// Carries out one request.
+    /// Carries out one request; a change (anything but list and status) is logged with its
+    /// result, one line, at info.
     pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
+        if matches!(request, Request::List | Request::Status) {
+            return self.perform(request);
+        }
+        let result = self.refuse_if_read_only().and_then(|()| self.perform(request));
+        super::log::management(request, &result);
+        result
+    }
+
+    /// A pool opened read-only (`serve --read-only`) takes no management operation: say so
+    /// before the engine refuses it less clearly.
+    fn refuse_if_read_only(&self) -> Result<(), OpError> {
+        let status = self.pool.status();
+        if status.mode == thin_pool::PoolMode::ReadOnly && !status.needs_check {
+            return Err(OpError::new(
+                libc::EROFS,
+                "the pool is opened read-only (serve --read-only): management operations are refused".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn perform(&self, request: &Request) -> Result<Outcome, OpError> {
         let pool = &self.pool;
         match request {
             Request::CreateVolume { name, size_bytes } => {

@@ -52,8 +52,29 @@ impl Shared {
     pub(crate) fn commit(&self) -> Result<()> {
         let _commit = self.lock_commit();
         self.check_changes_allowed()?;
+        let started = std::time::Instant::now();
         let (mut meta, taken) = self.flush_and_lock()?;
-        self.commit_locked(&mut meta, taken)
+        let result = self.commit_locked(&mut meta, taken);
+        self.log_if_slow(started.elapsed(), taken);
+        result
+    }
+
+    /// A commit (data flush included) slower than [`PoolOptions::slow_commit_threshold`]
+    /// is logged at warn: the disks are slow or overloaded.
+    ///
+    /// [`PoolOptions::slow_commit_threshold`]: crate::PoolOptions::slow_commit_threshold
+    fn log_if_slow(&self, elapsed: std::time::Duration, ops: usize) {
+        if self
+            .options
+            .slow_commit_threshold
+            .is_some_and(|threshold| elapsed > threshold)
+        {
+            tracing::warn!(
+                milliseconds = elapsed.as_millis() as u64,
+                ops,
+                "slow commit"
+            );
+        }
     }
 
     /// Count the queued ops, flush the data device (their data is now durable), lock the
@@ -276,7 +297,7 @@ impl Shared {
     /// space → that mode; anything else → read-only with needs_check set on disk.
     pub(crate) fn metadata_failed(&self, meta: &mut MetaState, error: Error) -> Error {
         let out_of_space = matches!(error, Error::OutOfMetadataSpace { .. });
-        self.log(format!("metadata operation failed: {error}"));
+        self.log_warn(format!("metadata operation failed: {error}"));
         meta.md = None;
         // Reservations lived in the abandoned metadata: writes holding one cannot map it.
         meta.generation += 1;
@@ -291,7 +312,7 @@ impl Shared {
                 let unmapped = match self.resync_indexes(&md) {
                     Ok(unmapped) => unmapped,
                     Err(e) => {
-                        self.log(format!("reloading the index failed: {e}"));
+                        self.log_warn(format!("reloading the index failed: {e}"));
                         self.record_fail_reason(&format!(
                             "{error}; reloading the index failed: {e}"
                         ));
@@ -331,7 +352,7 @@ impl Shared {
                 });
             }
             Err(e) => {
-                self.log(format!("reopening the metadata failed: {e}"));
+                self.log_warn(format!("reopening the metadata failed: {e}"));
                 self.record_fail_reason(&format!("{error}; reopening the metadata failed: {e}"));
                 self.set_mode(PoolMode::Fail);
             }

@@ -81,7 +81,7 @@ fn commit_loop(shared: Weak<Shared>, interval: Duration) {
         };
         if dirty && matches!(strong.mode(), PoolMode::Write | PoolMode::OutOfDataSpace) {
             if let Err(e) = strong.commit() {
-                strong.log(format!("periodic commit failed: {e}"));
+                strong.log_warn(format!("periodic commit failed: {e}"));
             }
         }
     }

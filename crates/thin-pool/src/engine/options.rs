@@ -16,7 +16,8 @@ pub struct PoolOptions {
     pub error_if_no_space: bool,
     /// How long a queued write waits for space before failing.
     pub no_space_timeout: Duration,
-    /// Refuse every change.
+    /// Refuse every change, and open without writing anything: no check (it may repair),
+    /// no commit thread, no catalog clean-up, the metadata file opened read-only.
     pub read_only: bool,
     /// Free data blocks at or below which a low-water event fires.
     pub low_water_mark_blocks: u64,
@@ -26,6 +27,9 @@ pub struct PoolOptions {
     /// refuses metadata whose damage could make one volume's writes land on another's
     /// data).
     pub skip_check: bool,
+    /// Log a commit (data flush included) that takes longer than this, at warn (None:
+    /// never).
+    pub slow_commit_threshold: Option<Duration>,
     /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
     #[doc(hidden)]
     pub fault_hook: Option<FaultHook>,
@@ -83,6 +87,7 @@ impl Default for PoolOptions {
             commit_interval: Some(Duration::from_secs(1)),
             fault_hook: None,
             skip_check: false,
+            slow_commit_threshold: Some(Duration::from_secs(1)),
         }
     }
 }

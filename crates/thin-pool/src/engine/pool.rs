@@ -289,8 +289,11 @@ impl Pool {
         let block_size_bytes = u64::from(md.data_block_size_sectors()) * 512;
         let transaction_id = md.transaction_id().get();
         let catalog = catalog_store.load(transaction_id)?;
-        // A catalog newer than the metadata is a change that never committed: forget it.
-        catalog_store.committed(transaction_id)?;
+        // A catalog newer than the metadata is a change that never committed: forget it
+        // (a read-only open writes nothing, so leaves it for the next read-write one).
+        if !options.read_only {
+            catalog_store.committed(transaction_id)?;
+        }
         check_catalog(&md, &catalog)?;
         let data_blocks = data.size_bytes() / block_size_bytes;
         let recorded = md.data_space_map().block_count();

@@ -335,10 +335,27 @@ impl Shared {
                 (old != fail && old != mode as u8).then_some(mode as u8)
             });
         if let Ok(old) = changed {
-            self.log(format!(
+            let from = self.mode_name(PoolMode::from_u8(old));
+            let to = self.mode_name(mode);
+            if mode == PoolMode::Write {
+                tracing::info!(from, to, "pool mode changed");
+            } else {
+                tracing::warn!(from, to, "pool mode changed");
+            }
+            self.record(format!(
                 "pool mode {:?} -> {mode:?}",
                 PoolMode::from_u8(old)
             ));
+        }
+    }
+
+    /// The mode's name in logs: dm-thin's status word, with read-only told apart by cause.
+    fn mode_name(&self, mode: PoolMode) -> &'static str {
+        match mode {
+            PoolMode::OutOfMetadataSpace => "out_of_metadata_space",
+            PoolMode::ReadOnly if self.options.read_only => "read_only",
+            PoolMode::ReadOnly => "needs_check",
+            other => other.as_str(),
         }
     }
 
@@ -368,7 +385,7 @@ impl Shared {
     /// Reads, writes and changes then fail with EIO until the pool is reopened.
     pub(crate) fn fail(&self, meta: &mut MetaState, reason: String) {
         self.record_fail_reason(&reason);
-        self.log(format!(
+        self.log_warn(format!(
             "pool failed: {reason}; the transaction is abandoned, the last commit stays on disk"
         ));
         meta.md = None;
@@ -405,7 +422,20 @@ impl Shared {
         self.time.store(time.get(), Ordering::Release);
     }
 
+    /// An event of the pool: logged at info and kept for [`crate::Pool::events`].
     pub(crate) fn log(&self, event: String) {
+        tracing::info!("{event}");
+        self.record(event);
+    }
+
+    /// A failure of the pool: logged at warn and kept for [`crate::Pool::events`].
+    pub(crate) fn log_warn(&self, event: String) {
+        tracing::warn!("{event}");
+        self.record(event);
+    }
+
+    /// Keeps `event` for [`crate::Pool::events`] without logging it.
+    pub(crate) fn record(&self, event: String) {
         let mut events = self.events.lock().unwrap_or_else(|e| e.into_inner());
         if events.len() >= EVENTS_MAX {
             events.remove(0);

@@ -28,8 +28,8 @@ pub(super) fn shut_down(
     pool: &Pool,
 ) -> ExitCode {
     let control_report = control.shutdown();
-    eprintln!(
-        "thinpool: control socket closed ({} client{} disconnected{})",
+    tracing::info!(
+        "control socket closed ({} client{} disconnected{})",
         control_report.clients_closed,
         plural(control_report.clients_closed),
         if control_report.requests_unfinished > 0 {
@@ -51,8 +51,8 @@ pub(super) fn shut_down(
     for server in servers {
         server.shutdown();
     }
-    eprintln!(
-        "thinpool: NBD listeners closed ({nbd_connections} connection{} closed)",
+    tracing::info!(
+        "NBD listeners closed ({nbd_connections} connection{} closed)",
         plural(nbd_connections)
     );
     let close = pool.close();
@@ -60,15 +60,15 @@ pub(super) fn shut_down(
     match close {
         Ok(()) => match status.mode {
             PoolMode::Write | PoolMode::OutOfDataSpace => {
-                eprintln!(
-                    "thinpool: stopped; pool committed at transaction {}",
+                tracing::info!(
+                    "stopped; pool committed at transaction {}",
                     status.transaction_id
                 );
                 ExitCode::SUCCESS
             }
             mode => {
-                eprintln!(
-                    "thinpool: stopped; {}: nothing committed (the pool stays at transaction {})",
+                tracing::info!(
+                    "stopped; {}: nothing committed (the pool stays at transaction {})",
                     uncommittable(mode, status.needs_check),
                     status.transaction_id
                 );
@@ -76,8 +76,8 @@ pub(super) fn shut_down(
             }
         },
         Err(error) => {
-            eprintln!(
-                "thinpool: stopped; commit failed: {error}; the pool stays at transaction {}",
+            tracing::error!(
+                "stopped; commit failed: {error}; the pool stays at transaction {}",
                 status.transaction_id
             );
             ExitCode::FAILURE
@@ -103,8 +103,8 @@ pub(super) fn start_fail_watch(
             {
                 let status = pool.status();
                 if status.mode == PoolMode::Fail {
-                    eprintln!(
-                        "thinpool: the pool failed ({}): every I/O now gets EIO; the last committed state is intact on disk, restart the server to reopen it",
+                    tracing::error!(
+                        "the pool failed ({}): every I/O now gets EIO; the last committed state is intact on disk, restart the server to reopen it",
                         status.fail_reason.as_deref().unwrap_or("no reason recorded")
                     );
                     return;
@@ -151,8 +151,8 @@ pub(super) fn start_shutdown_watchdog(mut signals: Signals) -> anyhow::Result<()
         .name("shutdown-signals".into())
         .spawn(move || {
             if let Some(signal) = signals.forever().next() {
-                eprintln!(
-                    "thinpool: {} again: exiting now; the pool keeps its last commit",
+                tracing::warn!(
+                    "{} again: exiting now; the pool keeps its last commit",
                     signal_name(signal)
                 );
                 std::process::exit(EXIT_FORCED);
@@ -163,8 +163,8 @@ pub(super) fn start_shutdown_watchdog(mut signals: Signals) -> anyhow::Result<()
         .name("shutdown-deadline".into())
         .spawn(move || {
             std::thread::sleep(SHUTDOWN_DEADLINE);
-            eprintln!(
-                "thinpool: shutdown did not finish within {} s: exiting now; the pool keeps its last commit",
+            tracing::error!(
+                "shutdown did not finish within {} s: exiting now; the pool keeps its last commit",
                 SHUTDOWN_DEADLINE.as_secs()
             );
             std::process::exit(EXIT_FORCED);
