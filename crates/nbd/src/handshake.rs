@@ -156,6 +156,11 @@ impl<S: Read + Write> Handshake<'_, S> {
             self.stream
                 .read_exact(&mut data)
                 .map_err(|e| Error::io("read option data", e))?;
+            tracing::debug!(
+                option = header.code,
+                length = header.length,
+                "option received"
+            );
             if let Some(outcome) = self.answer(header.code, &data)? {
                 return Ok(outcome);
             }

@@ -163,7 +163,10 @@ const ACCEPT_STOP_WAIT: Duration = Duration::from_secs(2);
 enum Listening {
     /// A Unix socket: its path if it has one (a passed socket may not), and whether the
     /// server made it (and so removes it at shutdown) or was given it.
-    Unix { path: Option<PathBuf>, owned: bool },
+    Unix {
+        path: Option<PathBuf>,
+        owned: bool,
+    },
     Tcp(SocketAddr),
 }
 
@@ -668,9 +671,9 @@ fn log_end(export: Option<&str>, requests: u64, result: &Result<()>) {
     let export = export.unwrap_or("(none)");
     match result {
         Ok(()) => tracing::info!(export = %export, requests, "connection closed"),
-        Err(
-            error @ (Error::Protocol { .. } | Error::BadMagic { .. } | Error::TooLong { .. }),
-        ) => tracing::warn!(export = %export, requests, %error, "connection closed: protocol violation"),
+        Err(error @ (Error::Protocol { .. } | Error::BadMagic { .. } | Error::TooLong { .. })) => {
+            tracing::warn!(export = %export, requests, %error, "connection closed: protocol violation")
+        }
         Err(error) => tracing::info!(export = %export, requests, %error, "connection closed"),
     }
 }

@@ -246,6 +246,26 @@ impl Served {
     /// Starts `binary serve [--pool POOL] EXTRA...` in `cwd` (or this directory); `pool` may be
     /// empty to use the default pool of the working directory.
     pub fn start(binary: &Path, pool: &Path, extra: &[&str], cwd: Option<&Path>) -> Served {
+        Served::start_in(binary, pool, extra, cwd, &[])
+    }
+
+    /// As [`Served::start`], in this directory, with `env` set in the server's environment.
+    pub fn start_with_env(
+        binary: &Path,
+        pool: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Served {
+        Served::start_in(binary, pool, extra, None, env)
+    }
+
+    fn start_in(
+        binary: &Path,
+        pool: &Path,
+        extra: &[&str],
+        cwd: Option<&Path>,
+        env: &[(&str, &str)],
+    ) -> Served {
         let mut command = Command::new(binary);
         command.arg("serve");
         if !pool.as_os_str().is_empty() {
@@ -255,6 +275,7 @@ impl Served {
         for name in CLEARED_VARIABLES {
             command.env_remove(name);
         }
+        command.envs(env.iter().copied());
         if let Some(cwd) = cwd {
             command.current_dir(cwd);
         }
@@ -331,6 +352,16 @@ impl Served {
         self.process
             .terminate(SERVE_TIMEOUT)
             .unwrap_or_else(|| panic!("thinpool serve ignored SIGTERM:\n{}", self.stderr()))
+    }
+
+    /// As [`Served::stop`], and returns what the server wrote on stderr too.
+    pub fn stop_with_log(mut self) -> (ExitStatus, String) {
+        let status = self
+            .process
+            .terminate(SERVE_TIMEOUT)
+            .unwrap_or_else(|| panic!("thinpool serve ignored SIGTERM:\n{}", self.stderr()));
+        let log = self.stderr();
+        (status, log)
     }
 
     /// SIGKILL, as a crash.

@@ -102,7 +102,11 @@ pub struct Args {
     read_only: bool,
     /// Log a commit (data flush included) that takes longer than this, at warn; 0 never.
     /// Example: `--slow-commit-ms 250`.
-    #[arg(long = "slow-commit-ms", value_name = "MILLISECONDS", default_value_t = 1000)]
+    #[arg(
+        long = "slow-commit-ms",
+        value_name = "MILLISECONDS",
+        default_value_t = 1000
+    )]
     slow_commit_ms: u64,
     /// Most NBD connections served at once.
     #[arg(long = "connections-max", value_name = "N", default_value_t = nbd::Config::default().connections_max)]

@@ -23,7 +23,9 @@ impl Target {
         if matches!(request, Request::List | Request::Status) {
             return self.perform(request);
         }
-        let result = self.refuse_if_read_only().and_then(|()| self.perform(request));
+        let result = self
+            .refuse_if_read_only()
+            .and_then(|()| self.perform(request));
         super::log::management(request, &result);
         result
     }
