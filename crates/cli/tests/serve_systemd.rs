@@ -286,3 +286,43 @@ fn read_only_serves_every_export_read_only_and_writes_nothing() {
         );
     }
 }
+
+#[test]
+fn the_unit_files_pass_systemd_analyze_verify() {
+    require_tool("systemd-analyze", "systemd");
+    let temp = ScratchDir::new("units");
+    let contrib = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../contrib/systemd");
+    // An instance for a pool directory, with the binary under test in ExecStart.
+    for (template, instance) in [
+        (
+            "thinpool@.service",
+            "thinpool@var-lib-thinpool-pool.service",
+        ),
+        ("thinpool@.socket", "thinpool@var-lib-thinpool-pool.socket"),
+    ] {
+        let text = std::fs::read_to_string(contrib.join(template)).unwrap();
+        assert!(
+            !template.ends_with(".service") || text.contains("/usr/local/bin/thinpool serve"),
+            "{text}"
+        );
+        let text = text.replace("/usr/local/bin/thinpool", THINPOOL);
+        std::fs::write(temp.join(instance), text).unwrap();
+    }
+    let service = temp.join("thinpool@var-lib-thinpool-pool.service");
+    let socket = temp.join("thinpool@var-lib-thinpool-pool.socket");
+    let output = run_tool(
+        "systemd-analyze",
+        &[
+            "verify",
+            "--man=no",
+            service.to_str().unwrap(),
+            socket.to_str().unwrap(),
+        ],
+        TIMEOUT,
+    );
+    let complaints = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && complaints.trim().is_empty(),
+        "{complaints}"
+    );
+}
