@@ -191,6 +191,8 @@ struct Shared {
     connection_ended: Condvar,
     next_connection: AtomicU64,
     server_bytes: Arc<Budget>,
+    /// The connections open when shutdown was requested (count, description), for its log.
+    closing: Mutex<Option<(usize, String)>>,
 }
 
 /// Where a connection comes from, for the per-peer limit.
@@ -286,6 +288,7 @@ impl Server {
                 connections: Mutex::new(Table::default()),
                 connection_ended: Condvar::new(),
                 next_connection: AtomicU64::new(1),
+                closing: Mutex::new(None),
                 server_bytes: Arc::new(Budget::new(usize::MAX, config.server_bytes_in_flight_max)),
                 config,
             }),
@@ -420,11 +423,7 @@ impl Server {
         }
         self.stopped = true;
         self.shared.request_shutdown();
-        // Accepting has stopped: these are the connections this shutdown closes.
-        let (closing_count, closing) = {
-            let table = sync::lock(&self.shared.connections);
-            (table.streams.len(), table.describe())
-        };
+        let (closing_count, closing) = sync::lock(&self.shared.closing).clone().unwrap_or_default();
         // An accept loop that the wake-up connection could not reach (its socket file was
         // removed, say) is left to end on its next accept rather than hang shutdown.
         let deadline = Instant::now() + ACCEPT_STOP_WAIT;
@@ -509,6 +508,12 @@ impl Shared {
         if self.shutting_down.swap(true, Ordering::SeqCst) {
             return;
         }
+        // Accepting stops now: these are the connections this shutdown closes.
+        let closing = {
+            let table = sync::lock(&self.connections);
+            (table.streams.len(), table.describe())
+        };
+        *sync::lock(&self.closing) = Some(closing);
         // Wake each accept loop with a throwaway connection; it sees the flag and stops.
         for listening in sync::lock(&self.listening).iter() {
             match listening {
