@@ -80,7 +80,8 @@ fn every_event_is_logged_with_a_timestamp_and_its_subject() {
     rude.set_read_timeout(Some(NBDINFO_TIMEOUT)).unwrap();
     let mut greeting = [0u8; 18];
     rude.read_exact(&mut greeting).unwrap();
-    rude.write_all(&3u32.to_be_bytes()).unwrap();
+    // FIXED_NEWSTYLE | NO_ZEROES, a big-endian u32.
+    rude.write_all(&[0, 0, 0, 3]).unwrap();
     rude.write_all(&[0xde; 16]).unwrap();
     let mut rest = Vec::new();
     let _ = rude.read_to_end(&mut rest);
