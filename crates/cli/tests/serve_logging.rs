@@ -244,3 +244,57 @@ fn quiet_verbose_and_rust_log_choose_the_level() {
     assert!(status.success(), "{log}");
     assert!(!log.contains(" INFO ") && !log.contains(" DEBUG "), "{log}");
 }
+
+#[test]
+fn pool_mode_changes_and_slow_commits_are_logged() {
+    require_tool("nbdcopy", "libnbd-bin");
+    let temp = ScratchDir::new("serve-log-modes");
+    let pool = temp.join("pool");
+    let p = pool.to_str().unwrap();
+    // 16 data blocks of 64 KiB under a 4 MiB volume: writing 2 MiB runs out of space.
+    create_pool(&pool, &["--data-size", "1M", "--error-if-no-space"]);
+    create_volume(&pool, "vm", "4M");
+    // A threshold of 0 logs every commit as slow: the line's form, not the disk's speed.
+    let served = serve(&pool, &["--slow-commit-ms", "0"]);
+    let source = temp.join("source");
+    std::fs::write(&source, pattern(3, 2 << 20)).unwrap();
+    let copy = run_tool(
+        "nbdcopy",
+        &[source.to_str().unwrap(), &served.uri("vm")],
+        NBDINFO_TIMEOUT,
+    );
+    assert!(!copy.status.success(), "the pool has 1 MiB: {copy:?}");
+    thinpool_ok(&["create", "--grow", "--data-size", "8M", "--pool", p]);
+    let copy = run_tool(
+        "nbdcopy",
+        &[source.to_str().unwrap(), &served.uri("vm")],
+        NBDINFO_TIMEOUT,
+    );
+    assert!(copy.status.success(), "{copy:?}");
+    let (status, log) = served.stop_with_log();
+    assert!(status.success(), "{log}");
+
+    line_with(
+        &log,
+        &[
+            " WARN ",
+            "pool mode changed",
+            "from=\"rw\"",
+            "to=\"out_of_data_space\"",
+        ],
+    );
+    line_with(
+        &log,
+        &[" INFO ", "management operation done", "operation=grow_data"],
+    );
+    line_with(
+        &log,
+        &[
+            " INFO ",
+            "pool mode changed",
+            "from=\"out_of_data_space\"",
+            "to=\"rw\"",
+        ],
+    );
+    line_with(&log, &[" WARN ", "slow commit", "milliseconds="]);
+}

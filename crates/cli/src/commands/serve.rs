@@ -100,8 +100,8 @@ pub struct Args {
     /// `thinpool serve --read-only --pool /srv/pool`.
     #[arg(long = "read-only", conflicts_with = "raw_export")]
     read_only: bool,
-    /// Log a commit (data flush included) that takes longer than this, at warn; 0 never.
-    /// Example: `--slow-commit-ms 250`.
+    /// Log a commit (data flush included) that takes at least this long, at warn (0 logs
+    /// every commit). Example: `--slow-commit-ms 250`.
     #[arg(
         long = "slow-commit-ms",
         value_name = "MILLISECONDS",
@@ -150,8 +150,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let pool_options = thin_pool::PoolOptions {
         skip_check: args.skip_check,
         read_only: args.read_only,
-        slow_commit_threshold: (args.slow_commit_ms > 0)
-            .then(|| Duration::from_millis(args.slow_commit_ms)),
+        slow_commit_threshold: Some(Duration::from_millis(args.slow_commit_ms)),
         ..options.pool_options()
     };
     let pool = match Pool::open(&dir.path, pool_options) {

@@ -59,7 +59,7 @@ impl Shared {
         result
     }
 
-    /// A commit (data flush included) slower than [`PoolOptions::slow_commit_threshold`]
+    /// A commit (data flush included) that takes [`PoolOptions::slow_commit_threshold`] or more
     /// is logged at warn: the disks are slow or overloaded.
     ///
     /// [`PoolOptions::slow_commit_threshold`]: crate::PoolOptions::slow_commit_threshold
@@ -67,7 +67,7 @@ impl Shared {
         if self
             .options
             .slow_commit_threshold
-            .is_some_and(|threshold| elapsed > threshold)
+            .is_some_and(|threshold| elapsed >= threshold)
         {
             tracing::warn!(
                 milliseconds = elapsed.as_millis() as u64,

@@ -27,8 +27,8 @@ pub struct PoolOptions {
     /// refuses metadata whose damage could make one volume's writes land on another's
     /// data).
     pub skip_check: bool,
-    /// Log a commit (data flush included) that takes longer than this, at warn (None:
-    /// never).
+    /// Log a commit (data flush included) that takes at least this long, at warn (None:
+    /// never; zero: every commit).
     pub slow_commit_threshold: Option<Duration>,
     /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
     #[doc(hidden)]
