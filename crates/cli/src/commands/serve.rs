@@ -63,7 +63,10 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// NBD Unix socket to create [default: nbd.sock in the pool directory].
+    /// NBD Unix socket to create [default: nbd.sock in the pool directory]. Under systemd, a
+    /// Unix or TCP socket passed by socket activation (LISTEN_FDS) is served instead, and
+    /// READY=1 / STOPPING=1 go to NOTIFY_SOCKET. Example: `systemd-socket-activate -l
+    /// /run/thinpool/pool.sock thinpool serve --pool /srv/pool` (units in contrib/systemd).
     #[arg(long = "socket", value_name = "PATH")]
     socket: Option<PathBuf>,
     /// Also listen on TCP: `PORT`, `ADDR:PORT` or `ADDR` (port 10809); a bare port binds
