@@ -20,6 +20,10 @@
 //! stops reading its own requests; others go on. A Unix socket is created with mode 0600
 //! (set right after bind; put it in a private directory if that short window matters) and
 //! removed at shutdown.
+//! Logs go through `tracing` (the embedding binary installs the subscriber): each
+//! connection's thread runs in a `conn` span with its number and peer, and logs its open, the
+//! export it serves and its close with the requests it read (at warn if the client broke
+//! the protocol); shutdown logs the connections it closed.
 //! Shutdown stops the accept loops, shuts the read half of every connection (clients see
 //! in-flight requests answered, then EOF), waits for the connection threads, and after a
 //! grace period shuts the sockets completely.

@@ -17,6 +17,11 @@
 //! thin_check before activation): metadata that fails is not served, and the error lists
 //! what the check found; `--skip-check` opens it regardless.
 //!
+//! Diagnostics go to the log (`crate::logging`: stderr, timestamped, `-v`/`-q`/`RUST_LOG`);
+//! the banner on stdout is the command's output. Under systemd (`systemd`): passed sockets
+//! are served instead of new ones, readiness and stopping are notified; `--pid-file` and
+//! `--read-only` (nothing written, every export read-only) serve other supervisors.
+//!
 //! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
 //! the control socket closes (idle clients are cut, running requests get a few seconds), the
 //! NBD listeners close and connections finish their requests (cut off after a grace period),
