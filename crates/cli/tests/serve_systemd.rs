@@ -137,6 +137,13 @@ fn a_tcp_socket_passed_by_socket_activation_is_served() {
     let log = read(&temp.join("stderr"));
     assert!(status.success(), "{log}");
     assert!(log.contains(&format!("socket=tcp {listen}")), "{log}");
+    // A TCP connection's lines name its peer address.
+    assert!(
+        log.lines().any(|line| line.contains("conn{conn=")
+            && line.contains("peer=127.0.0.1:")
+            && line.contains("serving export export=\"vm\"")),
+        "{log}"
+    );
 }
 
 #[test]
