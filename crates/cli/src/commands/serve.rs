@@ -195,10 +195,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .map(|listener| listener.local_addr())
         .collect::<std::io::Result<Vec<_>>>()
         .context("cannot read a passed TCP socket's address")?;
-    let tcp_exposure = tcp
-        .or(passed_tcp.first().copied())
-        .map(|address| tcp_exposure(address, args.insecure))
-        .transpose()?;
+    // Every TCP address is checked; the warning names the widest exposure.
+    let mut tcp_exposure = None;
+    for address in tcp.iter().chain(&passed_tcp) {
+        let exposure = tcp::tcp_exposure(*address, args.insecure)?;
+        if tcp_exposure.is_none() || exposure == TcpExposure::Network {
+            tcp_exposure = Some(exposure);
+        }
+    }
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
     if activated.unix.is_empty() {
