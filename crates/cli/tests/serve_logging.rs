@@ -86,6 +86,20 @@ fn every_event_is_logged_with_a_timestamp_and_its_subject() {
     let mut rest = Vec::new();
     let _ = rude.read_to_end(&mut rest);
 
+    // A client asking for ten unknown exports in one handshake: four are logged at info.
+    let mut curious = Client::start(&served.socket);
+    for index in 0..10u8 {
+        let name = [b'x', b'0' + index];
+        // NBD_OPT_GO data: name length (big-endian u32), name, no information requests.
+        let data = [&[0, 0, 0, 2][..], &name[..], &[0, 0][..]].concat();
+        let replies = curious.option(OPT_GO, &data);
+        assert!(
+            replies.last().unwrap().reply_type & (1 << 31) != 0,
+            "refused"
+        );
+    }
+    drop(curious);
+
     // A connection still open at shutdown.
     let open = Client::open(&served.socket, "vm");
     wait_for("the open connection's log line", NBDINFO_TIMEOUT, || {
@@ -149,6 +163,13 @@ fn every_event_is_logged_with_a_timestamp_and_its_subject() {
         &[" INFO ", "unknown export requested", "export=\"nope\""],
     );
     assert_ne!(connection_number(unknown), first);
+    let curious = line_with(&log, &["unknown export requested", "export=\"x0\""]);
+    let curious = format!("conn{{conn={} ", connection_number(curious));
+    let logged: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(&curious) && line.contains("unknown export requested"))
+        .collect();
+    assert_eq!(logged.len(), 4, "{logged:#?}");
     // Management operations with their result.
     line_with(
         &log,

@@ -95,7 +95,13 @@ struct Handshake<'a, S> {
     /// Export name of the last SET_META_CONTEXT and the id of `base:allocation` if selected.
     meta_selection: Option<(String, Option<u32>)>,
     next_context_id: u32,
+    /// Unknown exports logged at info so far; past [`UNKNOWN_EXPORTS_LOGGED_MAX`], debug.
+    unknown_exports_logged: std::cell::Cell<u32>,
 }
+
+/// Unknown export names one handshake logs at info; the rest (up to [`OPTIONS_MAX`]) go to
+/// debug, so one client cannot fill the log.
+const UNKNOWN_EXPORTS_LOGGED_MAX: u32 = 4;
 
 /// Runs the handshake on `stream` until transmission starts or the client leaves.
 pub(crate) fn negotiate<S: Read + Write>(
@@ -121,6 +127,7 @@ pub(crate) fn negotiate<S: Read + Write>(
         extended: false,
         meta_selection: None,
         next_context_id: 1,
+        unknown_exports_logged: std::cell::Cell::new(0),
     };
     handshake.option_loop()
 }
@@ -240,7 +247,13 @@ impl<S: Read + Write> Handshake<'_, S> {
         Ok(match self.registry.open(name) {
             Ok(Some(export)) => Ok(export),
             Ok(None) => {
-                tracing::info!(export = %quoted(name), "unknown export requested");
+                let logged = self.unknown_exports_logged.get();
+                if logged < UNKNOWN_EXPORTS_LOGGED_MAX {
+                    self.unknown_exports_logged.set(logged + 1);
+                    tracing::info!(export = %quoted(name), "unknown export requested");
+                } else {
+                    tracing::debug!(export = %quoted(name), "unknown export requested");
+                }
                 Err(format!("no export named {}", quoted(name)))
             }
             Err(error) => {
