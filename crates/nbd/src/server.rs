@@ -41,6 +41,7 @@ use crate::handshake::{self, Outcome};
 use crate::session::{self, Budget, Limits};
 use crate::stream::{Deadline, Stream};
 use crate::sync;
+use crate::tls::{PumpSettings, ServerTransport, Tls};
 
 /// Something that happened to a connection, for the embedding binary's logs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -109,6 +110,8 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Optional observer of connection events.
     pub on_event: Option<EventHandler>,
+    /// TLS offered or required through NBD_OPT_STARTTLS; `None` answers it `ERR_UNSUP`.
+    pub tls: Option<Tls>,
 }
 
 impl Default for Config {
@@ -126,6 +129,7 @@ impl Default for Config {
             write_timeout: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             on_event: None,
+            tls: None,
         }
     }
 }
@@ -149,6 +153,7 @@ impl fmt::Debug for Config {
             .field("write_timeout", &self.write_timeout)
             .field("shutdown_grace", &self.shutdown_grace)
             .field("on_event", &self.on_event.is_some())
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -493,6 +498,9 @@ impl Shared {
     /// Runs the handshake, then the session; the guard (and the Disconnected event) goes
     /// with the connection's last thread.
     fn run_connection(self: &Arc<Self>, id: u64, stream: Stream, guard: ConnectionGuard) {
+        // A TLS pump holds the guard too, until its last record is out.
+        let guard = Arc::new(guard);
+        let keep_alive = Arc::clone(&guard);
         let end = {
             let shared = Arc::clone(self);
             move |result: Result<()>| {
@@ -503,7 +511,7 @@ impl Shared {
                 drop(guard);
             }
         };
-        match self.negotiate(stream) {
+        match self.negotiate(id, stream, keep_alive) {
             Ok(Some((negotiated, reader))) => {
                 self.emit(Event::Serving {
                     connection: id,
@@ -530,26 +538,50 @@ impl Shared {
     }
 
     /// The handshake, within `handshake_timeout` of now; `None` if the client left.
-    fn negotiate(&self, mut stream: Stream) -> Result<Option<(handshake::Negotiated, Stream)>> {
+    /// After STARTTLS, `stream` becomes the session's end of the TLS pump's socketpair, and
+    /// a failure of the pump during the handshake is what the handshake returns.
+    fn negotiate(
+        &self,
+        id: u64,
+        mut stream: Stream,
+        keep_alive: Arc<ConnectionGuard>,
+    ) -> Result<Option<(handshake::Negotiated, Stream)>> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Ok(None);
         }
         let deadline = Instant::now() + self.config.handshake_timeout;
-        let mut bounded = Deadline::new(&mut stream, deadline, self.config.write_timeout);
-        let outcome =
-            match handshake::negotiate(&mut bounded, self.registry.as_ref(), &self.shutting_down) {
-                Ok(outcome) => outcome,
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(Error::io(
-                        format!(
-                            "handshake not finished within {} s",
-                            self.config.handshake_timeout.as_secs_f64()
-                        ),
-                        std::io::ErrorKind::TimedOut.into(),
-                    ))
-                }
-                Err(error) => return Err(error),
-            };
+        let mut transport = ServerTransport::new(
+            Deadline::new(&mut stream, deadline, self.config.write_timeout),
+            PumpSettings {
+                stack_bytes: self.config.thread_stack_bytes,
+                thread_name: format!("nbd-conn-{id}"),
+                stall_timeout: self.config.write_timeout,
+                keep_alive,
+            },
+        );
+        let negotiated = handshake::negotiate(
+            &mut transport,
+            self.registry.as_ref(),
+            &self.shutting_down,
+            self.config.tls.as_ref(),
+        );
+        let tls_failure = transport.take_failure();
+        drop(transport);
+        let outcome = match (negotiated, tls_failure) {
+            (Ok(Outcome::Transmission(negotiated)), _) => Outcome::Transmission(negotiated),
+            (_, Some(failure)) => return Err(failure),
+            (Ok(outcome), None) => outcome,
+            (Err(_), None) if Instant::now() >= deadline => {
+                return Err(Error::io(
+                    format!(
+                        "handshake not finished within {} s",
+                        self.config.handshake_timeout.as_secs_f64()
+                    ),
+                    std::io::ErrorKind::TimedOut.into(),
+                ))
+            }
+            (Err(error), None) => return Err(error),
+        };
         match outcome {
             Outcome::Closed => Ok(None),
             Outcome::Transmission(negotiated) => {
