@@ -506,7 +506,7 @@ impl Shared {
             move |result: Result<()>| {
                 shared.emit(Event::Disconnected {
                     connection: id,
-                    error: result.err().map(|error| error.to_string()),
+                    error: result.err().map(|error| error.report().to_string()),
                 });
                 drop(guard);
             }

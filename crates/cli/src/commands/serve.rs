@@ -46,10 +46,12 @@ use nbd::ExportRegistry;
 
 mod shutdown;
 mod tcp;
+mod tls;
 
 use shutdown::*;
 pub use tcp::parse_tcp_address;
 use tcp::*;
+use tls::TlsArgs;
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -98,10 +100,14 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    // Certificates are checked before the pool is touched: a bad file stops start-up.
+    let tls = args.tls.load()?;
     let dir = args.pool.resolve();
     if !Pool::exists(&dir.path) {
         if !dir.is_default {
@@ -144,7 +150,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     // Checked before anything is bound: a refused address is never opened.
     let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    // TLS required with client certificates authenticates every client: any address is fine.
     let tcp_exposure = tcp
+        .filter(|_| !args.tls.authenticates_clients())
         .map(|address| tcp_exposure(address, args.insecure))
         .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
@@ -163,6 +171,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
+        tls,
         ..nbd::Config::default()
     };
     if !args.quiet {
@@ -202,8 +211,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
         eprintln!(
             "thinpool: warning: {}",
-            exposure.warning(bound, tcp_exports.as_deref())
+            exposure.warning(bound, tcp_exports.as_deref(), args.tls.posture())
         );
+    }
+    if let Some(line) = args.tls.banner_line() {
+        eprintln!("thinpool: {line}");
     }
     print_banner(
         &dir,
