@@ -2,6 +2,8 @@
 //! bytes are fixed in advance, the server's replies are parsed back, and "TLS" is a marker
 //! of where in the server's output the switch happened (no encryption: what is tested here
 //! is which option gets which answer before and after it, not rustls).
+// NBD is big-endian on the wire.
+#![allow(clippy::big_endian_bytes)]
 
 use std::io::{self, Cursor, Read, Write};
 use std::sync::atomic::AtomicBool;
