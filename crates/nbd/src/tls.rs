@@ -16,7 +16,7 @@
 //! connection never meets the pump, so its path does not change at all.
 //!
 //! The pump polls both sockets (both non-blocking on its side) and never buffers more than
-//! [`CHUNK_BYTES`] of plaintext in each direction on top of the socket buffers, so a client
+//! 64 KiB of plaintext in each direction on top of the socket buffers, so a client
 //! that stops reading still blocks the session's reply writes (their timeout) and the
 //! session's request reading, as without TLS. It ends when the session closes its end (after
 //! sending close_notify and what was queued), when the client's TLS stream ends (the session
