@@ -41,7 +41,7 @@ use crate::handshake::{self, Outcome};
 use crate::session::{self, Budget, Limits};
 use crate::stream::{Deadline, Stream};
 use crate::sync;
-use crate::tls::{PumpSettings, ServerTransport, Tls};
+use crate::tls::{PumpSettings, ServerTransport, Tls, TlsFailure};
 
 /// Something that happened to a connection, for the embedding binary's logs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -506,17 +506,22 @@ impl Shared {
             move |result: Result<()>| {
                 shared.emit(Event::Disconnected {
                     connection: id,
-                    error: result.err().map(|error| error.report().to_string()),
+                    error: result.err().map(|error| error.to_string()),
                 });
                 drop(guard);
             }
         };
         match self.negotiate(id, stream, keep_alive) {
-            Ok(Some((negotiated, reader))) => {
+            Ok(Some((negotiated, reader, tls_failure))) => {
                 self.emit(Event::Serving {
                     connection: id,
                     export: negotiated.requested_name.clone(),
                 });
+                // A TLS failure (a bad record, say) is why the session's socket ended.
+                let end = move |result: Result<()>| {
+                    let failure = sync::lock(&tls_failure).take();
+                    end(failure.map_or(result, Err))
+                };
                 let writer = match reader.try_clone() {
                     Ok(writer) => writer,
                     Err(error) => return end(Err(Error::io("clone connection", error))),
@@ -545,7 +550,7 @@ impl Shared {
         id: u64,
         mut stream: Stream,
         keep_alive: Arc<ConnectionGuard>,
-    ) -> Result<Option<(handshake::Negotiated, Stream)>> {
+    ) -> Result<Option<(handshake::Negotiated, Stream, TlsFailure)>> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Ok(None);
         }
@@ -565,7 +570,8 @@ impl Shared {
             &self.shutting_down,
             self.config.tls.as_ref(),
         );
-        let tls_failure = transport.take_failure();
+        let failure_slot = transport.failure_slot();
+        let tls_failure = sync::lock(&failure_slot).take();
         drop(transport);
         let outcome = match (negotiated, tls_failure) {
             (Ok(Outcome::Transmission(negotiated)), _) => Outcome::Transmission(negotiated),
@@ -588,7 +594,7 @@ impl Shared {
                 stream
                     .set_write_timeout(Some(self.config.write_timeout))
                     .map_err(|e| Error::io("set write timeout", e))?;
-                Ok(Some((negotiated, stream)))
+                Ok(Some((negotiated, stream, failure_slot)))
             }
         }
     }

@@ -176,6 +176,10 @@ pub(crate) trait Transport: Read + Write {
     fn start_tls(&mut self, config: &Arc<ServerConfig>) -> Result<()>;
 }
 
+/// Why a connection's pump ended, if it failed: set before the pump closes its end of the
+/// socketpair, so whoever reads that end's EOF finds it.
+pub(crate) type TlsFailure = Arc<Mutex<Option<Error>>>;
+
 /// How the server runs a pump thread.
 pub(crate) struct PumpSettings {
     pub(crate) stack_bytes: usize,
@@ -192,8 +196,7 @@ pub(crate) struct PumpSettings {
 pub(crate) struct ServerTransport<'a> {
     deadline: Deadline<'a>,
     settings: PumpSettings,
-    /// Why the pump ended, if it failed; set before it closes its end of the socketpair.
-    failure: Arc<Mutex<Option<Error>>>,
+    failure: TlsFailure,
 }
 
 impl<'a> ServerTransport<'a> {
@@ -205,9 +208,9 @@ impl<'a> ServerTransport<'a> {
         }
     }
 
-    /// The pump's error, if TLS was started and the pump has failed.
-    pub(crate) fn take_failure(&self) -> Option<Error> {
-        crate::sync::lock(&self.failure).take()
+    /// Where the pump, if TLS is started, leaves its error.
+    pub(crate) fn failure_slot(&self) -> TlsFailure {
+        Arc::clone(&self.failure)
     }
 }
 
@@ -273,6 +276,15 @@ struct Pump {
     stall_timeout: Duration,
 }
 
+/// A failure of the pump, its cause in the message (connection events show only the
+/// message): "TLS session: peer sent no certificates".
+fn failed(stage: &str, cause: impl fmt::Display) -> Error {
+    Error::Tls {
+        context: format!("TLS {stage}: {cause}"),
+        source: None,
+    }
+}
+
 fn would_block(error: &io::Error) -> bool {
     matches!(
         error.kind(),
@@ -284,8 +296,9 @@ impl Pump {
     /// Moves bytes until either side is done; see the module docs.
     fn run(&mut self) -> Result<()> {
         self.tls.set_buffer_limit(None);
-        // Client plaintext waiting for the session: `to_local[sent..]`.
-        let mut to_local: Vec<u8> = Vec::with_capacity(CHUNK_BYTES);
+        // Client plaintext waiting for the session: `to_local[sent..filled]`.
+        let mut to_local = vec![0u8; CHUNK_BYTES];
+        let mut filled = 0;
         let mut sent = 0;
         let mut from_local = vec![0u8; CHUNK_BYTES];
         // read_tls saw the end of the raw stream (or close_notify).
@@ -304,37 +317,33 @@ impl Pump {
                 match self.tls.write_tls(&mut self.raw) {
                     Ok(_) => {}
                     Err(error) if would_block(&error) => break,
-                    Err(error) => return Err(Error::io("send TLS records", error)),
+                    Err(error) => return Err(failed("send", error)),
                 }
             }
             // Client plaintext to the session.
-            while !client_done || sent < to_local.len() {
-                if sent == to_local.len() {
-                    to_local.resize(CHUNK_BYTES, 0);
+            while !client_done || sent < filled {
+                if sent == filled {
                     sent = 0;
+                    filled = 0;
                     match self.tls.reader().read(&mut to_local) {
-                        Ok(0) => {
-                            to_local.clear();
-                            client_done = true;
-                        }
-                        Ok(count) => to_local.truncate(count),
+                        Ok(0) => client_done = true,
+                        Ok(count) => filled = count,
                         Err(error) => {
-                            to_local.clear();
                             match error.kind() {
                                 io::ErrorKind::WouldBlock => break,
                                 // Closed without close_notify: most clients just hang up.
                                 io::ErrorKind::UnexpectedEof => client_done = true,
-                                _ => return Err(Error::io("read TLS plaintext", error)),
+                                _ => return Err(failed("read", error)),
                             }
                         }
                     }
                     continue;
                 }
-                match self.local.write(&to_local[sent..]) {
+                match self.local.write(&to_local[sent..filled]) {
                     Ok(0) => {
-                        return Err(Error::io(
+                        return Err(failed(
                             "pass plaintext on",
-                            io::ErrorKind::WriteZero.into(),
+                            io::Error::from(io::ErrorKind::WriteZero),
                         ))
                     }
                     Ok(count) => sent += count,
@@ -343,7 +352,7 @@ impl Pump {
                     Err(_) => return Ok(()),
                 }
             }
-            if client_done && sent == to_local.len() && !local_shut {
+            if client_done && sent == filled && !local_shut {
                 let _ = self.local.shutdown(Shutdown::Write);
                 local_shut = true;
             }
@@ -361,11 +370,11 @@ impl Pump {
                         self.tls
                             .writer()
                             .write_all(&from_local[..count])
-                            .map_err(|error| Error::io("encrypt a reply", error))?;
+                            .map_err(|error| failed("encrypt", error))?;
                         continue;
                     }
                     Err(error) if would_block(&error) => {}
-                    Err(error) => return Err(Error::io("read the session's replies", error)),
+                    Err(error) => return Err(failed("read the replies", error)),
                 }
             }
             if session_done && !self.tls.wants_write() {
@@ -380,7 +389,7 @@ impl Pump {
                 raw_events |= PollFlags::OUT;
             }
             let mut local_events = PollFlags::empty();
-            if sent < to_local.len() {
+            if sent < filled {
                 local_events |= PollFlags::OUT;
             }
             if !session_done && !self.tls.wants_write() {
@@ -403,17 +412,17 @@ impl Pump {
             let ready = match rustix::event::poll(watched, Some(&timeout)) {
                 Ok(ready) => ready,
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(errno) => return Err(Error::io("poll the TLS sockets", errno.into())),
+                Err(errno) => return Err(failed("poll", errno)),
             };
             let hung_up = PollFlags::HUP | PollFlags::ERR;
             let raw_ready = watch_raw && !fds[0].revents().is_empty();
             raw_hung_up |= watch_raw && fds[0].revents().intersects(hung_up);
             local_hung_up |= watch_local && fds[1].revents().intersects(hung_up);
             if ready == 0 {
-                if self.tls.wants_write() || sent < to_local.len() {
-                    return Err(Error::io(
-                        format!("no TLS progress for {} s", self.stall_timeout.as_secs_f64()),
-                        io::ErrorKind::TimedOut.into(),
+                if self.tls.wants_write() || sent < filled {
+                    return Err(failed(
+                        "stalled",
+                        format!("nothing moved for {} s", self.stall_timeout.as_secs_f64()),
                     ));
                 }
                 continue;
@@ -425,11 +434,11 @@ impl Pump {
                         if let Err(error) = self.tls.process_new_packets() {
                             // Best effort: the alert rustls queued tells the client why.
                             let _ = self.tls.write_tls(&mut self.raw);
-                            return Err(tls_error("TLS", error));
+                            return Err(failed("session", error));
                         }
                     }
                     Err(error) if would_block(&error) => {}
-                    Err(error) => return Err(Error::io("receive TLS records", error)),
+                    Err(error) => return Err(failed("receive", error)),
                 }
             }
         }
