@@ -469,4 +469,23 @@ fn bad_certificate_directories_stop_start_up() {
         no_ca.to_str().unwrap(),
     ]);
     assert!(error.contains("ca-cert.pem"), "{error}");
+
+    // TLS without client certificates still lets every client in: a non-loopback address
+    // needs --insecure (refused before anything is bound).
+    let error = serve_err(&[
+        "--tcp",
+        "0.0.0.0:0",
+        "--tls=require",
+        "--tls-certificates",
+        server,
+    ]);
+    assert!(error.contains("--tls-verify-peer"), "{error}");
+
+    let help = thinpool_ok(&["serve", "--help"]);
+    assert!(
+        help.contains("--tls=require")
+            && help.contains("nbds://")
+            && help.contains("tls-creds-x509"),
+        "no TLS example in serve --help:\n{help}"
+    );
 }
