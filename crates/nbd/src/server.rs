@@ -20,6 +20,8 @@
 //! stops reading its own requests; others go on. A Unix socket is created with mode 0600
 //! (set right after bind; put it in a private directory if that short window matters) and
 //! removed at shutdown.
+//! With `Config::tls`, STARTTLS hands a connection's socket to a TLS pump thread (see
+//! [`crate::tls`]), which holds the connection's table entry until its last record is out.
 //! Shutdown stops the accept loops, shuts the read half of every connection (clients see
 //! in-flight requests answered, then EOF), waits for the connection threads, and after a
 //! grace period shuts the sockets completely.
