@@ -2,10 +2,13 @@
 //! requests with megabyte payloads go both ways through the TLS pump, and the server's limits
 //! hold over TLS: a client that stalls the TLS handshake is closed at the handshake deadline,
 //! an idle TLS connection is closed at the idle timeout (with close_notify), and shutdown
-//! ends TLS connections; none of them outlives its slot in the connection table.
+//! ends TLS connections; none of them outlives its slot in the connection table. Under
+//! verify-peer, a client certificate another CA signed is refused (rustls presents it
+//! whatever CA names the server hints, unlike gnutls, so this is where that case is tested).
 //!
 //! Method: a server in this process with a memory export and certificates made by `openssl`
-//! (a CA and a server certificate for 127.0.0.1); a client written here from the protocol
+//! (a CA, a server certificate for 127.0.0.1, client certificates from the CA and from
+//! another CA); a client written here from the protocol
 //! notes (simple replies, NBD_OPT_GO) that speaks through a rustls client session after
 //! STARTTLS, in one thread (write every request, then read every reply).
 //!
@@ -20,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use nbd::{Config, Event, ExportMap, MemoryExport, Server, Tls, TlsMode};
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
 use testkit::{require_tool, run_ok, ScratchDir};
 
@@ -38,84 +41,103 @@ const MIB: usize = 1 << 20;
 /// Longest wait for anything a test expects; far above what the server needs.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-/// A CA and a server certificate for 127.0.0.1 in `dir`, nbdkit's layout.
-fn make_certificates(dir: &Path) {
-    require_tool("openssl", "openssl");
-    let path = |name: &str| dir.join(name).to_str().unwrap().to_string();
-    let timeout = Duration::from_secs(60);
-    run_ok(
-        "openssl",
-        &[
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=nbd test CA",
-            "-addext",
-            "basicConstraints=critical,CA:TRUE",
-            "-addext",
-            "keyUsage=critical,keyCertSign",
-            "-keyout",
-            &path("ca-key.pem"),
-            "-out",
-            &path("ca-cert.pem"),
-        ],
-        timeout,
-    );
-    run_ok(
-        "openssl",
-        &[
-            "req",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            &path("server-key.pem"),
-            "-out",
-            &path("server.csr"),
-        ],
-        timeout,
-    );
+fn openssl(args: &[&str]) {
+    run_ok("openssl", args, Duration::from_secs(60));
+}
+
+/// A self-signed CA: `{prefix}-cert.pem` and `{prefix}-key.pem` in `dir`.
+fn make_ca(dir: &Path, prefix: &str, name: &str) {
+    let path = |suffix: &str| dir.join(format!("{prefix}-{suffix}.pem"));
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        &format!("/CN={name}"),
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign",
+        "-keyout",
+        path("key").to_str().unwrap(),
+        "-out",
+        path("cert").to_str().unwrap(),
+    ]);
+}
+
+/// `{prefix}-cert.pem` and `{prefix}-key.pem` in `dir`, signed by the CA `{ca}-*.pem`.
+fn make_leaf(dir: &Path, ca: &str, prefix: &str, name: &str, extensions: &str) {
+    let path = |name: String| dir.join(name).to_str().unwrap().to_string();
+    openssl(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-subj",
+        &format!("/CN={name}"),
+        "-keyout",
+        &path(format!("{prefix}-key.pem")),
+        "-out",
+        &path(format!("{prefix}.csr")),
+    ]);
     std::fs::write(
-        dir.join("server.ext"),
-        "basicConstraints=CA:FALSE\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1\n",
+        path(format!("{prefix}.ext")),
+        format!("basicConstraints=CA:FALSE\n{extensions}\n"),
     )
     .unwrap();
-    run_ok(
-        "openssl",
-        &[
-            "x509",
-            "-req",
-            "-days",
-            "2",
-            "-in",
-            &path("server.csr"),
-            "-CA",
-            &path("ca-cert.pem"),
-            "-CAkey",
-            &path("ca-key.pem"),
-            "-CAcreateserial",
-            "-extfile",
-            &path("server.ext"),
-            "-out",
-            &path("server-cert.pem"),
-        ],
-        timeout,
+    openssl(&[
+        "x509",
+        "-req",
+        "-days",
+        "2",
+        "-in",
+        &path(format!("{prefix}.csr")),
+        "-CA",
+        &path(format!("{ca}-cert.pem")),
+        "-CAkey",
+        &path(format!("{ca}-key.pem")),
+        "-CAcreateserial",
+        "-extfile",
+        &path(format!("{prefix}.ext")),
+        "-out",
+        &path(format!("{prefix}-cert.pem")),
+    ]);
+}
+
+/// In `dir`, nbdkit's layout: the CA (`ca-*.pem`) and a server certificate for 127.0.0.1;
+/// besides, a client certificate the CA signed (`client-*.pem`) and one another CA signed
+/// (`intruder-*.pem`).
+fn make_certificates(dir: &Path) {
+    require_tool("openssl", "openssl");
+    make_ca(dir, "ca", "nbd test CA");
+    make_ca(dir, "other-ca", "another CA");
+    make_leaf(
+        dir,
+        "ca",
+        "server",
+        "127.0.0.1",
+        "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1",
+    );
+    make_leaf(dir, "ca", "client", "client", "extendedKeyUsage=clientAuth");
+    make_leaf(
+        dir,
+        "other-ca",
+        "intruder",
+        "intruder",
+        "extendedKeyUsage=clientAuth",
     );
 }
 
 struct Fixture {
-    _dir: ScratchDir,
+    dir: ScratchDir,
     server: Server,
     address: SocketAddr,
     client_config: Arc<ClientConfig>,
@@ -123,9 +145,13 @@ struct Fixture {
 }
 
 fn start(tag: &str, config: Config) -> Fixture {
+    start_with(tag, config, false)
+}
+
+fn start_with(tag: &str, config: Config, verify_peer: bool) -> Fixture {
     let dir = ScratchDir::new(tag);
     make_certificates(dir.path());
-    let tls = Tls::from_directory(dir.path(), TlsMode::Require, false).unwrap();
+    let tls = Tls::from_directory(dir.path(), TlsMode::Require, verify_peer).unwrap();
     let events = Arc::new(Mutex::new(Vec::new()));
     let sink = Arc::clone(&events);
     let config = Config {
@@ -139,23 +165,46 @@ fn start(tag: &str, config: Config) -> Fixture {
     exports.insert(Arc::new(MemoryExport::new("disk", 64 << 20)));
     let mut server = Server::new(exports, config);
     let address = server.listen_tcp("127.0.0.1:0").unwrap();
-    let mut roots = RootCertStore::empty();
-    for certificate in CertificateDer::pem_file_iter(dir.path().join("ca-cert.pem")).unwrap() {
-        roots.add(certificate.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let client_config = ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    let client_config = client_builder(roots(dir.path())).with_no_client_auth();
     Fixture {
-        _dir: dir,
+        dir,
         server,
         address,
         client_config: Arc::new(client_config),
         events,
     }
+}
+
+fn client_builder(
+    roots: RootCertStore,
+) -> rustls::ConfigBuilder<ClientConfig, rustls::client::WantsClientCert> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+}
+
+fn roots(dir: &Path) -> RootCertStore {
+    let mut roots = RootCertStore::empty();
+    for certificate in CertificateDer::pem_file_iter(dir.join("ca-cert.pem")).unwrap() {
+        roots.add(certificate.unwrap()).unwrap();
+    }
+    roots
+}
+
+/// A client configuration that presents `{prefix}-cert.pem` from `dir`.
+fn client_with_certificate(dir: &Path, prefix: &str) -> Arc<ClientConfig> {
+    let chain = CertificateDer::pem_file_iter(dir.join(format!("{prefix}-cert.pem")))
+        .unwrap()
+        .map(Result::unwrap)
+        .collect();
+    let key = PrivateKeyDer::from_pem_file(dir.join(format!("{prefix}-key.pem"))).unwrap();
+    Arc::new(
+        client_builder(roots(dir))
+            .with_client_auth_cert(chain, key)
+            .unwrap(),
+    )
 }
 
 fn option(stream: &mut impl Write, code: u32, data: &[u8]) {
@@ -168,8 +217,12 @@ fn option(stream: &mut impl Write, code: u32, data: &[u8]) {
 
 /// Reads one option reply; returns its type.
 fn option_reply(stream: &mut impl Read, code: u32) -> u32 {
+    try_option_reply(stream, code).unwrap()
+}
+
+fn try_option_reply(stream: &mut impl Read, code: u32) -> std::io::Result<u32> {
     let mut header = [0u8; 20];
-    stream.read_exact(&mut header).unwrap();
+    stream.read_exact(&mut header)?;
     assert_eq!(
         u64::from_be_bytes(header[0..8].try_into().unwrap()),
         OPTION_REPLY_MAGIC
@@ -177,8 +230,8 @@ fn option_reply(stream: &mut impl Read, code: u32) -> u32 {
     assert_eq!(u32::from_be_bytes(header[8..12].try_into().unwrap()), code);
     let length = u32::from_be_bytes(header[16..20].try_into().unwrap());
     let mut data = vec![0u8; length as usize];
-    stream.read_exact(&mut data).unwrap();
-    u32::from_be_bytes(header[12..16].try_into().unwrap())
+    stream.read_exact(&mut data)?;
+    Ok(u32::from_be_bytes(header[12..16].try_into().unwrap()))
 }
 
 /// Greeting, client flags, STARTTLS and its ACK in plaintext; the rest is up to the caller.
@@ -197,22 +250,31 @@ type TlsStream = StreamOwned<ClientConnection, TcpStream>;
 
 /// A TLS client that has entered transmission on export `disk` (simple replies).
 fn open_tls(fixture: &Fixture) -> TlsStream {
-    let stream = connect_and_starttls(fixture.address);
+    try_open_tls(fixture.address, &fixture.client_config).unwrap()
+}
+
+/// STARTTLS with `config`, then GO; an error if the TLS handshake fails.
+fn try_open_tls(address: SocketAddr, config: &Arc<ClientConfig>) -> std::io::Result<TlsStream> {
+    let stream = connect_and_starttls(address);
     let name = ServerName::try_from("127.0.0.1").unwrap();
-    let connection = ClientConnection::new(Arc::clone(&fixture.client_config), name).unwrap();
+    let connection = ClientConnection::new(Arc::clone(config), name).unwrap();
     let mut tls = StreamOwned::new(connection, stream);
+    // Drive the handshake to its end (TLS 1.3 clients learn of a refused certificate only
+    // from the server's next record).
+    tls.flush()?;
     let mut go = 4u32.to_be_bytes().to_vec();
     go.extend_from_slice(b"disk");
     go.extend_from_slice(&0u16.to_be_bytes());
     option(&mut tls, OPT_GO, &go);
+    tls.flush()?;
     loop {
-        match option_reply(&mut tls, OPT_GO) {
+        match try_option_reply(&mut tls, OPT_GO)? {
             REP_INFO => continue,
             REP_ACK => break,
             other => panic!("GO answered {other:#x}"),
         }
     }
-    tls
+    Ok(tls)
 }
 
 fn request(stream: &mut impl Write, command: u16, cookie: u64, offset: u64, length: usize) {
@@ -365,4 +427,41 @@ fn idle_tls_connections_are_closed_and_shutdown_ends_the_rest() {
     fixture.server.shutdown();
     assert!(started.elapsed() < PATIENCE);
     assert!(reads_end(&mut busy), "shutdown left a TLS connection open");
+}
+
+#[test]
+fn verify_peer_accepts_only_certificates_the_ca_signed() {
+    let fixture = start_with("nbd-starttls-verify", Config::default(), true);
+    let dir = fixture.dir.path().to_path_buf();
+    // Signed by another CA: presented, and refused in the TLS handshake.
+    let intruder = client_with_certificate(&dir, "intruder");
+    assert!(try_open_tls(fixture.address, &intruder).is_err());
+    // No certificate at all.
+    assert!(try_open_tls(fixture.address, &fixture.client_config).is_err());
+    // Signed by the CA: served.
+    let client = client_with_certificate(&dir, "client");
+    let mut tls = try_open_tls(fixture.address, &client).unwrap();
+    request(&mut tls, CMD_READ, 1, 0, 512);
+    assert_eq!(simple_reply(&mut tls), 1);
+    let mut data = [0u8; 512];
+    tls.read_exact(&mut data).unwrap();
+    drop(tls);
+    wait_for_no_connections(&fixture.server);
+    let events = fixture.events.lock().unwrap().clone();
+    let refusals: Vec<&String> = events
+        .iter()
+        .filter_map(|event| match event {
+            Event::Disconnected {
+                error: Some(error), ..
+            } if error.starts_with("TLS session") => Some(error),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refusals.len(), 2, "{events:?}");
+    assert!(
+        refusals[0].contains("certificate"),
+        "the refusal does not say why: {}",
+        refusals[0]
+    );
+    fixture.server.shutdown();
 }
