@@ -352,6 +352,10 @@ fn on_lets_plaintext_and_tls_clients_in() {
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "256M"]);
     create_volume(&pool, "vol", "8M");
+    // A private key others can read is served, with a warning.
+    use std::os::unix::fs::PermissionsExt;
+    let key = certificates.server.join("server-key.pem");
+    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
     let served = serve(
         &pool,
         &[
@@ -394,6 +398,10 @@ fn on_lets_plaintext_and_tls_clients_in() {
     assert!(
         stderr.contains("does not require TLS"),
         "no warning for optional TLS on TCP:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("server-key.pem has mode 644"),
+        "no warning for a readable key:\n{stderr}"
     );
     assert!(served.stop().success());
 }

@@ -7,7 +7,8 @@
 //! bound, so a missing, unreadable or mismatched file stops `serve` at start-up with the
 //! file's name. X.509 only: rustls has no TLS-PSK.
 
-use std::path::PathBuf;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 
@@ -73,6 +74,7 @@ impl TlsArgs {
         let tls = nbd::Tls::from_directory(directory, mode, self.tls_verify_peer)
             .map_err(|error| anyhow::anyhow!("{}", error.report()))
             .with_context(|| format!("cannot set up TLS from {}", directory.display()))?;
+        warn_if_key_is_shared(&directory.join(nbd::tls::SERVER_KEY_FILE));
         Ok(Some(tls))
     }
 
@@ -115,5 +117,20 @@ impl TlsArgs {
             TlsSetting::On => "on",
             TlsSetting::Require => "require",
         }
+    }
+}
+
+/// Warns (nbdkit and qemu do not) when users other than its owner can read or change the
+/// server's private key: whoever reads it can pose as this server.
+fn warn_if_key_is_shared(key: &Path) {
+    let Ok(metadata) = std::fs::metadata(key) else {
+        return;
+    };
+    let mode = metadata.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        eprintln!(
+            "thinpool: warning: {} has mode {mode:03o}: other users can read or change the server's private key (chmod 600 it)",
+            key.display()
+        );
     }
 }
