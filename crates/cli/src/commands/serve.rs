@@ -12,6 +12,9 @@
 //! warning says so at start); a non-loopback address is refused before binding unless
 //! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
 //! are separate NBD servers, each with its own connection limits).
+//! TLS (`--tls`, module `tls`) covers both sockets; with `--tls=require --tls-verify-peer`
+//! only clients holding a certificate the configured CA signed get in, and TCP may then bind
+//! any address without `--insecure`.
 //!
 //! Before the pool opens read-write its metadata is checked (thin_check's rules, as LVM runs
 //! thin_check before activation): metadata that fails is not served, and the error lists
