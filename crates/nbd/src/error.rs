@@ -2,7 +2,8 @@
 //!
 //! [`Error`] covers four sources: the socket ([`Error::Io`]), a peer that breaks the
 //! protocol ([`Error::Protocol`], [`Error::TooLong`], [`Error::BadMagic`]), an export that
-//! refuses or fails an operation ([`Error::Export`]) and the server's own bugs
+//! refuses or fails an operation ([`Error::Export`]), TLS set-up and sessions ([`Error::Tls`])
+//! and the server's own bugs
 //! ([`Error::Internal`]). Every error has an [`ErrorKind`], an
 //! errno-like classification, and [`nbd_error_code`] is the only function that maps a kind to
 //! the error value sent on the wire. Invariant: no other code in the crate chooses an NBD error
@@ -86,6 +87,15 @@ pub enum Error {
         /// Which rule, with the offending values.
         detail: String,
     },
+    /// TLS could not be set up (certificates, keys), or a TLS session failed.
+    #[error("{context}")]
+    Tls {
+        /// What failed: the file, or the stage of the session.
+        context: String,
+        /// The underlying error, if any.
+        #[source]
+        source: Option<Box<dyn std::error::Error + Send + Sync>>,
+    },
     /// A broken invariant in the server itself (a bug), e.g. a serving thread that panicked.
     #[error("internal error: {0}")]
     Internal(String),
@@ -155,7 +165,7 @@ impl Error {
             Error::Export { kind, .. } => *kind,
             Error::Protocol { .. } | Error::BadMagic { .. } => ErrorKind::InvalidArgument,
             Error::TooLong { .. } => ErrorKind::Overflow,
-            Error::Internal(_) => ErrorKind::Io,
+            Error::Internal(_) | Error::Tls { .. } => ErrorKind::Io,
         }
     }
 

@@ -7,11 +7,16 @@
 //! connection closes); malformed option data gets `ERR_INVALID` and the loop goes on; unknown
 //! options get `ERR_UNSUP`; at most [`OPTIONS_MAX`] options are answered per connection. The
 //! transmission flags sent for INFO and GO are computed by one function from the export and
-//! the negotiated state, so INFO and GO agree. Client-supplied strings reach error messages
+//! the negotiated state, so INFO and GO agree.
+//!
+//! STARTTLS (when the server has [`Tls`]): ACK, then the transport switches to TLS and every
+//! negotiated state is forgotten (structured replies, extended headers, metadata contexts);
+//! a second STARTTLS gets `ERR_INVALID`; there is no way back to plaintext. Under
+//! [`TlsMode::Require`], before TLS every option but STARTTLS and ABORT gets `ERR_TLS_REQD`,
+//! and EXPORT_NAME (which cannot carry an error) closes the connection. Client-supplied strings reach error messages
 //! (and so the server's logs) only through [`quoted`]: escaped and at most
 //! [`QUOTED_CHARS_MAX`] characters, so one connection cannot write kilobytes into a log line.
 
-use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -23,6 +28,7 @@ use crate::protocol::{
     OPTION_DATA_LENGTH_MAX, OPTION_HEADER_SIZE, PAYLOAD_LENGTH_MAX,
 };
 use crate::stream::read_exact_or_eof;
+use crate::tls::{Tls, TlsMode, Transport};
 
 /// Most options answered on one connection before the server hangs up.
 pub const OPTIONS_MAX: u32 = 4096;
@@ -88,6 +94,9 @@ struct Handshake<'a, S> {
     stream: &'a mut S,
     registry: &'a dyn ExportRegistry,
     shutting_down: &'a AtomicBool,
+    tls: Option<&'a Tls>,
+    /// STARTTLS succeeded: everything since goes through TLS.
+    tls_started: bool,
     fixed_newstyle: bool,
     no_zeroes: bool,
     structured: bool,
@@ -104,10 +113,11 @@ struct Handshake<'a, S> {
 const UNKNOWN_EXPORTS_LOGGED_MAX: u32 = 4;
 
 /// Runs the handshake on `stream` until transmission starts or the client leaves.
-pub(crate) fn negotiate<S: Read + Write>(
+pub(crate) fn negotiate<S: Transport>(
     stream: &mut S,
     registry: &dyn ExportRegistry,
     shutting_down: &AtomicBool,
+    tls: Option<&Tls>,
 ) -> Result<Outcome> {
     stream
         .write_all(&protocol::encode_greeting())
@@ -121,6 +131,8 @@ pub(crate) fn negotiate<S: Read + Write>(
         stream,
         registry,
         shutting_down,
+        tls,
+        tls_started: false,
         fixed_newstyle: client.fixed_newstyle,
         no_zeroes: client.no_zeroes,
         structured: false,
@@ -132,7 +144,7 @@ pub(crate) fn negotiate<S: Read + Write>(
     handshake.option_loop()
 }
 
-impl<S: Read + Write> Handshake<'_, S> {
+impl<S: Transport> Handshake<'_, S> {
     fn option_loop(&mut self) -> Result<Outcome> {
         for _ in 0..OPTIONS_MAX {
             let mut header = [0u8; OPTION_HEADER_SIZE];
@@ -186,6 +198,21 @@ impl<S: Read + Write> Handshake<'_, S> {
             self.reply(code, reply::ERR_SHUTDOWN, b"server is shutting down")?;
             return Ok(None);
         }
+        let tls_required =
+            !self.tls_started && self.tls.is_some_and(|tls| tls.mode() == TlsMode::Require);
+        if tls_required && code != option::STARTTLS && code != option::ABORT {
+            if code == option::EXPORT_NAME {
+                return Err(Error::protocol(
+                    "NBD_OPT_EXPORT_NAME without TLS, which this server requires",
+                ));
+            }
+            self.reply(
+                code,
+                reply::ERR_TLS_REQD,
+                b"this server requires TLS: send NBD_OPT_STARTTLS first",
+            )?;
+            return Ok(None);
+        }
         match code {
             option::EXPORT_NAME => self.export_name(data).map(Some),
             option::ABORT => {
@@ -227,7 +254,7 @@ impl<S: Read + Write> Handshake<'_, S> {
                 Ok(None)
             }
             option::STARTTLS => {
-                self.reply(code, reply::ERR_UNSUP, b"TLS is not supported")?;
+                self.start_tls(data)?;
                 Ok(None)
             }
             _ => {
@@ -235,6 +262,27 @@ impl<S: Read + Write> Handshake<'_, S> {
                 Ok(None)
             }
         }
+    }
+
+    fn start_tls(&mut self, data: &[u8]) -> Result<()> {
+        let code = option::STARTTLS;
+        let Some(tls) = self.tls else {
+            return self.reply(code, reply::ERR_UNSUP, b"TLS is not enabled on this server");
+        };
+        if !data.is_empty() {
+            return self.reply(code, reply::ERR_INVALID, b"option takes no data");
+        }
+        if self.tls_started {
+            return self.reply(code, reply::ERR_INVALID, b"TLS is already on");
+        }
+        self.reply(code, reply::ACK, &[])?;
+        self.stream.start_tls(tls.config())?;
+        self.tls_started = true;
+        // Nothing agreed in plaintext carries over into TLS.
+        self.structured = false;
+        self.extended = false;
+        self.meta_selection = None;
+        Ok(())
     }
 
     fn reply(&mut self, option: u32, reply_type: u32, data: &[u8]) -> Result<()> {
@@ -456,6 +504,9 @@ fn preferred_block_size(export: &dyn Export) -> u32 {
         BLOCK_SIZE_PREFERRED
     }
 }
+
+#[cfg(test)]
+mod starttls_tests;
 
 #[cfg(test)]
 mod tests {

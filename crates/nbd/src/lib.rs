@@ -1,7 +1,7 @@
 //! Server side of the NBD (network block device) protocol, serving any [`Export`].
 //!
 //! Layers, from the wire up: [`protocol`] parses and encodes every structure without I/O;
-//! `handshake` runs fixed-newstyle negotiation; `session` runs the transmission phase with
+//! `handshake` runs fixed-newstyle negotiation (with STARTTLS, see [`tls`]); `session` runs the transmission phase with
 //! one to a few threads per connection that each read, serve and answer requests; [`server`]
 //! owns listeners, connection threads and the per-connection, per-peer and server-wide
 //! limits that keep one client from starving the others. The crate never depends on the pool: the binary implements [`Export`]
@@ -28,9 +28,11 @@ pub mod server;
 mod session;
 mod stream;
 pub mod sync;
+pub mod tls;
 
 pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
     Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, ZeroOptions,
 };
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};
+pub use tls::{Tls, TlsMode};

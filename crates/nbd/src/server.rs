@@ -24,6 +24,8 @@
 //! connection's thread runs in a `conn` span with its number and peer, and logs its open, the
 //! export it serves and its close with the requests it read (at warn if the client broke
 //! the protocol); shutdown logs the connections it closed.
+//! With `Config::tls`, STARTTLS hands a connection's socket to a TLS pump thread (see
+//! [`crate::tls`]), which holds the connection's table entry until its last record is out.
 //! Shutdown stops the accept loops, shuts the read half of every connection (clients see
 //! in-flight requests answered, then EOF), waits for the connection threads, and after a
 //! grace period shuts the sockets completely.
@@ -45,6 +47,7 @@ use crate::handshake::{self, Outcome};
 use crate::session::{self, Budget, Limits};
 use crate::stream::{Deadline, Stream};
 use crate::sync;
+use crate::tls::{PumpSettings, ServerTransport, Tls, TlsFailure};
 
 /// Something that happened to a connection, for the embedding binary's logs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,6 +116,8 @@ pub struct Config {
     pub shutdown_grace: Duration,
     /// Optional observer of connection events.
     pub on_event: Option<EventHandler>,
+    /// TLS offered or required through NBD_OPT_STARTTLS; `None` answers it `ERR_UNSUP`.
+    pub tls: Option<Tls>,
 }
 
 impl Default for Config {
@@ -130,6 +135,7 @@ impl Default for Config {
             write_timeout: Duration::from_secs(60),
             shutdown_grace: Duration::from_secs(10),
             on_event: None,
+            tls: None,
         }
     }
 }
@@ -153,6 +159,7 @@ impl fmt::Debug for Config {
             .field("write_timeout", &self.write_timeout)
             .field("shutdown_grace", &self.shutdown_grace)
             .field("on_event", &self.on_event.is_some())
+            .field("tls", &self.tls)
             .finish()
     }
 }
@@ -601,6 +608,9 @@ impl Shared {
     /// Runs the handshake, then the session; the guard (and the Disconnected event) goes
     /// with the connection's last thread.
     fn run_connection(self: &Arc<Self>, id: u64, stream: Stream, guard: ConnectionGuard) {
+        // A TLS pump holds the guard too, until its last record is out.
+        let guard = Arc::new(guard);
+        let keep_alive = Arc::clone(&guard);
         let end = {
             let shared = Arc::clone(self);
             move |result: Result<()>, requests: u64| {
@@ -613,8 +623,8 @@ impl Shared {
                 drop(guard);
             }
         };
-        match self.negotiate(stream) {
-            Ok(Some((negotiated, reader))) => {
+        match self.negotiate(id, stream, keep_alive) {
+            Ok(Some((negotiated, reader, tls_failure))) => {
                 let export = handshake::quoted(&negotiated.requested_name);
                 tracing::info!(export = %export, read_only = negotiated.export.read_only(), "serving export");
                 sync::lock(&self.connections).exports.insert(id, export);
@@ -622,6 +632,11 @@ impl Shared {
                     connection: id,
                     export: negotiated.requested_name.clone(),
                 });
+                // A TLS failure (a bad record, say) is why the session's socket ended.
+                let end = move |result: Result<()>, requests: u64| {
+                    let failure = sync::lock(&tls_failure).take();
+                    end(failure.map_or(result, Err), requests)
+                };
                 let writer = match reader.try_clone() {
                     Ok(writer) => writer,
                     Err(error) => return end(Err(Error::io("clone connection", error)), 0),
@@ -643,33 +658,58 @@ impl Shared {
     }
 
     /// The handshake, within `handshake_timeout` of now; `None` if the client left.
-    fn negotiate(&self, mut stream: Stream) -> Result<Option<(handshake::Negotiated, Stream)>> {
+    /// After STARTTLS, `stream` becomes the session's end of the TLS pump's socketpair, and
+    /// a failure of the pump during the handshake is what the handshake returns.
+    fn negotiate(
+        &self,
+        id: u64,
+        mut stream: Stream,
+        keep_alive: Arc<ConnectionGuard>,
+    ) -> Result<Option<(handshake::Negotiated, Stream, TlsFailure)>> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Ok(None);
         }
         let deadline = Instant::now() + self.config.handshake_timeout;
-        let mut bounded = Deadline::new(&mut stream, deadline, self.config.write_timeout);
-        let outcome =
-            match handshake::negotiate(&mut bounded, self.registry.as_ref(), &self.shutting_down) {
-                Ok(outcome) => outcome,
-                Err(_) if Instant::now() >= deadline => {
-                    return Err(Error::io(
-                        format!(
-                            "handshake not finished within {} s",
-                            self.config.handshake_timeout.as_secs_f64()
-                        ),
-                        std::io::ErrorKind::TimedOut.into(),
-                    ))
-                }
-                Err(error) => return Err(error),
-            };
+        let mut transport = ServerTransport::new(
+            Deadline::new(&mut stream, deadline, self.config.write_timeout),
+            PumpSettings {
+                stack_bytes: self.config.thread_stack_bytes,
+                thread_name: format!("nbd-conn-{id}"),
+                stall_timeout: self.config.write_timeout,
+                keep_alive,
+            },
+        );
+        let negotiated = handshake::negotiate(
+            &mut transport,
+            self.registry.as_ref(),
+            &self.shutting_down,
+            self.config.tls.as_ref(),
+        );
+        let failure_slot = transport.failure_slot();
+        let tls_failure = sync::lock(&failure_slot).take();
+        drop(transport);
+        let outcome = match (negotiated, tls_failure) {
+            (Ok(Outcome::Transmission(negotiated)), _) => Outcome::Transmission(negotiated),
+            (_, Some(failure)) => return Err(failure),
+            (Ok(outcome), None) => outcome,
+            (Err(_), None) if Instant::now() >= deadline => {
+                return Err(Error::io(
+                    format!(
+                        "handshake not finished within {} s",
+                        self.config.handshake_timeout.as_secs_f64()
+                    ),
+                    std::io::ErrorKind::TimedOut.into(),
+                ))
+            }
+            (Err(error), None) => return Err(error),
+        };
         match outcome {
             Outcome::Closed => Ok(None),
             Outcome::Transmission(negotiated) => {
                 stream
                     .set_write_timeout(Some(self.config.write_timeout))
                     .map_err(|e| Error::io("set write timeout", e))?;
-                Ok(Some((negotiated, stream)))
+                Ok(Some((negotiated, stream, failure_slot)))
             }
         }
     }

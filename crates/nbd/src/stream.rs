@@ -7,6 +7,7 @@
 
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
@@ -39,10 +40,26 @@ impl Stream {
         }
     }
 
+    pub(crate) fn set_nonblocking(&self, nonblocking: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(stream) => stream.set_nonblocking(nonblocking),
+            Stream::Tcp(stream) => stream.set_nonblocking(nonblocking),
+        }
+    }
+
     pub(crate) fn set_write_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         match self {
             Stream::Unix(stream) => stream.set_write_timeout(timeout),
             Stream::Tcp(stream) => stream.set_write_timeout(timeout),
+        }
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Unix(stream) => stream.as_fd(),
+            Stream::Tcp(stream) => stream.as_fd(),
         }
     }
 }
@@ -125,6 +142,11 @@ impl<'a> Deadline<'a> {
             deadline,
             write_timeout,
         }
+    }
+
+    /// The stream itself (STARTTLS replaces it with the session's end of the TLS pump).
+    pub(crate) fn stream_mut(&mut self) -> &mut Stream {
+        self.stream
     }
 
     /// Time left, or a timeout error once the deadline has passed.

@@ -12,6 +12,9 @@
 //! warning says so at start); a non-loopback address is refused before binding unless
 //! `--insecure` is given. `--tcp-export NAME` limits what TCP serves (the Unix socket and TCP
 //! are separate NBD servers, each with its own connection limits).
+//! TLS (`--tls`, module `tls`) covers both sockets; with `--tls=require --tls-verify-peer`
+//! only clients holding a certificate the configured CA signed get in, and TCP may then bind
+//! any address without `--insecure`.
 //!
 //! Before the pool opens read-write its metadata is checked (thin_check's rules, as LVM runs
 //! thin_check before activation): metadata that fails is not served, and the error lists
@@ -52,10 +55,12 @@ use nbd::ExportRegistry;
 mod shutdown;
 mod systemd;
 mod tcp;
+mod tls;
 
 use shutdown::*;
 pub use tcp::parse_tcp_address;
 use tcp::*;
+use tls::TlsArgs;
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -130,6 +135,8 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    #[command(flatten)]
+    tls: TlsArgs,
 }
 
 /// Run the command.
@@ -140,6 +147,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(path) = &args.pid_file {
         systemd::PidFile::check(path)?;
     }
+    // Certificates are checked before the pool is touched: a bad file stops start-up.
+    let tls = args.tls.load()?;
     let dir = args.pool.resolve();
     if !Pool::exists(&dir.path) {
         if !dir.is_default || args.read_only {
@@ -195,9 +204,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .map(|listener| listener.local_addr())
         .collect::<std::io::Result<Vec<_>>>()
         .context("cannot read a passed TCP socket's address")?;
-    // Every TCP address is checked; the warning names the widest exposure.
+    // Every TCP address is checked; the warning names the widest exposure. TLS required
+    // with client certificates authenticates every client: any address is fine.
     let mut tcp_exposure = None;
-    for address in tcp.iter().chain(&passed_tcp) {
+    let checked = if args.tls.authenticates_clients() {
+        &[][..]
+    } else {
+        &passed_tcp[..]
+    };
+    for address in tcp
+        .iter()
+        .filter(|_| !args.tls.authenticates_clients())
+        .chain(checked)
+    {
         let exposure = tcp::tcp_exposure(*address, args.insecure)?;
         if tcp_exposure.is_none() || exposure == TcpExposure::Network {
             tcp_exposure = Some(exposure);
@@ -221,6 +240,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
+        tls,
         ..nbd::Config::default()
     };
     // Signals are caught from here on, so a stop request during start-up is not lost.
@@ -282,7 +302,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
-        tracing::warn!("{}", exposure.warning(bound, tcp_exports.as_deref()));
+        tracing::warn!(
+            "{}",
+            exposure.warning(bound, tcp_exports.as_deref(), args.tls.posture())
+        );
+    }
+    if let Some(line) = args.tls.banner_line() {
+        tracing::info!("{line}");
     }
     let pid_file = args
         .pid_file

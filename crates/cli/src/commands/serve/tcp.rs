@@ -1,5 +1,5 @@
 //! Who a TCP listener lets in: the `--tcp` address syntax, the exposure check (a
-//! non-loopback address without TLS needs `--insecure`) and the `--tcp-export` allow-list.
+//! non-loopback address without TLS client certificates needs `--insecure`) and the `--tcp-export` allow-list.
 
 use std::collections::BTreeSet;
 use std::net::{SocketAddr, ToSocketAddrs};
@@ -21,17 +21,23 @@ pub(super) enum TcpExposure {
 
 impl TcpExposure {
     /// The start-up warning; `exports` is the `--tcp-export` list, if any.
-    pub(super) fn warning(self, bound: SocketAddr, exports: Option<&[String]>) -> String {
+    /// `posture` says what TLS does here ("has no TLS and no authentication", ...).
+    pub(super) fn warning(
+        self,
+        bound: SocketAddr,
+        exports: Option<&[String]>,
+        posture: &str,
+    ) -> String {
         let what = match exports {
             Some(names) => format!("the exports {}", names.join(", ")),
             None => "every volume".to_string(),
         };
         match self {
             TcpExposure::LocalUsers => format!(
-                "NBD on TCP {bound} has no TLS and no authentication: every local user can read and write {what} (the Unix socket is private to its owner)"
+                "NBD on TCP {bound} {posture}: every local user can read and write {what} (the Unix socket is private to its owner)"
             ),
             TcpExposure::Network => format!(
-                "NBD on TCP {bound} has no TLS and no authentication (--insecure): every local user and every host that reaches this address can read and write {what}"
+                "NBD on TCP {bound} {posture} (--insecure): every local user and every host that reaches this address can read and write {what}"
             ),
         }
     }
@@ -73,10 +79,10 @@ impl ExportRegistry for AllowList {
     }
 }
 
-/// Decides whether a TCP listener on `address` may be opened, before it is bound. Without TLS
-/// (not implemented yet; `--tls-cert`/`--tls-key` will add a third case here), only loopback
-/// addresses are allowed unless `insecure`; the wildcard addresses (0.0.0.0, ::) are not
-/// loopback.
+/// Decides whether a TCP listener on `address` may be opened, before it is bound, when some
+/// client can get in without a certificate (anything but `--tls=require --tls-verify-peer`,
+/// which skips this check): only loopback addresses are allowed unless `insecure`; the
+/// wildcard addresses (0.0.0.0, ::) are not loopback.
 pub(super) fn tcp_exposure(address: SocketAddr, insecure: bool) -> anyhow::Result<TcpExposure> {
     if address.ip().to_canonical().is_loopback() {
         return Ok(TcpExposure::LocalUsers);
@@ -86,7 +92,7 @@ pub(super) fn tcp_exposure(address: SocketAddr, insecure: bool) -> anyhow::Resul
     }
     bail!(
         "--tcp {address}: refusing to serve every volume without TLS or authentication on a non-loopback address; \
-         use a loopback address (127.0.0.1, ::1), or add --insecure if every host that reaches {} may read and write every volume",
+         use a loopback address (127.0.0.1, ::1), authenticate clients with --tls=require --tls-verify-peer, or add --insecure if every host that reaches {} may read and write every volume",
         address.ip()
     )
 }
