@@ -15,6 +15,8 @@
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
+//!   -> {"op":"reserve_metadata_snap"}                    (answers with the status)
+//!   -> {"op":"release_metadata_snap"}                    (answers with the status)
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
@@ -61,6 +63,7 @@ const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest wait at shutdown for the accept loop and for requests being carried out.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
+mod listing;
 mod protocol;
 mod server;
 mod target;

@@ -70,9 +70,21 @@ impl Target {
                 }
                 Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
             }
-            Request::List => Ok(Outcome::Volumes(
-                pool.list().iter().map(VolumeRecord::from).collect(),
-            )),
+            Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
+            Request::ReserveMetadataSnap => {
+                pool.reserve_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
+            Request::ReleaseMetadataSnap => {
+                pool.release_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
             Request::Status => Ok(Outcome::Status(StatusRecord::new(
                 &pool.status(),
                 &self.options,
