@@ -6,6 +6,7 @@
 //!
 //! - `pool`: the public handle (create, open, close, status, list);
 //! - `manage`: management operations (volumes, growth, transaction id, metadata snapshot);
+//! - `revert`: revert a volume to a snapshot's content, rename a volume;
 //! - `volume`: volume I/O, on the caller's thread;
 //! - `provision`: what volume I/O needs from the pool (reserve, map, unmap a data block);
 //! - `commit`: applying queued ops and committing the metadata;
@@ -33,6 +34,7 @@ mod manage;
 pub mod options;
 pub mod pool;
 mod provision;
+mod revert;
 mod shared;
 pub mod usage;
 pub mod volume;
