@@ -12,6 +12,8 @@
 //!   -> {"op":"delete_volume","name":"vm1"}
 //!   <- {"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
 //!   -> {"op":"resize_volume","name":"vm1","size_bytes":2147483648}
+//!   -> {"op":"revert_volume","name":"vm1","snapshot":"snap","delete_snapshot":false}
+//!   -> {"op":"rename_volume","name":"vm1","new_name":"vm2"}
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})

@@ -33,7 +33,7 @@ enum Command {
     MetadataSize(commands::metadata_size::Args),
     /// Create a pool in a directory.
     Create(commands::create::Args),
-    /// Manage volumes: create, snapshot, delete, resize.
+    /// Manage volumes: create, snapshot, delete, resize, revert, rename.
     #[command(subcommand)]
     Volume(commands::volume::Command),
     /// List volumes.

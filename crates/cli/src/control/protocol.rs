@@ -42,6 +42,23 @@ pub enum Request {
         /// New virtual size.
         size_bytes: u64,
     },
+    /// Give `name` the content and size of `snapshot` (refused while `name` is open).
+    RevertVolume {
+        /// The volume to revert.
+        name: String,
+        /// The volume whose content it takes.
+        snapshot: String,
+        /// Delete `snapshot` in the same transaction.
+        #[serde(default)]
+        delete_snapshot: bool,
+    },
+    /// Rename a volume (refused while it is open).
+    RenameVolume {
+        /// Its name.
+        name: String,
+        /// The new name.
+        new_name: String,
+    },
     /// Grow the data device.
     GrowData {
         /// New data size.
