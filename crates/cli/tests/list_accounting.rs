@@ -105,20 +105,28 @@ fn list_space_matches_thin_ls_served_and_closed() {
     let listed = from_list(p);
     // The model: base maps 40 (10 its own), snap1 45 (10 its own), snap2 37 (none its own);
     // alone 3 of its own.
-    let ids: BTreeMap<String, u64> = serde_json::from_str::<serde_json::Value>(&thinpool_ok(&[
-        "list", "--json", "--pool", p,
-    ]))
-    .unwrap()["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| (v["name"].as_str().unwrap().to_string(), v["id"].as_u64().unwrap()))
-        .collect();
+    let ids: BTreeMap<String, u64> =
+        serde_json::from_str::<serde_json::Value>(&thinpool_ok(&["list", "--json", "--pool", p]))
+            .unwrap()["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| {
+                (
+                    v["name"].as_str().unwrap().to_string(),
+                    v["id"].as_u64().unwrap(),
+                )
+            })
+            .collect();
     let expect = |name: &str, mapped: u64, exclusive: u64| {
         let figures = listed[&ids[name]];
         assert_eq!(
             figures,
-            (mapped * BLOCK, exclusive * BLOCK, (mapped - exclusive) * BLOCK),
+            (
+                mapped * BLOCK,
+                exclusive * BLOCK,
+                (mapped - exclusive) * BLOCK
+            ),
             "{name}"
         );
     };
@@ -138,7 +146,17 @@ fn list_space_matches_thin_ls_served_and_closed() {
     let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
     assert_eq!(
         header,
-        ["NAME", "ID", "SIZE", "MAPPED%", "MAPPED", "EXCLUSIVE", "SHARED", "ORIGIN", "READ-ONLY"]
+        [
+            "NAME",
+            "ID",
+            "SIZE",
+            "MAPPED%",
+            "MAPPED",
+            "EXCLUSIVE",
+            "SHARED",
+            "ORIGIN",
+            "READ-ONLY"
+        ]
     );
     let row: Vec<&str> = table
         .lines()

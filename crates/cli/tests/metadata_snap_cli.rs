@@ -67,7 +67,10 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
     assert_eq!(snap_origin, Some(base_id));
 
     let reserved = thinpool_ok(&["metadata-snap", "reserve", "--pool", p]);
-    assert!(reserved.contains("reserved metadata snapshot at block"), "{reserved}");
+    assert!(
+        reserved.contains("reserved metadata snapshot at block"),
+        "{reserved}"
+    );
     let status: serde_json::Value =
         serde_json::from_str(&thinpool_ok(&["status", "--json", "--pool", p])).unwrap();
     let block = status["metadata_snap"].as_u64().expect("a held snapshot");
@@ -87,12 +90,19 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
     let live = tools.dump(&metadata, &[]);
     assert_eq!(dumped_mapped_blocks(&live, base_id), 12, "{live}");
 
-    let ls = tools.ls(&metadata, &["-m", "--no-headers", "-o", "DEV,MAPPED_BLOCKS"]);
+    let ls = tools.ls(
+        &metadata,
+        &["-m", "--no-headers", "-o", "DEV,MAPPED_BLOCKS"],
+    );
     ls.assert_success();
     let rows: Vec<Vec<u64>> = ls
         .stdout
         .lines()
-        .map(|line| line.split_whitespace().map(|f| f.parse().unwrap()).collect())
+        .map(|line| {
+            line.split_whitespace()
+                .map(|f| f.parse().unwrap())
+                .collect()
+        })
         .collect();
     assert_eq!(rows, [vec![base_id, 8], vec![snap_id, 8]], "{}", ls.stdout);
 
@@ -101,7 +111,9 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
     let delta = tools.delta(&metadata, &["-m", "--snap1", &snap1, "--snap2", &snap2]);
     delta.assert_success();
     assert!(
-        delta.stdout.contains(r#"<different begin="0" length="2"/>"#)
+        delta
+            .stdout
+            .contains(r#"<different begin="0" length="2"/>"#)
             && delta.stdout.contains(r#"<same begin="2" length="6"/>"#),
         "{}",
         delta.stdout
@@ -113,7 +125,10 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
         serde_json::Value::Null
     );
     let again = thinpool_err(&["metadata-snap", "release", "--pool", p]);
-    assert!(again.contains("cannot release the metadata snapshot"), "{again}");
+    assert!(
+        again.contains("cannot release the metadata snapshot"),
+        "{again}"
+    );
     base.disconnect();
     assert!(served.stop().success());
 

@@ -46,7 +46,15 @@ fn revert_and_rename_served_and_offline() {
     let mut client = Client::open(&served.socket, "vm");
     client.write(0, &original);
     client.flush();
-    thinpool_ok(&["volume", "snapshot", "vm", "good", "--read-only", "--pool", p]);
+    thinpool_ok(&[
+        "volume",
+        "snapshot",
+        "vm",
+        "good",
+        "--read-only",
+        "--pool",
+        p,
+    ]);
     client.write(BLOCK, &pattern(2, 2 * BLOCK as usize));
     client.flush();
 
@@ -85,7 +93,10 @@ fn revert_and_rename_served_and_offline() {
     let mut client = Client::open(&served.socket, "vm-old");
     assert_eq!(client.read(0, 4 * BLOCK), original);
     let refused = thinpool_err(&["volume", "rename", "vm-old", "x", "--pool", p]);
-    assert!(refused.contains("is open") && refused.contains("EBUSY"), "{refused}");
+    assert!(
+        refused.contains("is open") && refused.contains("EBUSY"),
+        "{refused}"
+    );
     client.disconnect();
     let taken = thinpool_err(&["volume", "rename", "vm-old", "good", "--pool", p]);
     assert!(taken.contains("EEXIST"), "{taken}");
@@ -138,7 +149,9 @@ fn revert_and_rename_served_and_offline() {
     );
     let missing = thinpool_err(&["volume", "revert", "vm", "nothing", "--pool", p]);
     assert!(missing.contains("ENOENT"), "{missing}");
-    ThinTools::v1_1().check(&dir.join("metadata")).assert_success();
+    ThinTools::v1_1()
+        .check(&dir.join("metadata"))
+        .assert_success();
 
     for command in ["revert", "rename"] {
         let help = thinpool_ok(&["volume", command, "--help"]);

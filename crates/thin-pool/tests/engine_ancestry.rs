@@ -172,7 +172,10 @@ fn assert_no_cycle(pool: &Pool) {
 
 /// (name, origin) of every volume.
 fn origins(pool: &Pool) -> Vec<(String, Option<String>)> {
-    pool.list().into_iter().map(|v| (v.name, v.origin)).collect()
+    pool.list()
+        .into_iter()
+        .map(|v| (v.name, v.origin))
+        .collect()
 }
 
 fn pair(name: &str, origin: Option<&str>) -> (String, Option<String>) {

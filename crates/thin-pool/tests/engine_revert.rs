@@ -74,7 +74,14 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
     pool.snapshot("vm", "backup", true).unwrap();
     model.insert("backup".into(), model["vm"].clone());
     // Diverge: overwrite part, write new blocks, then grow vm.
-    write(&pool, &mut model, "vm", 3 * BLOCK + 512, 4 * BLOCK as usize, 2);
+    write(
+        &pool,
+        &mut model,
+        "vm",
+        3 * BLOCK + 512,
+        4 * BLOCK as usize,
+        2,
+    );
     write(&pool, &mut model, "vm", 12 * BLOCK, 2 * BLOCK as usize, 3);
     pool.resize_volume("vm", 32 * BLOCK).unwrap();
     model.get_mut("vm").unwrap().resize(32 * BLOCK as usize, 0);
@@ -160,7 +167,11 @@ fn revert_and_rename_are_refused_while_open_and_change_nothing() {
         Err(Error::NameExists(_))
     ));
     assert!(pool.rename_volume("vm", "bad/name").is_err());
-    assert_eq!(pool.status().transaction_id, transaction, "nothing committed");
+    assert_eq!(
+        pool.status().transaction_id,
+        transaction,
+        "nothing committed"
+    );
     assert_model(&pool, &model);
 
     pool.revert_volume("vm", "snap", false).unwrap();

@@ -61,9 +61,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         ),
     };
     let dir = common.pool.resolve();
-    let status = control::ask(&dir, &request)
-        .context(what)?
-        .into_status()?;
+    let status = control::ask(&dir, &request).context(what)?.into_status()?;
     if common.json {
         println!(
             "{}",

@@ -279,7 +279,11 @@ impl Pool {
 
 /// Whether `volume`, looked up before the commit lock was taken, is still the one published
 /// as `name`: a delete (and a create reusing its thin id) may have run in between.
-pub(crate) fn still_published(shared: &Shared, name: &str, volume: &Arc<VolumeState>) -> Result<()> {
+pub(crate) fn still_published(
+    shared: &Shared,
+    name: &str,
+    volume: &Arc<VolumeState>,
+) -> Result<()> {
     match shared.volume_named(name) {
         Ok(now) if Arc::ptr_eq(&now, volume) => Ok(()),
         _ => Err(Error::NoSuchVolume(name.to_string())),

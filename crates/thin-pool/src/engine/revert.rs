@@ -148,8 +148,8 @@ impl Pool {
             entry.name = new.to_string();
             let entry = entry.clone();
             shared.catalog_transaction(&mut meta, taken, catalog, |_| Ok(()))?;
-            let snapshotted_time =
-                Time::new(volume.snapshotted_time.load(Ordering::Acquire)).ok_or_else(|| {
+            let snapshotted_time = Time::new(volume.snapshotted_time.load(Ordering::Acquire))
+                .ok_or_else(|| {
                     Error::Internal("a volume's snapshot time beyond 24 bits".to_string())
                 })?;
             // No handle exists, so nothing changes the index while it is copied.

@@ -75,7 +75,10 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
             .ok()
             .filter(|&id| id <= VolumeId::MAX.get())
             .ok_or_else(|| {
-                persistent_data::Error::corrupt(mapping_root, format!("device id {key} out of range"))
+                persistent_data::Error::corrupt(
+                    mapping_root,
+                    format!("device id {key} out of range"),
+                )
             })?;
         roots.push((VolumeId::new(id), MetadataBlock::new(root)));
         Ok(())
@@ -106,10 +109,9 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
     }
     // Mappings below each node, from the bottom.
     for &i in order.iter().rev() {
-        let below = nodes[i]
-            .children
-            .iter()
-            .fold(0u64, |sum, &child| sum.saturating_add(nodes[child].mappings));
+        let below = nodes[i].children.iter().fold(0u64, |sum, &child| {
+            sum.saturating_add(nodes[child].mappings)
+        });
         nodes[i].mappings = below.saturating_add(nodes[i].data_blocks.len() as u64);
     }
 
@@ -119,7 +121,11 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
         if node.paths == 0 {
             continue;
         }
-        let owner = if node.paths == 1 { node.owner } else { NO_OWNER };
+        let owner = if node.paths == 1 {
+            node.owner
+        } else {
+            NO_OWNER
+        };
         blocks.extend(node.data_blocks.iter().map(|&block| (block, owner)));
     }
     blocks.sort_unstable_by_key(|&(block, _)| block);
@@ -202,9 +208,8 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
         if node.is_leaf() {
             info.data_blocks = (0..node.len())
                 .map(|i| {
-                    let value = u64::from_le_bytes(
-                        node.value_bytes(i).try_into().expect("8-byte values"),
-                    );
+                    let value =
+                        u64::from_le_bytes(node.value_bytes(i).try_into().expect("8-byte values"));
                     BlockTime::unpack(value).data_block().get()
                 })
                 .collect();
@@ -215,7 +220,10 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
                 let index = self.visit(child, depth + 1)?;
                 let child_height = self.nodes[index].height;
                 if *height.get_or_insert(child_height) != child_height {
-                    return Err(corrupt(block, "the children of a btree node differ in height"));
+                    return Err(corrupt(
+                        block,
+                        "the children of a btree node differ in height",
+                    ));
                 }
                 info.children.push(index);
             }
