@@ -145,8 +145,7 @@ fn crash_everywhere(operation: Operation) -> usize {
                 Arc::new(rig.metadata.device.crash_image(mode, &mut rng));
             let data: Arc<dyn DataDevice> = Arc::new(rig.data.crash_image(mode, &mut rng));
             let context = format!("{operation:?}, cut after {cut} ({setup}..{total}), {mode:?}");
-            check_metadata(metadata.clone(), None)
-                .unwrap_or_else(|e| panic!("{context}: {e}"));
+            check_metadata(metadata.clone(), None).unwrap_or_else(|e| panic!("{context}: {e}"));
             let pool = Pool::open_parts(
                 metadata,
                 data,
@@ -164,7 +163,10 @@ fn crash_everywhere(operation: Operation) -> usize {
             );
             if result.is_ok() {
                 // Returned: durable (the cut came after the last write of the operation).
-                assert!(found == expected_after, "{context}: a completed change was lost");
+                assert!(
+                    found == expected_after,
+                    "{context}: a completed change was lost"
+                );
             }
             pool.verify_index()
                 .unwrap_or_else(|e| panic!("{context}: {e}"));

@@ -10,8 +10,7 @@
 //! started during the walk (and the metadata was not reopened), every block the walk read
 //! was the committed one. Otherwise the walk is repeated; after [`OPTIMISTIC_TRIES`] the
 //! last try holds the commit lock (never the metadata lock), which only delays commits (a
-//! flush waits for the walk, about tens of milliseconds per million mappings; reads and
-//! writes go on).
+//! flush waits for the walk, about 0.1 s per million mappings; reads and writes go on).
 //!
 //! The figures are those of the last commit (at most one commit interval behind what
 //! clients wrote), as `thin_ls` would print on the metadata at that moment.

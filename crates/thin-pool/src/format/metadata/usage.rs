@@ -14,14 +14,16 @@
 //! Method: one walk of the mapping trees of one transaction as a graph, each node read once
 //! however many trees share it. The number of paths from the volume roots to each node is
 //! then propagated from the top (nodes in decreasing height), together with the one volume
-//! reaching it when there is a single path. A leaf reached by one path contributes its data
-//! blocks with that volume as owner, a leaf reached by more contributes them as shared; the
-//! blocks are sorted, and a block listed once with an owner is exclusive to that owner.
+//! reaching it when there is a single path. Every leaf adds its path count to a saturating
+//! count (0, 1, more) of each of its data blocks; then in each leaf reached by one path, the
+//! blocks counted once are exclusive to that path's volume.
 //!
 //! Cost, for M distinct mappings (leaf entries) in N nodes: N block reads (cached reads of a
-//! 4 KiB node, checksum included), 12 bytes and one sort slot per leaf entry. For a million
-//! mappings: about 4 000 leaves, 12 MB for a moment, tens of milliseconds. Snapshots that
-//! share subtrees cost nothing more for what they share.
+//! 4 KiB node, checksum included), 8 bytes per leaf entry and 2 bits per data block in the
+//! 4096-block pages that hold mappings. Measured (`usage_of_a_million_mappings`, on a
+//! loaded 2-core machine): a volume of 2^20 mappings and three snapshots of it (about 8 000
+//! leaves) take about 100 ms with the nodes cached, 160 ms reading them, and about 10 MB for
+//! that time. Snapshots cost nothing more for the subtrees they share.
 //!
 //! Corrupt metadata gives an error, never a hang: depth is bounded, a node's children must
 //! all be one level below it (so a cycle is impossible), and the node count by the device.
@@ -115,32 +117,18 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
         nodes[i].mappings = below.saturating_add(nodes[i].data_blocks.len() as u64);
     }
 
-    // Every mapping once per leaf, owned when its leaf has one path.
-    let mut blocks: Vec<(u64, u32)> = Vec::new();
-    for node in &nodes {
-        if node.paths == 0 {
-            continue;
-        }
-        let owner = if node.paths == 1 {
-            node.owner
-        } else {
-            NO_OWNER
-        };
-        blocks.extend(node.data_blocks.iter().map(|&block| (block, owner)));
+    // How many mappings refer to each data block (0, 1, or 2 for more), then the blocks
+    // of single-path leaves referred to once are their owner's alone.
+    let mut counts = BlockCounts::default();
+    for node in nodes.iter().filter(|node| node.paths > 0) {
+        counts.add_all(&node.data_blocks, node.paths);
     }
-    blocks.sort_unstable_by_key(|&(block, _)| block);
     let mut exclusive: HashMap<u32, u64> = HashMap::new();
-    let mut i = 0;
-    while i < blocks.len() {
-        let (block, owner) = blocks[i];
-        let mut j = i + 1;
-        while j < blocks.len() && blocks[j].0 == block {
-            j += 1;
+    for node in nodes.iter().filter(|node| node.paths == 1) {
+        let alone = counts.count_single(&node.data_blocks);
+        if alone > 0 {
+            *exclusive.entry(node.owner).or_default() += alone;
         }
-        if j == i + 1 && owner != NO_OWNER {
-            *exclusive.entry(owner).or_default() += 1;
-        }
-        i = j;
     }
 
     let mut usage = BTreeMap::new();
@@ -157,6 +145,83 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
         );
     }
     Ok(usage)
+}
+
+/// Data blocks per page of [`BlockCounts`].
+const PAGE_BLOCKS: u64 = 4096;
+
+/// Words of a page: 2 bits per block.
+const PAGE_WORDS: usize = (PAGE_BLOCKS / 32) as usize;
+
+type Page = Box<[u64; PAGE_WORDS]>;
+
+/// A saturating count (0, 1, 2 meaning more) per data block, 2 bits each, in pages of
+/// [`PAGE_BLOCKS`] allocated where mappings are: 1 KiB per page touched. A leaf's blocks
+/// are mostly in one page, so a page is looked up once per run of blocks in it.
+#[derive(Default)]
+struct BlockCounts {
+    pages: HashMap<u64, Page, std::hash::BuildHasherDefault<PageHasher>>,
+}
+
+impl BlockCounts {
+    /// Count `references` more for each of `blocks`.
+    fn add_all(&mut self, blocks: &[u64], references: u64) {
+        let references = references.min(2);
+        let mut current: Option<(u64, &mut Page)> = None;
+        for &block in blocks {
+            let number = block / PAGE_BLOCKS;
+            let page = match current {
+                Some((n, page)) if n == number => page,
+                _ => self
+                    .pages
+                    .entry(number)
+                    .or_insert_with(|| Box::new([0; PAGE_WORDS])),
+            };
+            let bit = (block % PAGE_BLOCKS) * 2;
+            let word = &mut page[(bit / 64) as usize];
+            let count = ((*word >> (bit % 64)) & 3) + references;
+            *word = (*word & !(3 << (bit % 64))) | (count.min(2) << (bit % 64));
+            current = Some((number, page));
+        }
+    }
+
+    /// How many of `blocks` are counted once.
+    fn count_single(&self, blocks: &[u64]) -> u64 {
+        let mut current: Option<(u64, Option<&Page>)> = None;
+        let mut single = 0;
+        for &block in blocks {
+            let number = block / PAGE_BLOCKS;
+            let page = match current {
+                Some((n, page)) if n == number => page,
+                _ => self.pages.get(&number),
+            };
+            let bit = (block % PAGE_BLOCKS) * 2;
+            if page.is_some_and(|page| (page[(bit / 64) as usize] >> (bit % 64)) & 3 == 1) {
+                single += 1;
+            }
+            current = Some((number, page));
+        }
+        single
+    }
+}
+
+/// A multiplicative hash for page numbers (no untrusted party chooses them to collide:
+/// they come from metadata the caller already reads).
+#[derive(Default)]
+struct PageHasher(u64);
+
+impl std::hash::Hasher for PageHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = (self.0 ^ u64::from(byte)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (value ^ (value >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
 }
 
 fn add_paths(node: &mut NodeInfo, paths: u64, owner: u32) {
@@ -342,5 +407,48 @@ mod tests {
         }
         let result = volume_usage(&bm, MetadataBlock::new(5));
         assert!(result.is_err(), "{result:?}");
+    }
+
+    /// The cost figure of the module doc: a million mappings in a volume and three
+    /// snapshots of it, each diverged by 1000 blocks. Run with `--ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn usage_of_a_million_mappings() {
+        const MAPPINGS: u64 = 1 << 20;
+        let device: Arc<dyn persistent_data::BlockDevice> = Arc::new(MemoryDevice::new(32768));
+        let mut md = PoolMetadata::format(device, 128, 2 * MAPPINGS).unwrap();
+        let origin = VolumeId::new(0);
+        md.create_thin(origin).unwrap();
+        for block in 0..MAPPINGS {
+            let data_block = md.alloc_data_block().unwrap();
+            md.insert(origin, VirtualBlock::new(block), data_block)
+                .unwrap();
+        }
+        md.commit().unwrap();
+        for snapshot in 1..=3 {
+            md.create_snap(VolumeId::new(snapshot), origin).unwrap();
+            for block in 0..1000 {
+                let data_block = md.alloc_data_block().unwrap();
+                md.insert(
+                    VolumeId::new(snapshot),
+                    VirtualBlock::new(block * 1000),
+                    data_block,
+                )
+                .unwrap();
+            }
+            md.commit().unwrap();
+        }
+        let started = std::time::Instant::now();
+        let usage = committed_usage(&md);
+        let took = started.elapsed();
+        eprintln!("usage of 4 volumes sharing {MAPPINGS} mappings: {took:?}");
+        assert_eq!(usage[&origin].mapped_blocks, MAPPINGS);
+        // Every snapshot replaced the same 1000 blocks: the originals are the origin's.
+        assert_eq!(usage[&origin].exclusive_blocks, 1000);
+        for snapshot in 1..=3 {
+            let usage = usage[&VolumeId::new(snapshot)];
+            assert_eq!(usage.mapped_blocks, MAPPINGS);
+            assert_eq!(usage.exclusive_blocks, 1000);
+        }
     }
 }
