@@ -1,7 +1,9 @@
 //! Goal: a snapshot's origin is recorded by thin id and never names the wrong volume
 //! (issue 9, item 6; regression test for reproduction 9): after the origin is deleted the
 //! snapshot has no origin, also when a new volume takes the old one's name or its thin id;
-//! a revert by delete-and-resnapshot leaves no cycle; catalogs written before (origins by
+//! a revert by delete-and-resnapshot leaves no cycle; neither do `revert_volume` and
+//! `rename_volume` (issue 11, item 6), through which snapshots follow their origin's new
+//! name and a re-created name is nobody's origin; catalogs written before (origins by
 //! name) still open, with each name resolved to the volume it named then.
 //! Method: management operations on a pool in a scratch directory, checking
 //! `VolumeInfo::origin` after each and after a reopen; for the old format, the catalog file
