@@ -8,7 +8,7 @@
 //! blocks are never written in place, and a block a transaction frees is reused only by a
 //! later transaction, whose commit is the first to write it: so if at most one commit
 //! started during the walk (and the metadata was not reopened), every block the walk read
-//! was the committed one. Otherwise the walk is repeated; after [`OPTIMISTIC_TRIES`] the
+//! was the committed one. Otherwise the walk is repeated; after `OPTIMISTIC_TRIES` (3) the
 //! last try holds the commit lock (never the metadata lock), which only delays commits (a
 //! flush waits for the walk, about 0.1 s per million mappings; reads and writes go on).
 //!
