@@ -12,9 +12,13 @@
 //!   -> {"op":"delete_volume","name":"vm1"}
 //!   <- {"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
 //!   -> {"op":"resize_volume","name":"vm1","size_bytes":2147483648}
+//!   -> {"op":"revert_volume","name":"vm1","snapshot":"snap","delete_snapshot":false}
+//!   -> {"op":"rename_volume","name":"vm1","new_name":"vm2"}
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
+//!   -> {"op":"reserve_metadata_snap"}                    (answers with the status)
+//!   -> {"op":"release_metadata_snap"}                    (answers with the status)
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
@@ -61,6 +65,7 @@ const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest wait at shutdown for the accept loop and for requests being carried out.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
+mod listing;
 mod log;
 mod protocol;
 mod server;

@@ -34,13 +34,16 @@ enum Command {
     MetadataSize(commands::metadata_size::Args),
     /// Create a pool in a directory.
     Create(commands::create::Args),
-    /// Manage volumes: create, snapshot, delete, resize.
+    /// Manage volumes: create, snapshot, delete, resize, revert, rename.
     #[command(subcommand)]
     Volume(commands::volume::Command),
     /// List volumes.
     List(commands::list::Args),
     /// Show the pool's status.
     Status(commands::status::Args),
+    /// Hold or release a metadata snapshot, so thin_ls/thin_delta/thin_dump -m read a live pool.
+    #[command(subcommand)]
+    MetadataSnap(commands::metadata_snap::Command),
     /// Serve the pool's volumes over NBD.
     Serve(commands::serve::Args),
     /// Measure the engine against the raw data device, side by side.
@@ -58,6 +61,7 @@ fn main() -> ExitCode {
         Command::Volume(command) => commands::volume::run(command),
         Command::List(args) => commands::list::run(args),
         Command::Status(args) => commands::status::run(args),
+        Command::MetadataSnap(command) => commands::metadata_snap::run(command),
         Command::Serve(args) => commands::serve::run(args),
         Command::Bench(args) => commands::bench::run(args),
     };

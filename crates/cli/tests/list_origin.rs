@@ -33,7 +33,7 @@ fn origin_column(pool: &str, name: &str) -> String {
         .lines()
         .find(|line| line.split_whitespace().next() == Some(name))
         .unwrap_or_else(|| panic!("no row for {name}:\n{table}"));
-    row.split_whitespace().nth(4).unwrap().to_string()
+    row.split_whitespace().nth(7).unwrap().to_string()
 }
 
 #[test]

@@ -58,10 +58,10 @@ fn volume_lifecycle_offline_with_text_and_json_output() {
 
     let list = thinpool_ok(&["list", "--pool", p]);
     let expected = "\
-NAME   ID      SIZE  MAPPED%  ORIGIN  READ-ONLY
-clone   2  64.00MiB     0.00  vm      no
-snap    1  64.00MiB     0.00  vm      yes
-vm      0   1.00GiB     0.00  -       no
+NAME   ID      SIZE  MAPPED%  MAPPED  EXCLUSIVE  SHARED  ORIGIN  READ-ONLY
+clone   2  64.00MiB     0.00      0B         0B      0B  vm      no
+snap    1  64.00MiB     0.00      0B         0B      0B  vm      yes
+vm      0   1.00GiB     0.00      0B         0B      0B  -       no
 ";
     assert_eq!(list, expected);
 
@@ -79,6 +79,9 @@ vm      0   1.00GiB     0.00  -       no
         "origin",
         "read_only",
         "open_count",
+        "mapped_bytes",
+        "exclusive_bytes",
+        "shared_bytes",
     ] {
         assert!(vm.get(key).is_some(), "list --json lacks {key}: {vm}");
     }

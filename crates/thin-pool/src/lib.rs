@@ -16,6 +16,7 @@ pub mod ids;
 
 pub use engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
 pub use engine::pool::Pool;
+pub use engine::usage::VolumeSpace;
 pub use engine::volume::{Extent, Volume};
 pub use error::{Error, Result};
 pub use format::metadata::{Mapping, PoolMetadata};

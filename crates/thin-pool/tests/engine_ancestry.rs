@@ -1,7 +1,9 @@
 //! Goal: a snapshot's origin is recorded by thin id and never names the wrong volume
 //! (issue 9, item 6; regression test for reproduction 9): after the origin is deleted the
 //! snapshot has no origin, also when a new volume takes the old one's name or its thin id;
-//! a revert by delete-and-resnapshot leaves no cycle; catalogs written before (origins by
+//! a revert by delete-and-resnapshot leaves no cycle; neither do `revert_volume` and
+//! `rename_volume` (issue 11, item 6), through which snapshots follow their origin's new
+//! name and a re-created name is nobody's origin; catalogs written before (origins by
 //! name) still open, with each name resolved to the volume it named then.
 //! Method: management operations on a pool in a scratch directory, checking
 //! `VolumeInfo::origin` after each and after a reopen; for the old format, the catalog file
@@ -155,4 +157,94 @@ fn catalog_with_origin_names_is_read_and_rewritten_by_id() {
         };
         assert_eq!(volume["origin_id"], expected, "{text}");
     }
+}
+
+/// Every volume's chain of origins, checked to end (no volume is its own ancestor).
+fn assert_no_cycle(pool: &Pool) {
+    for volume in pool.list() {
+        let mut seen = vec![volume.name.clone()];
+        let mut next = volume.origin.clone();
+        while let Some(name) = next {
+            assert!(!seen.contains(&name), "cycle through {seen:?}");
+            seen.push(name.clone());
+            next = origin(pool, &name);
+        }
+    }
+}
+
+/// (name, origin) of every volume.
+fn origins(pool: &Pool) -> Vec<(String, Option<String>)> {
+    pool.list()
+        .into_iter()
+        .map(|v| (v.name, v.origin))
+        .collect()
+}
+
+fn pair(name: &str, origin: Option<&str>) -> (String, Option<String>) {
+    (name.to_string(), origin.map(str::to_string))
+}
+
+#[test]
+fn rename_revert_and_recreated_names_keep_ancestry_by_id() {
+    let scratch = ScratchDir::new("ancestry-rename-revert");
+    let dir = scratch.join("pool");
+    let pool = create(&dir);
+    pool.create_volume("vm", 4 * BLOCK).unwrap();
+    pool.snapshot("vm", "backup", true).unwrap();
+    pool.snapshot("backup", "clone", false).unwrap();
+
+    // Revert: no edge is added, so backup is still vm's snapshot and vm has no origin.
+    pool.revert_volume("vm", "backup", false).unwrap();
+    assert_eq!(
+        origins(&pool),
+        [
+            pair("backup", Some("vm")),
+            pair("clone", Some("backup")),
+            pair("vm", None)
+        ]
+    );
+    assert_no_cycle(&pool);
+
+    // Rename: the snapshots follow the new names.
+    pool.rename_volume("vm", "vm-old").unwrap();
+    pool.rename_volume("backup", "b").unwrap();
+    assert_eq!(
+        origins(&pool),
+        [
+            pair("b", Some("vm-old")),
+            pair("clone", Some("b")),
+            pair("vm-old", None)
+        ]
+    );
+    // A new volume under a renamed-away name is nobody's origin.
+    pool.create_volume("vm", BLOCK).unwrap();
+    pool.create_volume("backup", BLOCK).unwrap();
+    assert_eq!(origin(&pool, "b").as_deref(), Some("vm-old"));
+    assert_eq!(origin(&pool, "clone").as_deref(), Some("b"));
+
+    // Revert onto a snapshot with delete: its snapshots lose their origin (it is gone),
+    // and the reverted volume's origin is cleared when it was that snapshot.
+    pool.revert_volume("clone", "b", true).unwrap();
+    assert_eq!(origin(&pool, "clone"), None, "its origin b is deleted");
+    pool.revert_volume("vm-old", "clone", true).unwrap();
+    assert_eq!(
+        origins(&pool),
+        [pair("backup", None), pair("vm", None), pair("vm-old", None)]
+    );
+
+    // A chain reverted both ways round.
+    pool.snapshot("vm", "s1", false).unwrap();
+    pool.snapshot("s1", "s2", false).unwrap();
+    pool.revert_volume("vm", "s2", false).unwrap();
+    pool.revert_volume("s2", "vm", false).unwrap();
+    pool.rename_volume("s1", "vm-next").unwrap();
+    assert_eq!(origin(&pool, "vm-next").as_deref(), Some("vm"));
+    assert_eq!(origin(&pool, "s2").as_deref(), Some("vm-next"));
+    assert_eq!(origin(&pool, "vm"), None);
+    assert_no_cycle(&pool);
+    let before = origins(&pool);
+    drop(pool);
+    let pool = Pool::open(&dir, options()).unwrap();
+    assert_eq!(origins(&pool), before, "after reopen");
+    assert_no_cycle(&pool);
 }

@@ -1,5 +1,12 @@
-//! `thinpool list`: the volumes, one row each like `lvs` (name, id, size, mapped %, origin,
-//! read-only), or `--json` (`{"volumes":[...]}`), from the pool or its server.
+//! `thinpool list`: the volumes, one row each like `lvs` (name, thin id, size, mapped %, the
+//! bytes mapped, exclusive and shared, origin, read-only), `--ids` (thin id, name and the
+//! origin's thin id, in thin id order, to read beside thin_ls, thin_delta or thin_dump), or
+//! `--json` (`{"volumes":[...]}`), from the pool or its server.
+//!
+//! MAPPED, EXCLUSIVE and SHARED have thin_ls's meaning (`-o MAPPED_BYTES,EXCLUSIVE_BYTES,
+//! SHARED_BYTES`): EXCLUSIVE is what deleting the volume would free, SHARED what it shares
+//! with its snapshots, origin or itself. They are those of the last commit (at most a
+//! commit interval behind the writes); `-` when the pool's metadata cannot be read.
 
 use anyhow::Context;
 use std::process::ExitCode;
@@ -9,12 +16,22 @@ use crate::pool_dir::{format_size, table, PoolArg};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool list                 # NAME ID SIZE MAPPED% MAPPED EXCLUSIVE SHARED ORIGIN READ-ONLY
+  thinpool list --ids           # thin id of each name, for thin_ls -m / thin_delta -m
+  thinpool list --json | jq '.volumes[] | {name, exclusive_bytes}'")]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print `{"volumes":[...]}` with every field, sizes in bytes.
+    /// Print `{"volumes":[...]}` with every field, sizes in bytes (`mapped_bytes`,
+    /// `exclusive_bytes`, `shared_bytes` as thin_ls counts them).
     #[arg(long = "json")]
     json: bool,
+    /// Print each volume's thin id (dm-thin's device id, as thin_ls and thin_delta show it)
+    /// and its origin's, in thin id order.
+    #[arg(long = "ids", conflicts_with = "json")]
+    ids: bool,
 }
 
 /// Run the command.
@@ -28,6 +45,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             "{}",
             serde_json::to_string_pretty(&Listing { volumes: &volumes })?
         );
+    } else if args.ids {
+        print!("{}", render_ids(&volumes));
     } else {
         print!("{}", render(&volumes));
     }
@@ -40,6 +59,10 @@ struct Listing<'a> {
     volumes: &'a [VolumeRecord],
 }
 
+fn size_or_dash(bytes: Option<u64>) -> String {
+    bytes.map_or_else(|| "-".to_string(), format_size)
+}
+
 /// The `lvs`-like table.
 pub fn render(volumes: &[VolumeRecord]) -> String {
     let rows: Vec<Vec<String>> = volumes
@@ -50,14 +73,46 @@ pub fn render(volumes: &[VolumeRecord]) -> String {
                 volume.id.to_string(),
                 format_size(volume.size_bytes),
                 format!("{:.2}", volume.mapped_percent),
+                size_or_dash(volume.mapped_bytes),
+                size_or_dash(volume.exclusive_bytes),
+                size_or_dash(volume.shared_bytes),
                 volume.origin.clone().unwrap_or_else(|| "-".into()),
                 if volume.read_only { "yes" } else { "no" }.into(),
             ]
         })
         .collect();
     table(
-        &["NAME", "ID", "SIZE", "MAPPED%", "ORIGIN", "READ-ONLY"],
+        &[
+            "NAME",
+            "ID",
+            "SIZE",
+            "MAPPED%",
+            "MAPPED",
+            "EXCLUSIVE",
+            "SHARED",
+            "ORIGIN",
+            "READ-ONLY",
+        ],
         &rows,
-        &[1, 2, 3],
+        &[1, 2, 3, 4, 5, 6],
     )
+}
+
+/// The `--ids` table: thin id, name, origin's thin id.
+fn render_ids(volumes: &[VolumeRecord]) -> String {
+    let mut sorted: Vec<&VolumeRecord> = volumes.iter().collect();
+    sorted.sort_by_key(|volume| volume.id);
+    let rows: Vec<Vec<String>> = sorted
+        .iter()
+        .map(|volume| {
+            vec![
+                volume.id.to_string(),
+                volume.name.clone(),
+                volume
+                    .origin_id
+                    .map_or_else(|| "-".to_string(), |id| id.to_string()),
+            ]
+        })
+        .collect();
+    table(&["THIN_ID", "NAME", "ORIGIN_ID"], &rows, &[0, 2])
 }

@@ -6,6 +6,7 @@ pub mod create;
 pub mod dump;
 pub mod list;
 pub mod metadata_size;
+pub mod metadata_snap;
 pub mod restore;
 pub mod serve;
 pub mod status;

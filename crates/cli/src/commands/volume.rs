@@ -1,5 +1,6 @@
-//! `thinpool volume create|snapshot|delete|resize`: manage volumes, on the pool directly or
-//! through the control socket of the server holding it (same syntax, same output).
+//! `thinpool volume create|snapshot|delete|resize|revert|rename`: manage volumes, on the
+//! pool directly or through the control socket of the server holding it (same syntax, same
+//! output).
 
 use anyhow::{bail, Context};
 use std::process::ExitCode;
@@ -49,6 +50,45 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// Give a volume the content and size of a snapshot (like `lvconvert --merge`).
+    ///
+    /// VOLUME keeps its name (its NBD export name), its thin id, its read-only flag and its
+    /// own origin; SNAPSHOT stays, unless --delete-snapshot deletes it in the same
+    /// transaction. Refused while a client has VOLUME open (or SNAPSHOT, with
+    /// --delete-snapshot). A crash leaves the volume either as it was or reverted.
+    #[command(after_help = "\
+Example:
+  thinpool volume snapshot vm0 vm0-before-upgrade --read-only
+  ...                                   # the upgrade goes wrong; stop the VM
+  thinpool volume revert vm0 vm0-before-upgrade
+  thinpool volume revert vm0 vm0-before-upgrade --delete-snapshot   # and drop the snapshot")]
+    Revert {
+        /// The volume to revert.
+        volume: String,
+        /// The volume whose content it takes (usually a snapshot of VOLUME).
+        snapshot: String,
+        /// Delete SNAPSHOT in the same operation.
+        #[arg(long = "delete-snapshot")]
+        delete_snapshot: bool,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Rename a volume (its NBD export name changes with it).
+    ///
+    /// Content, thin id and ancestry stay: its snapshots show the new name as their origin.
+    /// Refused while a client has the volume open, or if NEW is taken.
+    #[command(after_help = "\
+Example:
+  thinpool volume rename vm0 vm0-old
+  thinpool volume rename vm0-next vm0")]
+    Rename {
+        /// The volume's name.
+        old: String,
+        /// Its new name.
+        new: String,
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 /// Arguments every volume subcommand takes.
@@ -95,6 +135,34 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
             let what = format!("cannot resize volume {name:?}");
             (Request::ResizeVolume { name, size_bytes }, common, what)
         }
+        Command::Revert {
+            volume,
+            snapshot,
+            delete_snapshot,
+            common,
+        } => {
+            let what = format!("cannot revert volume {volume:?} to {snapshot:?}");
+            (
+                Request::RevertVolume {
+                    name: volume,
+                    snapshot,
+                    delete_snapshot,
+                },
+                common,
+                what,
+            )
+        }
+        Command::Rename { old, new, common } => {
+            let what = format!("cannot rename volume {old:?} to {new:?}");
+            (
+                Request::RenameVolume {
+                    name: old,
+                    new_name: new,
+                },
+                common,
+                what,
+            )
+        }
     };
     let dir = common.pool.resolve();
     let outcome = control::ask(&dir, &request).context(what)?;
@@ -119,16 +187,29 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
 }
 
 fn describe(request: &Request, volume: &VolumeRecord) -> String {
-    let verb = match request {
-        Request::CreateVolume { .. } => "created volume".to_string(),
-        Request::Snapshot { origin, .. } => format!("created snapshot of {origin:?}:"),
-        _ => "resized volume".to_string(),
-    };
     let access = if volume.read_only { ", read-only" } else { "" };
-    format!(
-        "{verb} {:?} (id {}, {}{access})",
+    let what = format!(
+        "{:?} (id {}, {}{access})",
         volume.name,
         volume.id,
         format_size(volume.size_bytes)
-    )
+    );
+    match request {
+        Request::CreateVolume { .. } => format!("created volume {what}"),
+        Request::Snapshot { origin, .. } => format!("created snapshot of {origin:?}: {what}"),
+        Request::RevertVolume {
+            snapshot,
+            delete_snapshot,
+            ..
+        } => {
+            let deleted = if *delete_snapshot {
+                format!("; deleted {snapshot:?}")
+            } else {
+                String::new()
+            };
+            format!("reverted volume {what} to the content of {snapshot:?}{deleted}")
+        }
+        Request::RenameVolume { name, .. } => format!("renamed volume {name:?} to {what}"),
+        _ => format!("resized volume {what}"),
+    }
 }

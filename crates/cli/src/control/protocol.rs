@@ -42,6 +42,23 @@ pub enum Request {
         /// New virtual size.
         size_bytes: u64,
     },
+    /// Give `name` the content and size of `snapshot` (refused while `name` is open).
+    RevertVolume {
+        /// The volume to revert.
+        name: String,
+        /// The volume whose content it takes.
+        snapshot: String,
+        /// Delete `snapshot` in the same transaction.
+        #[serde(default)]
+        delete_snapshot: bool,
+    },
+    /// Rename a volume (refused while it is open).
+    RenameVolume {
+        /// Its name.
+        name: String,
+        /// The new name.
+        new_name: String,
+    },
     /// Grow the data device.
     GrowData {
         /// New data size.
@@ -49,6 +66,11 @@ pub enum Request {
     },
     /// List volumes.
     List,
+    /// Hold a metadata snapshot, for thin_ls -m, thin_delta -m, thin_dump -m on a live pool
+    /// (answers with the status, whose `metadata_snap` is its block).
+    ReserveMetadataSnap,
+    /// Release the held metadata snapshot (answers with the status).
+    ReleaseMetadataSnap,
     /// Pool status.
     Status,
 }
@@ -74,6 +96,18 @@ pub struct VolumeRecord {
     pub read_only: bool,
     /// Open handles (NBD connections using it).
     pub open_count: usize,
+    /// The origin's thin id.
+    #[serde(default)]
+    pub origin_id: Option<u64>,
+    /// Bytes mapped, as of the last commit (thin_ls's MAPPED_BYTES; `list` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mapped_bytes: Option<u64>,
+    /// Bytes no other mapping shares: freed if the volume is deleted (EXCLUSIVE_BYTES).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exclusive_bytes: Option<u64>,
+    /// Bytes shared with other mappings (SHARED_BYTES).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shared_bytes: Option<u64>,
 }
 
 impl From<&VolumeInfo> for VolumeRecord {
@@ -88,6 +122,10 @@ impl From<&VolumeInfo> for VolumeRecord {
             origin: info.origin.clone(),
             read_only: info.read_only,
             open_count: info.open_count,
+            origin_id: info.origin_id.map(|id| u64::from(id.get())),
+            mapped_bytes: None,
+            exclusive_bytes: None,
+            shared_bytes: None,
         }
     }
 }

@@ -68,6 +68,19 @@ impl Target {
                 let info = pool.resize_volume(name, *size_bytes)?;
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
+            Request::RevertVolume {
+                name,
+                snapshot,
+                delete_snapshot,
+            } => {
+                let info = pool.revert_volume(name, snapshot, *delete_snapshot)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::RenameVolume { name, new_name } => {
+                self.check_name_free(new_name)?;
+                let info = pool.rename_volume(name, new_name)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
             Request::GrowData { size_bytes } => {
                 let block_size = pool.block_size_bytes();
                 let wanted_blocks = size_bytes / block_size;
@@ -95,9 +108,21 @@ impl Target {
                 }
                 Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
             }
-            Request::List => Ok(Outcome::Volumes(
-                pool.list().iter().map(VolumeRecord::from).collect(),
-            )),
+            Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
+            Request::ReserveMetadataSnap => {
+                pool.reserve_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
+            Request::ReleaseMetadataSnap => {
+                pool.release_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
             Request::Status => Ok(Outcome::Status(StatusRecord::new(
                 &pool.status(),
                 &self.options,

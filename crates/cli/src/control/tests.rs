@@ -36,11 +36,34 @@ fn unknown_fields_are_refused_for_every_op() {
         r#"{"op":"status","x":1}"#,
         r#"{"op":"delete_volume","name":"a","force":true}"#,
         r#"{"op":"grow_data","size_bytes":1,"x":1}"#,
+        r#"{"op":"reserve_metadata_snap","x":1}"#,
+        r#"{"op":"release_metadata_snap","x":1}"#,
+        r#"{"op":"revert_volume","name":"a","snapshot":"b","force":true}"#,
+        r#"{"op":"rename_volume","name":"a","new_name":"b","x":1}"#,
     ] {
         let error = parse_request(line.as_bytes()).unwrap_err();
         assert!(error.contains("unknown field"), "{line}: {error}");
     }
     assert_eq!(parse_request(br#"{"op":"list"}"#), Ok(Request::List));
+    assert_eq!(
+        parse_request(br#"{"op":"reserve_metadata_snap"}"#),
+        Ok(Request::ReserveMetadataSnap)
+    );
+    assert_eq!(
+        parse_request(br#"{"op":"revert_volume","name":"a","snapshot":"b"}"#),
+        Ok(Request::RevertVolume {
+            name: "a".into(),
+            snapshot: "b".into(),
+            delete_snapshot: false
+        })
+    );
+    assert_eq!(
+        parse_request(br#"{"op":"rename_volume","name":"a","new_name":"b"}"#),
+        Ok(Request::RenameVolume {
+            name: "a".into(),
+            new_name: "b".into()
+        })
+    );
     assert_eq!(
         parse_request(br#"{"op":"snapshot","origin":"a","name":"b"}"#),
         Ok(Request::Snapshot {

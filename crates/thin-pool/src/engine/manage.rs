@@ -1,6 +1,6 @@
 //! Management operations on an open pool: create, snapshot, delete and resize volumes,
 //! grow the data and metadata devices, set the transaction id, hold and release the
-//! metadata snapshot.
+//! metadata snapshot. Revert and rename are in `revert`.
 //!
 //! Each takes the commit lock, applies the ops queued before it (their data flushed), checks
 //! every limit, then changes the catalog and the metadata in one transaction (catalog
@@ -279,7 +279,11 @@ impl Pool {
 
 /// Whether `volume`, looked up before the commit lock was taken, is still the one published
 /// as `name`: a delete (and a create reusing its thin id) may have run in between.
-fn still_published(shared: &Shared, name: &str, volume: &Arc<VolumeState>) -> Result<()> {
+pub(crate) fn still_published(
+    shared: &Shared,
+    name: &str,
+    volume: &Arc<VolumeState>,
+) -> Result<()> {
     match shared.volume_named(name) {
         Ok(now) if Arc::ptr_eq(&now, volume) => Ok(()),
         _ => Err(Error::NoSuchVolume(name.to_string())),

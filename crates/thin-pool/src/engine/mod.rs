@@ -6,12 +6,14 @@
 //!
 //! - `pool`: the public handle (create, open, close, status, list);
 //! - `manage`: management operations (volumes, growth, transaction id, metadata snapshot);
+//! - `revert`: revert a volume to a snapshot's content, rename a volume;
 //! - `volume`: volume I/O, on the caller's thread;
 //! - `provision`: what volume I/O needs from the pool (reserve, map, unmap a data block);
 //! - `commit`: applying queued ops and committing the metadata;
 //! - `committer`: the periodic commit thread;
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
+//! - `usage`: per-volume space accounting (mapped, exclusive, shared) without stalling I/O;
 //! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
@@ -32,5 +34,7 @@ mod manage;
 pub mod options;
 pub mod pool;
 mod provision;
+mod revert;
 mod shared;
+pub mod usage;
 pub mod volume;

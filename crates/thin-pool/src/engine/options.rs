@@ -189,6 +189,8 @@ pub struct VolumeInfo {
     pub block_size_bytes: u64,
     /// The volume it was snapshotted from, if that volume still exists.
     pub origin: Option<String>,
+    /// That volume's thin id.
+    pub origin_id: Option<VolumeId>,
     /// Read-only.
     pub read_only: bool,
     /// Open handles.

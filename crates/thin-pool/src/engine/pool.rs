@@ -395,6 +395,7 @@ impl Pool {
                     .origin()
                     .and_then(|id| names.get(&id))
                     .map(|name| name.to_string()),
+                origin_id: v.origin().filter(|id| names.contains_key(id)),
                 read_only: v.read_only.load(Ordering::Acquire),
                 open_count: v.open_count(),
             })

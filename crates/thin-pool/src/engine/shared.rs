@@ -35,7 +35,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 /// Block locks per volume (hashed by virtual block).
 const BLOCK_LOCKS: usize = 256;
 
-/// `open_count` of a volume claimed by a delete.
+/// `open_count` of a volume claimed by a delete (or a revert or rename, `revert`).
 const DELETING: usize = usize::MAX;
 
 /// Events kept for [`crate::Pool::events`].
@@ -183,7 +183,7 @@ impl VolumeState {
         loop {
             if count == DELETING {
                 return Err(Error::Busy(format!(
-                    "volume {:?} is being deleted",
+                    "volume {:?} is being deleted, reverted or renamed",
                     self.name
                 )));
             }

@@ -25,6 +25,7 @@
 
 mod data_space;
 mod mapping;
+pub mod usage;
 
 use crate::error::{Error, Result};
 use crate::format::details::DeviceDetails;
@@ -101,6 +102,10 @@ pub struct PoolMetadata {
     changed: bool,
     /// An operation failed after changing something: the transaction must be abandoned.
     failed: bool,
+    /// Commits started since this metadata was opened: a reader of committed blocks
+    /// without the lock (`engine::usage`) knows none of them was reused while the count
+    /// grew by at most one.
+    commits_started: u64,
 }
 
 impl std::fmt::Debug for PoolMetadata {
@@ -184,6 +189,7 @@ impl PoolMetadata {
             volumes: BTreeMap::new(),
             changed: true,
             failed: false,
+            commits_started: 0,
         };
         metadata.commit()?;
         Ok(metadata)
@@ -253,6 +259,7 @@ impl PoolMetadata {
             volumes,
             changed: false,
             failed: false,
+            commits_started: 0,
         })
     }
 
@@ -294,6 +301,13 @@ impl PoolMetadata {
     /// The metadata snapshot's superblock block, if one is held.
     pub fn metadata_snap(&self) -> Option<MetadataBlock> {
         self.superblock.metadata_snap
+    }
+
+    /// Commits started since this metadata was opened. Blocks of the last committed
+    /// transaction stay intact on the device until the commit after the next one starts
+    /// (a block freed by a transaction is reused only by a later one).
+    pub fn commits_started(&self) -> u64 {
+        self.commits_started
     }
 
     /// Whether anything changed since the last commit.
@@ -427,6 +441,7 @@ impl PoolMetadata {
     /// (spec §8.3). On error the caller must abandon the transaction (reopen).
     pub fn commit(&mut self) -> Result<()> {
         self.check_not_failed()?;
+        self.commits_started += 1;
         self.change(PoolMetadata::commit_changes)?;
         self.changed = false;
         Ok(())
