@@ -31,6 +31,7 @@ pub mod sync;
 
 pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
-    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, ZeroOptions,
+    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
+    StatusExtent, ZeroOptions,
 };
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};
