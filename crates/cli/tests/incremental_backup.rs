@@ -252,7 +252,10 @@ fn incremental_backup_after_writes_discards_and_a_grow_matches_snapshot_2() {
     let image = std::fs::read(&backup).unwrap();
     assert_eq!(image.len() as u64, SIZE_AFTER);
     if let Some(at) = (0..image.len()).find(|&i| image[i] != model.bytes[i]) {
-        panic!("backup differs from the model at byte {at} (block {})", at as u64 / BLOCK);
+        panic!(
+            "backup differs from the model at byte {at} (block {})",
+            at as u64 / BLOCK
+        );
     }
     let full = temp.join("full.img");
     std::fs::File::create(&full)
