@@ -17,8 +17,11 @@
 //! and selects nothing in NBD_OPT_SET_META_CONTEXT (as the protocol recommends); any other
 //! query names one context exactly. Unknown names and namespaces are ignored, never an error.
 //! A LIST without queries lists every context of the export. One SET selects at most
-//! [`CONTEXTS_SELECTED_MAX`] distinct contexts (more get `ERR_TOO_BIG`), each with its own id.
+//! [`CONTEXTS_SELECTED_MAX`] distinct contexts (more get `ERR_TOO_BIG`), each with its own id;
+//! a LIST or SET with more than [`CONTEXT_QUERIES_MAX`] queries gets `ERR_TOO_BIG`, so one
+//! option costs a bounded number of export lookups.
 
+use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -38,6 +41,9 @@ pub const OPTIONS_MAX: u32 = 4096;
 /// Most metadata contexts one NBD_OPT_SET_META_CONTEXT may select: each one adds a chunk,
 /// and a lookup, to every BLOCK_STATUS reply of the connection.
 pub const CONTEXTS_SELECTED_MAX: usize = 16;
+
+/// Most queries one NBD_OPT_LIST_META_CONTEXT or NBD_OPT_SET_META_CONTEXT may carry.
+pub const CONTEXT_QUERIES_MAX: usize = 4 * CONTEXTS_SELECTED_MAX;
 
 /// Most characters of a client-supplied string that [`quoted`] keeps.
 pub(crate) const QUOTED_CHARS_MAX: usize = 64;
@@ -396,6 +402,13 @@ impl<S: Read + Write> Handshake<'_, S> {
                 return self.reply(code, reply::ERR_INVALID, error.to_string().as_bytes());
             }
         };
+        if request.queries.len() > CONTEXT_QUERIES_MAX {
+            let message = format!(
+                "{} metadata context queries, at most {CONTEXT_QUERIES_MAX} allowed",
+                request.queries.len()
+            );
+            return self.reply(code, reply::ERR_TOO_BIG, message.as_bytes());
+        }
         let export = match self.open(&request.export_name)? {
             Ok(export) => export,
             Err(message) => return self.reply(code, reply::ERR_UNKNOWN, message.as_bytes()),
@@ -473,8 +486,9 @@ fn is_export_context_name(name: &str) -> bool {
 /// once, in the order found.
 fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
-    let add = |name: String, names: &mut Vec<String>| {
-        if !names.contains(&name) {
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut add = |name: String, names: &mut Vec<String>| {
+        if seen.insert(name.clone()) {
             names.push(name);
         }
     };
@@ -513,9 +527,10 @@ fn selected_contexts(
     queries: &[String],
 ) -> std::result::Result<Vec<(String, ContextSource)>, ()> {
     let mut names: Vec<&str> = Vec::new();
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
     for query in queries {
         let exact = query == BASE_ALLOCATION || is_export_context_name(query);
-        if exact && !query.ends_with(':') && !names.contains(&query.as_str()) {
+        if exact && !query.ends_with(':') && seen.insert(query.as_str()) {
             names.push(query);
         }
     }

@@ -3,7 +3,7 @@
 //! exact names only, each selected context gets its own id and its own chunk in every
 //! BLOCK_STATUS reply (the last one flagged DONE), unknown contexts are simply not returned,
 //! a failing context fails that one request and the connection goes on, and a SET that
-//! selects too many contexts gets `ERR_TOO_BIG`.
+//! selects too many contexts (or a LIST or SET with too many queries) gets `ERR_TOO_BIG`.
 //! Method: the raw client (tests/common) against `MemoryExport::with_test_contexts`, whose
 //! contexts report its block map; the expected extents come from what the test wrote. Then
 //! `nbdinfo --map=x-memory:data` as a real client.
@@ -286,6 +286,15 @@ fn selecting_more_than_the_limit_is_too_big_and_clears_the_selection() {
         REP_ACK
     );
     assert_eq!(list(&mut client, "many", &["x-many:"]).len(), 100);
+    // More queries than 64 are refused before any lookup, for LIST and SET.
+    let many: Vec<String> = (0..65).map(|n| format!("x-many:{n}")).collect();
+    let many: Vec<&str> = many.iter().map(String::as_str).collect();
+    for code in [OPT_LIST_META_CONTEXT, OPT_SET_META_CONTEXT] {
+        let replies = client.option(code, &meta_request("many", &many));
+        assert_eq!(replies.len(), 1, "{replies:?}");
+        assert_eq!(replies[0].reply_type, REP_ERR_TOO_BIG);
+    }
+    assert_eq!(list(&mut client, "many", &many[..64]).len(), 64);
     let names: Vec<String> = (0..17).map(|n| format!("x-many:{n}")).collect();
     let queries: Vec<&str> = names.iter().map(String::as_str).collect();
     let replies = client.option(OPT_SET_META_CONTEXT, &meta_request("many", &queries));
