@@ -10,7 +10,8 @@
 //!
 //! Cost: each BLOCK_STATUS asks [`Pool::diff`] for the blocks of the request only (at most
 //! [`BLOCK_STATUS_BLOCKS_MAX`] of them), which walks only the mapping subtrees the two
-//! volumes do not share inside that range.
+//! volumes do not share inside that range. A one-extent request (REQ_ONE) diffs a window of
+//! [`REQ_ONE_WINDOW_BLOCKS`] first and widens it only while a single extent covers it.
 //!
 //! Identity: the context binds the base and target by name and thin id when the client
 //! selects it (NBD_OPT_SET_META_CONTEXT); it holds no handle, so the base can still be
@@ -36,6 +37,9 @@ pub const DIFF_CONTEXT_PREFIX: &str = "x-thinpool:diff:";
 
 /// Flag of a byte range where the target differs from the base.
 pub const DIRTY: u32 = 1;
+
+/// Blocks of the first window a one-extent request diffs (then 16 times more each round).
+const REQ_ONE_WINDOW_BLOCKS: u64 = 64;
 
 /// `x-thinpool:diff:BASE` selected on the export of `target`.
 pub struct DiffContext {
@@ -113,17 +117,41 @@ impl MetaContext for DiffContext {
         let block = self.pool.block_size_bytes();
         // Walk at most BLOCK_STATUS_BLOCKS_MAX blocks, ending on a block boundary.
         let limit_end = (offset / block + BLOCK_STATUS_BLOCKS_MAX) * block;
-        let end = offset
+        let full_end = offset
             .saturating_add(length)
             .min(limit_end)
             .min(target_size);
-        if end <= offset {
+        if full_end <= offset {
             return Err(NbdError::export(
                 ErrorKind::InvalidArgument,
                 format!("block status at {offset} length {length} is past the end"),
             ));
         }
-        let blocks = VirtualBlock::new(offset / block)..VirtualBlock::new(end.div_ceil(block));
+        if extents_max > 1 {
+            return self.extents(offset..full_end, extents_max);
+        }
+        // One extent (REQ_ONE, which qemu always sends while it walks forward): diff a small
+        // window first and widen it only while one extent covers it, so a walk over many
+        // differences costs about each difference once, not the rest of the range each time.
+        let mut window_blocks = REQ_ONE_WINDOW_BLOCKS;
+        loop {
+            let end = ((offset / block + window_blocks) * block).min(full_end);
+            let mut extents = self.extents(offset..end, 2)?;
+            if extents.len() > 1 || end == full_end {
+                extents.truncate(1);
+                return Ok(extents);
+            }
+            window_blocks *= 16;
+        }
+    }
+}
+
+impl DiffContext {
+    /// At most `extents_max` extents of `bytes`, from [`Pool::diff`] over its blocks.
+    fn extents(&self, bytes: Range<u64>, extents_max: usize) -> nbd::Result<Vec<StatusExtent>> {
+        let block = self.pool.block_size_bytes();
+        let blocks =
+            VirtualBlock::new(bytes.start / block)..VirtualBlock::new(bytes.end.div_ceil(block));
         let diff = self
             .pool
             .diff(&self.base, &self.target, Some(blocks))
@@ -131,15 +159,15 @@ impl MetaContext for DiffContext {
                 nbd_error(
                     e,
                     format!(
-                        "diff of {:?} against {:?} at {offset}",
-                        self.target, self.base
+                        "diff of {:?} against {:?} at {}",
+                        self.target, self.base, bytes.start
                     ),
                 )
             })?;
         Ok(dirty_extents(
             &diff.ranges,
             diff.block_size_bytes,
-            offset..end,
+            bytes,
             extents_max.max(1),
         ))
     }
