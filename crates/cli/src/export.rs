@@ -4,6 +4,9 @@
 //! (the [`nbd::ExportRegistry`] that looks volumes up in the pool at every open, so volumes
 //! created or deleted while serving appear and disappear at once).
 //!
+//! A volume export also offers the metadata context `x-thinpool:diff:BASE` for every other
+//! volume BASE of the pool ([`diff_context`]): the bytes where it differs from BASE.
+//!
 //! Invariants: every NBD connection that opens a thin volume holds its own
 //! [`thin_pool::Volume`] handle until it ends, so the engine refuses to delete a volume while a
 //! client has it open; the registry itself holds no handle. [`nbd_error`] is the only place
@@ -17,9 +20,14 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use nbd::{
-    Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, ZeroOptions,
+    Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, MetaContext,
+    ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
+
+pub mod diff_context;
+
+pub use diff_context::DiffContext;
 
 /// Name of the volume created with a new default pool; the empty export name opens it.
 pub const DEFAULT_VOLUME: &str = "disk";
@@ -41,6 +49,8 @@ pub struct VolumeExport {
     volume: Volume,
     name: String,
     description: String,
+    /// The pool, for the diff contexts; none offered without it.
+    pool: Option<Pool>,
 }
 
 impl VolumeExport {
@@ -50,7 +60,15 @@ impl VolumeExport {
             volume,
             name,
             description,
+            pool: None,
         }
+    }
+
+    /// Offers the `x-thinpool:diff:BASE` contexts against the other volumes of `pool` (the
+    /// pool the volume belongs to).
+    pub fn with_pool(mut self, pool: Pool) -> Self {
+        self.pool = Some(pool);
+        self
     }
 
     /// Whether every piece of `[offset, offset + length)` that does not cover a whole data
@@ -180,6 +198,19 @@ impl Export for VolumeExport {
                 zero: !extent.mapped,
             })
             .collect())
+    }
+
+    fn meta_contexts(&self, prefix: &str) -> Vec<String> {
+        match &self.pool {
+            Some(pool) => diff_context::diff_context_names(pool, self.volume.name(), prefix),
+            None => Vec::new(),
+        }
+    }
+
+    fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
+        let pool = self.pool.as_ref()?;
+        let context = DiffContext::open(pool, self.volume.name(), self.volume.id(), name)?;
+        Some(Arc::new(context))
     }
 }
 
@@ -362,7 +393,9 @@ impl ExportRegistry for PoolRegistry {
             .info(&name)
             .map(|info| describe(&info))
             .unwrap_or_default();
-        Ok(Some(Arc::new(VolumeExport::new(volume, name, description))))
+        Ok(Some(Arc::new(
+            VolumeExport::new(volume, name, description).with_pool(self.pool.clone()),
+        )))
     }
 }
 

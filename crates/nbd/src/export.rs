@@ -9,6 +9,13 @@
 //! read-only export. Every method takes `&self` and is called concurrently from many threads
 //! and connections, so exports are `Send + Sync`. A FLUSH on any connection calls
 //! [`Export::flush`], which must make every write completed on any connection durable.
+//!
+//! Metadata contexts: every export serves `base:allocation` through [`Export::block_status`].
+//! An export may offer more contexts (in a namespace of its own, never `base:`) through
+//! [`Export::meta_contexts`] (names, for NBD_OPT_LIST_META_CONTEXT) and
+//! [`Export::meta_context`] (the context itself, for NBD_OPT_SET_META_CONTEXT). The handshake
+//! keeps the [`MetaContext`] it got at SET time for the connection's whole life, so a context
+//! can bind what it describes then (for instance the identity of another volume).
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, RwLock};
@@ -25,6 +32,33 @@ pub struct Extent {
     pub hole: bool,
     /// Reads as zeroes (NBD_STATE_ZERO).
     pub zero: bool,
+}
+
+/// One run of equal status in a context other than `base:allocation`, reported by
+/// [`MetaContext::block_status`]; the context defines what the flags mean.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatusExtent {
+    /// Length of the run in bytes; nonzero.
+    pub length_bytes: u64,
+    /// Status flags as sent in the block-status descriptor.
+    pub flags: u32,
+}
+
+/// A metadata context an export offers besides `base:allocation`, selected by a client with
+/// NBD_OPT_SET_META_CONTEXT and answered in every NBD_CMD_BLOCK_STATUS reply of that
+/// connection. Called concurrently, like the export.
+pub trait MetaContext: Send + Sync {
+    /// Status of the range starting at `offset` (inside the export, nonzero `length`, both
+    /// multiples of 512), with the contract of [`Export::block_status`]: consecutive extents
+    /// that start exactly at `offset`, at least one and at most `extents_max`, none past the
+    /// end of the export; they may stop before `offset + length`. An error fails that one
+    /// request (for instance when what the context describes no longer exists).
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        extents_max: usize,
+    ) -> Result<Vec<StatusExtent>>;
 }
 
 /// How [`Export::write_zeroes`] may achieve its result.
@@ -134,6 +168,23 @@ pub trait Export: Send + Sync {
             hole: false,
             zero: false,
         }])
+    }
+
+    /// Names of the metadata contexts this export offers besides `base:allocation` that
+    /// start with `prefix` (the empty prefix: all of them). Each name is `namespace:leaf`
+    /// with a namespace other than `base`, at most
+    /// [`crate::protocol::STRING_LENGTH_MAX`] bytes. The default offers none.
+    fn meta_contexts(&self, prefix: &str) -> Vec<String> {
+        let _ = prefix;
+        Vec::new()
+    }
+
+    /// The context called exactly `name`, if this export offers it; `None` means the client
+    /// asked for a context that does not exist, which is not an error (the client simply
+    /// does not get it). The default offers none.
+    fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
+        let _ = name;
+        None
     }
 }
 

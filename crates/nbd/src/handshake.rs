@@ -2,7 +2,7 @@
 //! transmission, an abort or a hang-up.
 //!
 //! Owns the per-connection negotiation state (structured replies, extended headers, the
-//! selected metadata context and the export it was selected for). Invariants: option data is
+//! selected metadata contexts and the export they were selected for). Invariants: option data is
 //! never read beyond [`OPTION_DATA_LENGTH_MAX`] bytes (larger options get `ERR_TOO_BIG` and the
 //! connection closes); malformed option data gets `ERR_INVALID` and the loop goes on; unknown
 //! options get `ERR_UNSUP`; at most [`OPTIONS_MAX`] options are answered per connection. The
@@ -16,12 +16,23 @@
 //! and EXPORT_NAME (which cannot carry an error) closes the connection. Client-supplied strings reach error messages
 //! (and so the server's logs) only through [`quoted`]: escaped and at most
 //! [`QUOTED_CHARS_MAX`] characters, so one connection cannot write kilobytes into a log line.
+//!
+//! Metadata-context queries, for every namespace this server serves: a query that ends in
+//! `:` (a namespace such as `base:`, or a longer prefix such as `x-thinpool:diff:`) is a
+//! wildcard for NBD_OPT_LIST_META_CONTEXT, listing every context whose name starts with it,
+//! and selects nothing in NBD_OPT_SET_META_CONTEXT (as the protocol recommends); any other
+//! query names one context exactly. Unknown names and namespaces are ignored, never an error.
+//! A LIST without queries lists every context of the export. One SET selects at most
+//! [`CONTEXTS_SELECTED_MAX`] distinct contexts (more get `ERR_TOO_BIG`), each with its own id;
+//! a LIST or SET with more than [`CONTEXT_QUERIES_MAX`] queries gets `ERR_TOO_BIG`, so one
+//! option costs a bounded number of export lookups.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::export::{Export, ExportRegistry};
+use crate::export::{Export, ExportRegistry, MetaContext};
 use crate::protocol::{
     self, encode_option_reply, info, option, reply, transmission_flags, ExportRequest,
     MetaContextRequest, OptionHeader, BASE_ALLOCATION, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
@@ -32,6 +43,13 @@ use crate::tls::{Tls, TlsMode, Transport};
 
 /// Most options answered on one connection before the server hangs up.
 pub const OPTIONS_MAX: u32 = 4096;
+
+/// Most metadata contexts one NBD_OPT_SET_META_CONTEXT may select: each one adds a chunk,
+/// and a lookup, to every BLOCK_STATUS reply of the connection.
+pub const CONTEXTS_SELECTED_MAX: usize = 16;
+
+/// Most queries one NBD_OPT_LIST_META_CONTEXT or NBD_OPT_SET_META_CONTEXT may carry.
+pub const CONTEXT_QUERIES_MAX: usize = 4 * CONTEXTS_SELECTED_MAX;
 
 /// Most characters of a client-supplied string that [`quoted`] keeps.
 pub(crate) const QUOTED_CHARS_MAX: usize = 64;
@@ -71,12 +89,29 @@ pub(crate) enum ReplyStyle {
     Extended,
 }
 
+/// Where the status of a selected metadata context comes from.
+#[derive(Clone)]
+pub(crate) enum ContextSource {
+    /// `base:allocation`: [`Export::block_status`].
+    BaseAllocation,
+    /// A context the export offers, bound when it was selected.
+    Export(Arc<dyn MetaContext>),
+}
+
+/// A metadata context selected with NBD_OPT_SET_META_CONTEXT.
+#[derive(Clone)]
+pub(crate) struct SelectedContext {
+    /// The id the client was given for it; unique within the connection.
+    pub(crate) id: u32,
+    pub(crate) source: ContextSource,
+}
+
 /// What the transmission phase needs from negotiation.
 pub(crate) struct Negotiated {
     pub(crate) export: Arc<dyn Export>,
     pub(crate) style: ReplyStyle,
-    /// Context id for `base:allocation`, if selected for this export.
-    pub(crate) base_allocation_id: Option<u32>,
+    /// Contexts selected for this export, in the order their ids were given; empty if none.
+    pub(crate) contexts: Vec<SelectedContext>,
     /// Name the client used to select the export, cut to [`QUOTED_CHARS_MAX`] characters (for
     /// logs and events).
     pub(crate) requested_name: String,
@@ -101,8 +136,8 @@ struct Handshake<'a, S> {
     no_zeroes: bool,
     structured: bool,
     extended: bool,
-    /// Export name of the last SET_META_CONTEXT and the id of `base:allocation` if selected.
-    meta_selection: Option<(String, Option<u32>)>,
+    /// Export name of the last SET_META_CONTEXT and the contexts it selected.
+    meta_selection: Option<(String, Vec<SelectedContext>)>,
     next_context_id: u32,
     /// Unknown exports logged at info so far; past [`UNKNOWN_EXPORTS_LOGGED_MAX`], debug.
     unknown_exports_logged: std::cell::Cell<u32>,
@@ -341,14 +376,18 @@ impl<S: Transport> Handshake<'_, S> {
         } else {
             ReplyStyle::Simple
         };
-        let base_allocation_id = match &self.meta_selection {
-            Some((selected_for, id)) if *selected_for == name && style != ReplyStyle::Simple => *id,
-            _ => None,
+        let contexts = match &self.meta_selection {
+            Some((selected_for, contexts))
+                if *selected_for == name && style != ReplyStyle::Simple =>
+            {
+                contexts.clone()
+            }
+            _ => Vec::new(),
         };
         Negotiated {
             export,
             style,
-            base_allocation_id,
+            contexts,
             requested_name: truncated(&name),
         }
     }
@@ -435,34 +474,41 @@ impl<S: Transport> Handshake<'_, S> {
                 return self.reply(code, reply::ERR_INVALID, error.to_string().as_bytes());
             }
         };
-        if let Err(message) = self.open(&request.export_name)? {
-            return self.reply(code, reply::ERR_UNKNOWN, message.as_bytes());
+        if request.queries.len() > CONTEXT_QUERIES_MAX {
+            let message = format!(
+                "{} metadata context queries, at most {CONTEXT_QUERIES_MAX} allowed",
+                request.queries.len()
+            );
+            return self.reply(code, reply::ERR_TOO_BIG, message.as_bytes());
         }
-        let matches = if setting {
-            request.queries.iter().any(|query| query == BASE_ALLOCATION)
-        } else {
-            request.queries.is_empty()
-                || request
-                    .queries
-                    .iter()
-                    .any(|query| query == BASE_ALLOCATION || query == "base:")
+        let export = match self.open(&request.export_name)? {
+            Ok(export) => export,
+            Err(message) => return self.reply(code, reply::ERR_UNKNOWN, message.as_bytes()),
         };
-        let mut selected_id = None;
-        if matches {
-            let id = if setting {
-                let id = self.next_context_id;
-                self.next_context_id = self.next_context_id.wrapping_add(1).max(1);
-                selected_id = Some(id);
-                id
-            } else {
-                0
-            };
-            let payload = protocol::encode_meta_context_reply(id, BASE_ALLOCATION);
+        if !setting {
+            for name in listed_contexts(export.as_ref(), &request.queries) {
+                let payload = protocol::encode_meta_context_reply(0, &name);
+                self.reply(code, reply::META_CONTEXT, &payload)?;
+            }
+            return self.reply(code, reply::ACK, &[]);
+        }
+        let chosen = match selected_contexts(export.as_ref(), &request.queries) {
+            Ok(chosen) => chosen,
+            Err(()) => {
+                let message =
+                    format!("more than {CONTEXTS_SELECTED_MAX} metadata contexts selected");
+                return self.reply(code, reply::ERR_TOO_BIG, message.as_bytes());
+            }
+        };
+        let mut contexts = Vec::with_capacity(chosen.len());
+        for (name, source) in chosen {
+            let id = self.next_context_id;
+            self.next_context_id = self.next_context_id.wrapping_add(1).max(1);
+            let payload = protocol::encode_meta_context_reply(id, &name);
             self.reply(code, reply::META_CONTEXT, &payload)?;
+            contexts.push(SelectedContext { id, source });
         }
-        if setting {
-            self.meta_selection = Some((request.export_name, selected_id));
-        }
+        self.meta_selection = Some((request.export_name, contexts));
         self.reply(code, reply::ACK, &[])
     }
 
@@ -492,6 +538,90 @@ impl<S: Transport> Handshake<'_, S> {
         }
         flags
     }
+}
+
+/// Whether `name` may come from an export as a context of its own: `namespace:leaf` with a
+/// namespace other than `base`, within the protocol's string limit.
+fn is_export_context_name(name: &str) -> bool {
+    match name.split_once(':') {
+        Some((namespace, _)) => {
+            !namespace.is_empty()
+                && namespace != "base"
+                && name.len() <= protocol::STRING_LENGTH_MAX
+                && !name.contains('\0')
+        }
+        None => false,
+    }
+}
+
+/// The contexts NBD_OPT_LIST_META_CONTEXT answers for `queries` (see the module docs), each
+/// once, in the order found.
+fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    let mut seen: BTreeSet<String> = BTreeSet::new();
+    let mut add = |name: String, names: &mut Vec<String>| {
+        if seen.insert(name.clone()) {
+            names.push(name);
+        }
+    };
+    let everything = [String::new()];
+    let queries = if queries.is_empty() {
+        &everything[..]
+    } else {
+        queries
+    };
+    for query in queries {
+        let wildcard = query.is_empty() || query.ends_with(':');
+        if (wildcard && BASE_ALLOCATION.starts_with(query.as_str())) || query == BASE_ALLOCATION {
+            add(BASE_ALLOCATION.to_owned(), &mut names);
+        }
+        if query.starts_with("base:") {
+            continue;
+        }
+        for name in export.meta_contexts(query) {
+            let matches = if wildcard {
+                name.starts_with(query.as_str())
+            } else {
+                name == *query
+            };
+            if matches && is_export_context_name(&name) {
+                add(name, &mut names);
+            }
+        }
+    }
+    names
+}
+
+/// The contexts NBD_OPT_SET_META_CONTEXT selects for `queries`, each once; `Err` if they
+/// are more than [`CONTEXTS_SELECTED_MAX`].
+fn selected_contexts(
+    export: &dyn Export,
+    queries: &[String],
+) -> std::result::Result<Vec<(String, ContextSource)>, ()> {
+    let mut names: Vec<&str> = Vec::new();
+    let mut seen: BTreeSet<&str> = BTreeSet::new();
+    for query in queries {
+        let exact = query == BASE_ALLOCATION || is_export_context_name(query);
+        if exact && !query.ends_with(':') && seen.insert(query.as_str()) {
+            names.push(query);
+        }
+    }
+    let mut chosen = Vec::new();
+    for name in names {
+        let source = if name == BASE_ALLOCATION {
+            ContextSource::BaseAllocation
+        } else {
+            match export.meta_context(name) {
+                Some(context) => ContextSource::Export(context),
+                None => continue,
+            }
+        };
+        if chosen.len() == CONTEXTS_SELECTED_MAX {
+            return Err(());
+        }
+        chosen.push((name.to_owned(), source));
+    }
+    Ok(chosen)
 }
 
 /// The export's preferred block size if it is a power of two from 512 bytes to the maximum

@@ -32,7 +32,8 @@ pub mod tls;
 
 pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
-    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, ZeroOptions,
+    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
+    StatusExtent, ZeroOptions,
 };
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};
 pub use tls::{Tls, TlsMode};

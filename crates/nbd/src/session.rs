@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use crate::error::{Error, Result};
 use crate::export::Export;
-use crate::handshake::{Negotiated, ReplyStyle};
+use crate::handshake::{Negotiated, ReplyStyle, SelectedContext};
 use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
 
@@ -169,7 +169,8 @@ impl Scratch {
 struct Connection {
     export: Arc<dyn Export>,
     style: ReplyStyle,
-    base_allocation_id: Option<u32>,
+    /// Metadata contexts selected in the handshake; BLOCK_STATUS answers one chunk for each.
+    contexts: Vec<SelectedContext>,
     input: Mutex<Input>,
     writer: Mutex<Stream>,
     broken: AtomicBool,
@@ -232,7 +233,7 @@ pub(crate) fn serve(
     let connection = Arc::new(Connection {
         export: negotiated.export,
         style: negotiated.style,
-        base_allocation_id: negotiated.base_allocation_id,
+        contexts: negotiated.contexts,
         input: Mutex::new(Input::new(reader, idle_ticks_max)),
         idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),

@@ -14,6 +14,7 @@ pub mod error;
 pub mod format;
 pub mod ids;
 
+pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
 pub use engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
 pub use engine::pool::Pool;
 pub use engine::usage::VolumeSpace;

@@ -1,9 +1,9 @@
 //! [`MemoryExport`]: a sparse memory disk with a real allocation map, used by the tests.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
-use super::{Export, Extent, ZeroOptions};
+use super::{Export, Extent, MetaContext, StatusExtent, ZeroOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::BLOCK_SIZE_MIN;
 use crate::sync;
@@ -28,7 +28,8 @@ pub struct MemoryExport {
     size_bytes: u64,
     block_size_bytes: u64,
     read_only: bool,
-    blocks: Vec<RwLock<Block>>,
+    test_contexts: bool,
+    blocks: Arc<Vec<RwLock<Block>>>,
     fault_set: AtomicBool,
     fault: Mutex<Option<ErrorKind>>,
     flush_count: AtomicU64,
@@ -51,7 +52,8 @@ impl MemoryExport {
             size_bytes,
             block_size_bytes: Self::BLOCK_SIZE_DEFAULT,
             read_only: false,
-            blocks: Vec::new(),
+            test_contexts: false,
+            blocks: Arc::new(Vec::new()),
             fault_set: AtomicBool::new(false),
             fault: Mutex::new(None),
             flush_count: AtomicU64::new(0),
@@ -81,9 +83,22 @@ impl MemoryExport {
         self
     }
 
+    /// Offers the test metadata contexts ([`MemoryExport::TEST_CONTEXTS`]):
+    /// `x-memory:data` (flag 1 where a block holds written data), `x-memory:zeroed` (flag 1
+    /// where a block is allocated and known zero) and `x-memory:failing` (every request
+    /// fails with an I/O error).
+    pub fn with_test_contexts(mut self) -> Self {
+        self.test_contexts = true;
+        self
+    }
+
+    /// Names of the contexts [`MemoryExport::with_test_contexts`] offers.
+    pub const TEST_CONTEXTS: [&'static str; 3] =
+        ["x-memory:data", "x-memory:zeroed", "x-memory:failing"];
+
     fn reset_blocks(&mut self) {
         let count = self.size_bytes.div_ceil(self.block_size_bytes);
-        self.blocks = (0..count).map(|_| RwLock::new(Block::Unmapped)).collect();
+        self.blocks = Arc::new((0..count).map(|_| RwLock::new(Block::Unmapped)).collect());
     }
 
     /// Makes every later data operation fail with `kind` (or stop failing, with `None`).
@@ -300,6 +315,96 @@ impl Export for MemoryExport {
                     length_bytes: piece as u64,
                     hole,
                     zero,
+                }),
+            }
+        }
+        Ok(extents)
+    }
+
+    fn meta_contexts(&self, prefix: &str) -> Vec<String> {
+        if !self.test_contexts {
+            return Vec::new();
+        }
+        Self::TEST_CONTEXTS
+            .iter()
+            .filter(|name| name.starts_with(prefix))
+            .map(|name| name.to_string())
+            .collect()
+    }
+
+    fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
+        let which = match name {
+            _ if !self.test_contexts => return None,
+            "x-memory:data" => TestContext::Data,
+            "x-memory:zeroed" => TestContext::Zeroed,
+            "x-memory:failing" => TestContext::Failing,
+            _ => return None,
+        };
+        Some(Arc::new(BlockContext {
+            which,
+            blocks: Arc::clone(&self.blocks),
+            block_size_bytes: self.block_size_bytes,
+            size_bytes: self.size_bytes,
+        }))
+    }
+}
+
+/// Which test context a [`BlockContext`] reports.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TestContext {
+    Data,
+    Zeroed,
+    Failing,
+}
+
+/// A test context of a [`MemoryExport`]: flag 1 on the blocks of one state, or a failure.
+struct BlockContext {
+    which: TestContext,
+    blocks: Arc<Vec<RwLock<Block>>>,
+    block_size_bytes: u64,
+    size_bytes: u64,
+}
+
+impl MetaContext for BlockContext {
+    fn block_status(
+        &self,
+        offset: u64,
+        length: u64,
+        extents_max: usize,
+    ) -> Result<Vec<StatusExtent>> {
+        if self.which == TestContext::Failing {
+            return Err(Error::export(
+                ErrorKind::Io,
+                "x-memory:failing always fails",
+            ));
+        }
+        let end = offset
+            .checked_add(length)
+            .filter(|end| *end <= self.size_bytes)
+            .ok_or_else(|| {
+                Error::export(
+                    ErrorKind::InvalidArgument,
+                    format!("block status at {offset} length {length} is past the end"),
+                )
+            })?;
+        let mut extents: Vec<StatusExtent> = Vec::new();
+        let mut position = offset;
+        while position < end {
+            let index = (position / self.block_size_bytes) as usize;
+            let block_end = ((index as u64 + 1) * self.block_size_bytes).min(end);
+            let flags = match (&*sync::read(&self.blocks[index]), self.which) {
+                (Block::Data(_), TestContext::Data) | (Block::Zeroed, TestContext::Zeroed) => 1,
+                _ => 0,
+            };
+            let piece = block_end - position;
+            position = block_end;
+            let full = extents.len() >= extents_max;
+            match extents.last_mut() {
+                Some(last) if last.flags == flags => last.length_bytes += piece,
+                _ if full => break,
+                _ => extents.push(StatusExtent {
+                    length_bytes: piece,
+                    flags,
                 }),
             }
         }

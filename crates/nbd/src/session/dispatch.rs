@@ -15,6 +15,7 @@ use super::{Connection, Job, Scratch};
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
 use crate::export::ZeroOptions;
 use crate::handshake::ReplyStyle;
+use crate::handshake::{ContextSource, SelectedContext};
 use crate::protocol::{
     self, chunk, command, command_flags, encode_simple_reply, state, ChunkHeader, Descriptor,
     Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
@@ -78,35 +79,80 @@ impl Connection {
         }
     }
 
+    /// Answers BLOCK_STATUS with one status chunk per selected context, the last flagged
+    /// DONE, all in one write; if any context fails, the request gets that error instead.
     fn run_block_status(&self, request: &Request) {
-        let id = self
-            .base_allocation_id
-            .expect("checked before dispatch: context selected");
+        assert!(
+            !self.contexts.is_empty(),
+            "checked before dispatch: context selected"
+        );
         let one = request.flags & command_flags::REQ_ONE != 0;
         let extents_max = if one { 1 } else { EXTENTS_PER_REPLY_MAX };
-        let export = self.export.as_ref();
-        let result = call_export(request, || {
-            export.block_status(request.offset, request.length, extents_max)
-        })
-        .and_then(|extents| {
-            descriptors(
-                &extents,
-                request.length,
-                extents_max,
-                self.export.as_ref().name(),
-            )
-        });
-        match result {
-            Ok(descriptors) => {
-                let chunk_type = match self.style {
-                    ReplyStyle::Extended => chunk::BLOCK_STATUS_EXT,
-                    _ => chunk::BLOCK_STATUS,
-                };
-                let payload = protocol::encode_block_status(self.header_style(), id, &descriptors);
-                self.reply_chunk(request, chunk_type, &[&payload]);
+        let mut payloads = Vec::with_capacity(self.contexts.len());
+        for context in &self.contexts {
+            match self.context_descriptors(request, context, extents_max) {
+                Ok(descriptors) => payloads.push(protocol::encode_block_status(
+                    self.header_style(),
+                    context.id,
+                    &descriptors,
+                )),
+                Err(error) => return self.reply_error(request, &error),
             }
-            Err(error) => self.reply_error(request, &error),
         }
+        let chunk_type = match self.style {
+            ReplyStyle::Extended => chunk::BLOCK_STATUS_EXT,
+            _ => chunk::BLOCK_STATUS,
+        };
+        let last = payloads.len() - 1;
+        let headers: Vec<_> = payloads
+            .iter()
+            .enumerate()
+            .map(|(index, payload)| {
+                ChunkHeader {
+                    flags: if index == last { REPLY_FLAG_DONE } else { 0 },
+                    chunk_type,
+                    cookie: request.cookie,
+                    offset: request.offset,
+                    payload_length: payload.len() as u64,
+                }
+                .encode(self.header_style())
+            })
+            .collect();
+        let mut buffers = Vec::with_capacity(2 * payloads.len());
+        for (header, payload) in headers.iter().zip(&payloads) {
+            buffers.push(IoSlice::new(header.as_slice()));
+            buffers.push(IoSlice::new(payload));
+        }
+        self.send(&mut buffers);
+    }
+
+    /// The descriptors of one context for a BLOCK_STATUS request.
+    fn context_descriptors(
+        &self,
+        request: &Request,
+        context: &SelectedContext,
+        extents_max: usize,
+    ) -> Result<Vec<Descriptor>> {
+        let export = self.export.as_ref();
+        let extents: Vec<(u64, u32)> = match &context.source {
+            ContextSource::BaseAllocation => call_export(request, || {
+                export.block_status(request.offset, request.length, extents_max)
+            })?
+            .iter()
+            .map(|extent| {
+                let flags = if extent.hole { state::HOLE } else { 0 }
+                    | if extent.zero { state::ZERO } else { 0 };
+                (extent.length_bytes, flags)
+            })
+            .collect(),
+            ContextSource::Export(meta) => call_export(request, || {
+                meta.block_status(request.offset, request.length, extents_max)
+            })?
+            .iter()
+            .map(|extent| (extent.length_bytes, extent.flags))
+            .collect(),
+        };
+        descriptors(&extents, request.length, extents_max, export.name())
     }
 
     /// Writes one reply with a single vectored write; a failure marks the connection broken
@@ -189,27 +235,25 @@ impl Connection {
     }
 }
 
-/// Turns the export's extents into wire descriptors for a request of `length` bytes: drops
-/// empty extents, merges neighbours with equal flags, stops at the request end (clipping the
-/// last one) and at `descriptors_max`.
+/// Turns the export's extents (length in bytes, flags) into wire descriptors for a request
+/// of `length` bytes: drops empty extents, merges neighbours with equal flags, stops at the
+/// request end (clipping the last one) and at `descriptors_max`.
 fn descriptors(
-    extents: &[crate::export::Extent],
+    extents: &[(u64, u32)],
     length: u64,
     descriptors_max: usize,
     export_name: &str,
 ) -> Result<Vec<Descriptor>> {
     let mut out: Vec<Descriptor> = Vec::new();
     let mut covered = 0u64;
-    for extent in extents {
+    for &(extent_length, flags) in extents {
         if covered >= length {
             break;
         }
-        if extent.length_bytes == 0 {
+        if extent_length == 0 {
             continue;
         }
-        let flags =
-            if extent.hole { state::HOLE } else { 0 } | if extent.zero { state::ZERO } else { 0 };
-        let piece = extent.length_bytes.min(length - covered);
+        let piece = extent_length.min(length - covered);
         covered += piece;
         let full = out.len() >= descriptors_max;
         match out.last_mut() {
@@ -251,14 +295,9 @@ fn call_export<T>(request: &Request, call: impl FnOnce() -> Result<T>) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::export::Extent;
 
-    fn extent(length_bytes: u64, hole: bool) -> Extent {
-        Extent {
-            length_bytes,
-            hole,
-            zero: hole,
-        }
+    fn extent(length_bytes: u64, hole: bool) -> (u64, u32) {
+        (length_bytes, if hole { 3 } else { 0 })
     }
 
     #[test]

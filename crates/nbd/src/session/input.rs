@@ -390,7 +390,7 @@ impl Connection {
             );
         }
         if command == command::BLOCK_STATUS {
-            if self.base_allocation_id.is_none() {
+            if self.contexts.is_empty() {
                 return refuse(
                     ErrorKind::InvalidArgument,
                     "no metadata context selected".to_owned(),

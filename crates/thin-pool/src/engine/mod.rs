@@ -10,6 +10,7 @@
 //! - `volume`: volume I/O, on the caller's thread;
 //! - `provision`: what volume I/O needs from the pool (reserve, map, unmap a data block);
 //! - `commit`: applying queued ops and committing the metadata;
+//! - `diff`: the difference of two volumes (`thin_delta`), on committed trees;
 //! - `committer`: the periodic commit thread;
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
@@ -26,6 +27,7 @@ pub mod catalog;
 mod commit;
 mod committer;
 pub mod data_device;
+pub mod diff;
 pub mod gate;
 mod grace;
 pub mod index;

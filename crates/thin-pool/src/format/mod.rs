@@ -7,11 +7,12 @@
 //!
 //! Order: `superblock` and `details` (codecs) → `writer` (formatting, building the volume
 //! trees, committing: shared by both writers) → `metadata` (dm-thin's operations, one at a
-//! time) → `check`, `dump`, `restore`, `metadata_size` (the tools; `restore` writes through
+//! time) → `check`, `diff`, `dump`, `restore`, `metadata_size` (the tools; `restore` writes through
 //! `writer` too).
 
 pub mod check;
 pub mod details;
+pub mod diff;
 pub mod dump;
 pub mod metadata;
 pub mod metadata_size;
