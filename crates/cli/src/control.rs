@@ -15,6 +15,7 @@
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
+//!   -> {"op":"diff","base":"vm1","target":"snap"}        (answers {"ok":true,"diff":{...}})
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
@@ -61,6 +62,7 @@ const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest wait at shutdown for the accept loop and for requests being carried out.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
+pub mod diff;
 mod protocol;
 mod server;
 mod target;

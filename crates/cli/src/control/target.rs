@@ -77,6 +77,11 @@ impl Target {
                 &pool.status(),
                 &self.options,
             ))),
+            Request::Diff {
+                base,
+                target,
+                list_same,
+            } => super::diff::execute(pool, base, target, *list_same),
         }
     }
 
