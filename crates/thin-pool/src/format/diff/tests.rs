@@ -280,3 +280,53 @@ fn a_corrupt_child_pointer_is_an_error() {
     let request = DiffRequest::new(Some(MetadataBlock::new(0)), md.volume_root(a).ok());
     assert!(diff(md.transaction_manager(), &request).is_err());
 }
+
+/// A snapshot that grew a level (its root split) still shares the origin's leaves: the walk
+/// reads down to them from the taller side and skips them.
+#[test]
+fn trees_of_different_heights_share_their_leaves() {
+    let mut md = metadata(16384, 200_000);
+    let origin = VolumeId::new(0);
+    md.create_thin(origin).unwrap();
+    for block in 0..20_000 {
+        map(&mut md, origin, block * 2);
+    }
+    let snap = VolumeId::new(1);
+    md.create_snap(snap, origin).unwrap();
+    for block in 0..60_000 {
+        map(&mut md, snap, 100_000 + block);
+    }
+    map(&mut md, snap, 2 * 777);
+    md.commit().unwrap();
+    let tm = md.transaction_manager();
+    let (left, right) = (
+        md.volume_root(origin).unwrap(),
+        md.volume_root(snap).unwrap(),
+    );
+    let mut heights = Vec::new();
+    for root in [left, right] {
+        let mut walk = Walk {
+            source: tm,
+            nodes_read: 0,
+            keys: FULL,
+            ranges: Ranges::new(false),
+        };
+        heights.push(walk.height(root).unwrap());
+    }
+    assert!(heights[0] < heights[1], "heights {heights:?}");
+    check(&md, origin, snap, 0..=u64::MAX);
+    check(&md, snap, origin, 0..=u64::MAX);
+    // The snapshot's own part is read whole; of the part it shares with the origin, only
+    // the path to block 1554.
+    let walked = diff(tm, &DiffRequest::new(Some(left), Some(right))).unwrap();
+    let whole_snapshot = diff(tm, &DiffRequest::new(None, Some(right))).unwrap();
+    let whole_origin = diff(tm, &DiffRequest::new(Some(left), None)).unwrap();
+    assert_eq!(walked.ranges.len(), 2);
+    assert!(
+        walked.nodes_read < whole_snapshot.nodes_read - whole_origin.nodes_read + 20,
+        "{} nodes read; the snapshot's tree has {}, the origin's {}",
+        walked.nodes_read,
+        whole_snapshot.nodes_read,
+        whole_origin.nodes_read
+    );
+}
