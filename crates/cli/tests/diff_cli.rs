@@ -5,8 +5,9 @@
 //! Method: a pool made with the binary and filled through the library (writes, overwrites,
 //! discards, snapshots of snapshots, an unrelated volume), closed; `thinpool diff` on every
 //! pair of volumes against `thin_delta --thin1 ID --thin2 ID` on the pool's metadata file,
-//! byte for byte; then the pool is served, a block written over NBD (no flush), and the
-//! diff asked again through the server.
+//! byte for byte (ours opens the pool read-only: the metadata file stays as it was); then
+//! the pool is served, a block written over NBD (no flush), and the diff asked again
+//! through the server.
 
 mod e2e_support;
 
@@ -80,7 +81,9 @@ fn thin_delta(tools: &ThinTools, metadata: &std::path::Path, left: u64, right: u
 /// Every pair of volumes, `--format xml` against thin_delta 1.1.0.
 fn assert_xml_matches_thin_delta(pool: &str, metadata: &std::path::Path) {
     let tools = ThinTools::v1_1();
+    // `list` opens the pool read-write (and commits at close); `diff` opens it read-only.
     let volumes = ids(pool);
+    let before = std::fs::read(metadata).unwrap();
     assert_eq!(volumes.len(), 4);
     for (left, left_id) in &volumes {
         for (right, right_id) in &volumes {
@@ -92,6 +95,10 @@ fn assert_xml_matches_thin_delta(pool: &str, metadata: &std::path::Path) {
             }
         }
     }
+    assert!(
+        std::fs::read(metadata).unwrap() == before,
+        "diff changed the metadata"
+    );
 }
 
 fn json_ranges(pool: &str, base: &str, target: &str) -> Vec<(u64, u64, String)> {

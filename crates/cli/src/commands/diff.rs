@@ -7,14 +7,20 @@
 //! - `--format xml`: what `thin_delta --thin1 BASE_ID --thin2 TARGET_ID` prints for the same
 //!   metadata, byte for byte (`same` ranges included, so this form reads the shared part of
 //!   the trees too; the others cost only the difference).
+//!
+//! A diff changes nothing, so a pool no server holds is opened read-only: no check of the
+//! whole metadata first (its cost would dwarf the diff's), no commit at the end. Damaged
+//! metadata still gives an error, never a wrong answer or a hang (the walk checks every node
+//! it reads). A served pool answers through its control socket.
 
 use anyhow::Context;
 use std::io::Write;
 use std::process::ExitCode;
 
 use crate::control::diff::DiffRecord;
-use crate::control::{self, Outcome, Request};
-use crate::pool_dir::{format_size, table, PoolArg};
+use crate::control::{self, OpError, Outcome, Request, Target};
+use crate::pool_dir::{format_size, table, PoolArg, PoolDir, StoredOptions};
+use thin_pool::Pool;
 
 /// Output forms.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,7 +64,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         target: args.target.clone(),
         list_same: format == Format::Xml,
     };
-    let record = match control::ask(&dir, &request).with_context(|| {
+    let record = match ask(&dir, &request).with_context(|| {
         format!(
             "cannot compare volumes {:?} and {:?}",
             args.base, args.target
@@ -90,6 +96,42 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     out.flush()?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Carries out `request` on a read-only open of the pool, or through its server.
+fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
+    dir.require_pool()?;
+    crate::commands::restore::name_restored_volumes(&dir.path)?;
+    let options = StoredOptions::load(dir)?;
+    let pool_options = thin_pool::PoolOptions {
+        read_only: true,
+        ..options.pool_options()
+    };
+    let answer: Result<Outcome, OpError> = match Pool::open(&dir.path, pool_options) {
+        Ok(pool) => {
+            let target = Target {
+                pool,
+                options,
+                reserved_names: Vec::new(),
+            };
+            target.execute(request)
+        }
+        Err(thin_pool::Error::Locked { .. }) => {
+            let socket = dir.control_socket();
+            control::call(&socket, request).with_context(|| {
+                format!(
+                    "the pool in {} is held by another process, and its control socket {} does not answer",
+                    dir.path.display(),
+                    socket.display()
+                )
+            })?
+        }
+        Err(error) => {
+            return Err(error)
+                .with_context(|| format!("cannot open the pool in {}", dir.path.display()))
+        }
+    };
+    Ok(answer?)
 }
 
 /// The `--json` shape.
