@@ -33,6 +33,10 @@ const PROVISION_CHUNK_BYTES: u64 = 1 << 30;
 /// The 1% diff must take at most this share of the 10% one.
 const PROPORTION_MAX: f64 = 0.25;
 
+/// Diffs are short (a 1% diff takes about a millisecond), so a busy machine's preemptions
+/// weigh on one sample: take this many times the other sections' repetitions.
+const REPETITION_FACTOR: usize = 5;
+
 /// The rows of the diff section.
 pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     const POOL: &str = "diff";
@@ -70,7 +74,8 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         change(dir, &pool, name, blocks)?;
     }
     let (mut one, mut ten, mut scattered, mut full) = (vec![], vec![], vec![], vec![]);
-    for repetition in 0..sizes.repetition_count {
+    let repetition_count = sizes.repetition_count * REPETITION_FACTOR;
+    for repetition in 0..repetition_count {
         dir.check_interrupted()?;
         let mut measured = [0.0f64; 4];
         let mut order = [0usize, 1, 2, 3];
@@ -94,7 +99,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         progress(&format!(
             "diff {}/{}: 1% {:.2} ms, 10% {:.2} ms, 1% scattered {:.2} ms, full scan {:.2} ms",
             repetition + 1,
-            sizes.repetition_count,
+            repetition_count,
             measured[0],
             measured[1],
             measured[2],
