@@ -36,6 +36,7 @@ fn unknown_fields_are_refused_for_every_op() {
         r#"{"op":"status","x":1}"#,
         r#"{"op":"delete_volume","name":"a","force":true}"#,
         r#"{"op":"grow_data","size_bytes":1,"x":1}"#,
+        r#"{"op":"diff","base":"a","target":"b","x":1}"#,
     ] {
         let error = parse_request(line.as_bytes()).unwrap_err();
         assert!(error.contains("unknown field"), "{line}: {error}");
