@@ -37,9 +37,15 @@ pub enum Format {
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
 Examples:
-  thinpool diff vm1 vm1-snap --pool /srv/pool          # what changed since the snapshot
+  thinpool volume snapshot vm1 vm1-snap --pool /srv/pool
+  ... vm1 is written ...
+  thinpool diff vm1-snap vm1 --pool /srv/pool     # what vm1 changed since the snapshot
+  vm1-snap (id 1) -> vm1 (id 0): 3 blocks of 64.00KiB differ in 2 ranges (192.00KiB)
+  BLOCK  BLOCKS   OFFSET     LENGTH  KIND
+      3       1   196608   64.00KiB  changed
+     20       2  1310720  128.00KiB  target_only
   thinpool diff vm1-snap vm1 --json | jq '.ranges[]'   # byte ranges, for a backup tool
-  thinpool diff vm1 vm1-snap --format xml              # as thin_delta prints it")]
+  thinpool diff vm1-snap vm1 --format xml              # as thin_delta prints it")]
 pub struct Args {
     /// The base volume (thin_delta's left).
     base: String,
