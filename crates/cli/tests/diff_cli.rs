@@ -26,13 +26,15 @@ fn write_blocks(pool: &Pool, name: &str, blocks: impl IntoIterator<Item = u64>, 
     }
 }
 
-/// A closed pool in `dir`: `a` with 3000 mapped blocks, snapshots `s1` (of `a`) and `s2`
+/// A closed pool in `dir`: `a` with 5000 mapped blocks, snapshots `s1` (of `a`) and `s2`
 /// (of `s1`) with changes of their own, `a` changed after the snapshots, `other` unrelated.
 fn fill(dir: &std::path::Path) {
     create_pool(dir, &["--data-size", "1G"]);
     let pool = Pool::open(dir, PoolOptions::default()).unwrap();
     pool.create_volume("a", 512 * MIB).unwrap();
     write_blocks(&pool, "a", (0..4000).filter(|b| b % 4 != 1), 1);
+    // A run of 2000 mapped blocks, across many leaves.
+    write_blocks(&pool, "a", 4000..6000, 1);
     pool.snapshot("a", "s1", false).unwrap();
     write_blocks(&pool, "s1", [3, 4, 5, 100, 2001, 5000], 2);
     pool.volume("s1")
@@ -41,7 +43,7 @@ fn fill(dir: &std::path::Path) {
         .unwrap();
     pool.snapshot("s1", "s2", false).unwrap();
     write_blocks(&pool, "s2", (1000..1300).step_by(3), 3);
-    write_blocks(&pool, "a", [0, 8, 3999, 6000], 4);
+    write_blocks(&pool, "a", [0, 8, 3999, 7000], 4);
     pool.create_volume("other", 64 * MIB).unwrap();
     write_blocks(&pool, "other", 2..40, 5);
     pool.close().unwrap();
@@ -92,6 +94,8 @@ fn assert_xml_matches_thin_delta(pool: &str, metadata: &std::path::Path) {
             assert_eq!(ours, theirs, "{left} vs {right}");
             if (left.as_str(), right.as_str()) == ("a", "s1") {
                 assert!(ours.contains("\n    <different begin=\"0\" length=\"1\"/>\n    <same begin=\"2\" length=\"1\"/>\n"), "{ours}");
+                // Runs longer than a leaf make one range (s1 wrote 5000).
+                assert!(ours.contains("\n    <same begin=\"4000\" length=\"1000\"/>\n    <different begin=\"5000\" length=\"1\"/>\n    <same begin=\"5001\" length=\"999\"/>\n"), "{ours}");
             }
         }
     }
@@ -133,7 +137,7 @@ fn xml_is_thin_deltas_and_json_lists_the_writes() {
     assert_xml_matches_thin_delta(pool, &metadata);
 
     // s1 against a: a's writes after the snapshot (0, 8, 3999 break sharing: changed;
-    // 6000 is new), s1's own writes and its discard of 700..750.
+    // 7000 is new), s1's own writes and its discard of 700..750.
     assert_eq!(json_ranges(pool, "a", "s1"), expected_a_s1());
     assert_eq!(
         json_ranges(pool, "s1", "a")[0],
@@ -155,14 +159,15 @@ fn xml_is_thin_deltas_and_json_lists_the_writes() {
 
 /// The ranges of `diff a s1 --json`, from the writes `fill` made.
 fn expected_a_s1() -> Vec<(u64, u64, String)> {
-    let a_mapped = |b: u64| (b < 4000 && b % 4 != 1) || b == 6000;
+    let before = |b: u64| (b < 4000 && b % 4 != 1) || (4000..6000).contains(&b);
+    let a_mapped = |b: u64| before(b) || b == 7000;
     let mut kinds = std::collections::BTreeMap::new();
-    for b in 0..6001u64 {
-        let in_s1_before = b < 4000 && b % 4 != 1;
+    for b in 0..7001u64 {
+        let in_s1_before = before(b);
         let s1_mapped =
             (in_s1_before && !(700..750).contains(&b)) || [3, 4, 5, 100, 2001, 5000].contains(&b);
         let s1_own = [3, 4, 5, 100, 2001, 5000].contains(&b);
-        let a_own = [0, 8, 3999, 6000].contains(&b);
+        let a_own = [0, 8, 3999, 7000].contains(&b);
         let kind = match (a_mapped(b), s1_mapped) {
             (true, true) if s1_own || a_own => "changed",
             (true, false) => "base_only",
