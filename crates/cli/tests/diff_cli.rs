@@ -1,5 +1,5 @@
-//! Goal: `thinpool diff` reports what differs between two volumes: `--format xml` exactly as
-//! thin_delta 1.1.0 prints it for the same metadata, `--json` the byte ranges of known
+//! Goal: `thinpool diff` reports what differs between two volumes: `--format xml` (and with
+//! `--verbose`) exactly as thin_delta 1.1.0 prints it for the same metadata, `--json` the byte ranges of known
 //! writes, and the same answers through a served pool's control socket, including writes
 //! not committed yet.
 //! Method: a pool made with the binary and filled through the library (writes, overwrites,
@@ -65,22 +65,25 @@ fn ids(pool: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
-fn thin_delta(tools: &ThinTools, metadata: &std::path::Path, left: u64, right: u64) -> String {
-    let output = tools.run(
-        "thin_delta",
-        &[
-            "--thin1",
-            &left.to_string(),
-            "--thin2",
-            &right.to_string(),
-            metadata.to_str().unwrap(),
-        ],
-    );
+fn thin_delta(
+    tools: &ThinTools,
+    metadata: &std::path::Path,
+    left: u64,
+    right: u64,
+    verbose: bool,
+) -> String {
+    let (left, right) = (left.to_string(), right.to_string());
+    let mut args = vec!["--thin1", &left, "--thin2", &right];
+    if verbose {
+        args.push("--verbose");
+    }
+    args.push(metadata.to_str().unwrap());
+    let output = tools.run("thin_delta", &args);
     output.assert_success();
     output.stdout
 }
 
-/// Every pair of volumes, `--format xml` against thin_delta 1.1.0.
+/// Every pair of volumes, `--format xml` (and `--verbose`) against thin_delta 1.1.0.
 fn assert_xml_matches_thin_delta(pool: &str, metadata: &std::path::Path) {
     let tools = ThinTools::v1_1();
     // `list` opens the pool read-write (and commits at close); `diff` opens it read-only.
@@ -90,8 +93,20 @@ fn assert_xml_matches_thin_delta(pool: &str, metadata: &std::path::Path) {
     for (left, left_id) in &volumes {
         for (right, right_id) in &volumes {
             let ours = thinpool_ok(&["diff", left, right, "--format", "xml", "--pool", pool]);
-            let theirs = thin_delta(&tools, metadata, *left_id, *right_id);
+            let theirs = thin_delta(&tools, metadata, *left_id, *right_id, false);
             assert_eq!(ours, theirs, "{left} vs {right}");
+            let ours_verbose = thinpool_ok(&[
+                "diff",
+                left,
+                right,
+                "--format",
+                "xml",
+                "--verbose",
+                "--pool",
+                pool,
+            ]);
+            let theirs_verbose = thin_delta(&tools, metadata, *left_id, *right_id, true);
+            assert_eq!(ours_verbose, theirs_verbose, "{left} vs {right}, --verbose");
             if (left.as_str(), right.as_str()) == ("a", "s1") {
                 assert!(ours.contains("\n    <different begin=\"0\" length=\"1\"/>\n    <same begin=\"2\" length=\"1\"/>\n"), "{ours}");
                 // Runs longer than a leaf make one range (s1 wrote 5000).
@@ -195,6 +210,17 @@ fn a_served_pool_answers_the_same_and_sees_uncommitted_writes() {
     let offline_json = thinpool_ok(&["diff", "a", "s2", "--json", "--pool", pool]);
     let offline_xml = thinpool_ok(&["diff", "a", "s2", "--format", "xml", "--pool", pool]);
     let offline_text = thinpool_ok(&["diff", "a", "s2", "--pool", pool]);
+    let verbose = [
+        "diff",
+        "a",
+        "s2",
+        "--format",
+        "xml",
+        "--verbose",
+        "--pool",
+        pool,
+    ];
+    let offline_verbose = thinpool_ok(&verbose);
     let served = serve(&dir, &[]);
     assert_eq!(
         thinpool_ok(&["diff", "a", "s2", "--json", "--pool", pool]),
@@ -208,6 +234,7 @@ fn a_served_pool_answers_the_same_and_sees_uncommitted_writes() {
         thinpool_ok(&["diff", "a", "s2", "--pool", pool]),
         offline_text
     );
+    assert_eq!(thinpool_ok(&verbose), offline_verbose);
     // A write over NBD without a flush: the diff commits it first.
     assert!(!json_ranges(pool, "s2", "other")
         .iter()

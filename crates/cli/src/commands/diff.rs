@@ -6,7 +6,8 @@
 //!   "length":bytes,"kind":"changed|base_only|target_only"}]}`;
 //! - `--format xml`: what `thin_delta --thin1 BASE_ID --thin2 TARGET_ID` prints for the same
 //!   metadata, byte for byte (`same` ranges included, so this form reads the shared part of
-//!   the trees too; the others cost only the difference).
+//!   the trees too; the others cost only the difference); with `--verbose`, what
+//!   `thin_delta --verbose` prints (ranges grouped by kind, with their first data blocks).
 //!
 //! A diff changes nothing, so a pool no server holds is opened read-only: no check of the
 //! whole metadata first (its cost would dwarf the diff's), no commit at the end. Damaged
@@ -45,7 +46,8 @@ Examples:
       3       1   196608   64.00KiB  changed
      20       2  1310720  128.00KiB  target_only
   thinpool diff vm1-snap vm1 --json | jq '.ranges[]'   # byte ranges, for a backup tool
-  thinpool diff vm1-snap vm1 --format xml              # as thin_delta prints it")]
+  thinpool diff vm1-snap vm1 --format xml              # as thin_delta prints it
+  thinpool diff vm1-snap vm1 --format xml --verbose    # as thin_delta --verbose")]
 pub struct Args {
     /// The base volume (thin_delta's left).
     base: String,
@@ -59,11 +61,17 @@ pub struct Args {
     /// Same as `--format json`.
     #[arg(long = "json", conflicts_with = "format")]
     json: bool,
+    /// With `--format xml`: thin_delta's `--verbose` form (data blocks of each range).
+    #[arg(long = "verbose")]
+    verbose: bool,
 }
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let format = if args.json { Format::Json } else { args.format };
+    if args.verbose && format != Format::Xml {
+        anyhow::bail!("--verbose goes with --format xml");
+    }
     let dir = args.pool.resolve();
     let request = Request::Diff {
         base: args.base.clone(),
@@ -97,6 +105,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 u32::try_from(record.base_id)?,
                 u32::try_from(record.target_id)?,
                 &ranges,
+                args.verbose,
             )?;
         }
     }

@@ -60,6 +60,12 @@ pub struct DiffRangeRecord {
     pub length: u64,
     /// `changed`, `base_only`, `target_only`, or `same`.
     pub kind: String,
+    /// With `list_same`: the data block the first block maps to in the base, if mapped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_data_begin: Option<u64>,
+    /// With `list_same`: the same in the target.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target_data_begin: Option<u64>,
 }
 
 /// `same` in a [`DiffRangeRecord`].
@@ -92,6 +98,8 @@ impl DiffRecord {
                     begin: range.begin,
                     length: range.length,
                     kind,
+                    left_data_begin: range.base_data_begin,
+                    right_data_begin: range.target_data_begin,
                 })
             })
             .collect()
@@ -116,6 +124,8 @@ pub fn execute(pool: &Pool, base: &str, target: &str, list_same: bool) -> Result
                     DeltaKind::RightOnly => DiffKind::TargetOnly.as_str(),
                 }
                 .to_string(),
+                base_data_begin: range.left_data_begin,
+                target_data_begin: range.right_data_begin,
             })
             .collect();
         let header = delta.header;
@@ -135,6 +145,8 @@ pub fn execute(pool: &Pool, base: &str, target: &str, list_same: bool) -> Result
                 begin: range.begin.get(),
                 length: range.length,
                 kind: range.kind.as_str().to_string(),
+                base_data_begin: None,
+                target_data_begin: None,
             })
             .collect();
         (None, ranges)

@@ -36,21 +36,23 @@ fn naive(
     keys: RangeInclusive<u64>,
     list_same: bool,
 ) -> Vec<DeltaRange> {
-    let mut all: BTreeMap<u64, DeltaKind> = BTreeMap::new();
+    let mut all: BTreeMap<u64, (DeltaKind, Option<u64>, Option<u64>)> = BTreeMap::new();
     for (&k, &l) in left.range(keys.clone()) {
-        let kind = match right.get(&k) {
+        let r = right.get(&k).copied();
+        let kind = match r {
             None => DeltaKind::LeftOnly,
-            Some(&r) if r == l => DeltaKind::Same,
+            Some(r) if r == l => DeltaKind::Same,
             Some(_) => DeltaKind::Different,
         };
-        all.insert(k, kind);
+        all.insert(k, (kind, Some(l), r));
     }
-    for (&k, _) in right.range(keys) {
-        all.entry(k).or_insert(DeltaKind::RightOnly);
+    for (&k, &r) in right.range(keys) {
+        all.entry(k)
+            .or_insert((DeltaKind::RightOnly, None, Some(r)));
     }
     let mut ranges = Ranges::new(list_same);
-    for (k, kind) in all {
-        ranges.push(k, kind);
+    for (k, (kind, l, r)) in all {
+        ranges.push(k, kind, l, r);
     }
     ranges.finish()
 }
@@ -148,7 +150,9 @@ fn extreme_keys_and_empty_trees() {
         vec![DeltaRange {
             begin: u64::MAX - 1,
             length: 2,
-            kind: DeltaKind::LeftOnly
+            kind: DeltaKind::LeftOnly,
+            left_data_begin: Some(1),
+            right_data_begin: None,
         }]
     );
 }
@@ -233,7 +237,9 @@ fn a_key_range_bounds_the_walk() {
         vec![DeltaRange {
             begin: 50_000,
             length: 100,
-            kind: DeltaKind::LeftOnly
+            kind: DeltaKind::LeftOnly,
+            left_data_begin: Some(50_000),
+            right_data_begin: None,
         }]
     );
     assert!(walked.nodes_read <= 12, "{} nodes read", walked.nodes_read);
@@ -253,17 +259,34 @@ fn xml_is_thin_deltas_form() {
             begin: 0,
             length: 2,
             kind: DeltaKind::Same,
+            left_data_begin: Some(7),
+            right_data_begin: Some(7),
         },
         DeltaRange {
             begin: 5,
             length: 1,
             kind: DeltaKind::RightOnly,
+            left_data_begin: None,
+            right_data_begin: Some(9),
+        },
+        DeltaRange {
+            begin: 8,
+            length: 1,
+            kind: DeltaKind::RightOnly,
+            left_data_begin: None,
+            right_data_begin: Some(3),
         },
     ];
-    write_xml(&mut out, &header, 0, 1, &ranges).unwrap();
+    write_xml(&mut out, &header, 0, 1, &ranges, false).unwrap();
     assert_eq!(
         String::from_utf8(out).unwrap(),
-        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same begin=\"0\" length=\"2\"/>\n    <right_only begin=\"5\" length=\"1\"/>\n  </diff>\n</superblock>"
+        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same begin=\"0\" length=\"2\"/>\n    <right_only begin=\"5\" length=\"1\"/>\n    <right_only begin=\"8\" length=\"1\"/>\n  </diff>\n</superblock>"
+    );
+    let mut out = Vec::new();
+    write_xml(&mut out, &header, 0, 1, &ranges, true).unwrap();
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same>\n      <range begin=\"0\" data_begin=\"7\" length=\"2\"/>\n    </same>\n    <right_only>\n      <range begin=\"5\" data_begin=\"9\" length=\"1\"/>\n      <range begin=\"8\" data_begin=\"3\" length=\"1\"/>\n    </right_only>\n  </diff>\n</superblock>"
     );
 }
 
