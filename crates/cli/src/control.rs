@@ -19,6 +19,7 @@
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
 //!   -> {"op":"reserve_metadata_snap"}                    (answers with the status)
 //!   -> {"op":"release_metadata_snap"}                    (answers with the status)
+//!   -> {"op":"diff","base":"vm1","target":"snap"}        (answers {"ok":true,"diff":{...}})
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
@@ -65,6 +66,7 @@ const ACCEPT_POLL_INTERVAL: Duration = Duration::from_millis(100);
 /// Longest wait at shutdown for the accept loop and for requests being carried out.
 pub const STOP_WAIT: Duration = Duration::from_secs(5);
 
+pub mod diff;
 mod listing;
 mod log;
 mod protocol;

@@ -48,6 +48,8 @@ enum Command {
     Serve(commands::serve::Args),
     /// Measure the engine against the raw data device, side by side.
     Bench(commands::bench::Args),
+    /// List the blocks in which two volumes differ (like thin_delta).
+    Diff(commands::diff::Args),
 }
 
 fn main() -> ExitCode {
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         Command::MetadataSnap(command) => commands::metadata_snap::run(command),
         Command::Serve(args) => commands::serve::run(args),
         Command::Bench(args) => commands::bench::run(args),
+        Command::Diff(args) => commands::diff::run(args),
     };
     match result {
         Ok(code) => code,

@@ -6,7 +6,8 @@
 //! sharing rule (a write to a mapping older than the volume's last snapshot gets a new data
 //! block; any other write stays in place). After each step a random pair of volumes is
 //! diffed, whole and over a random block range, and compared with the model's diff; the
-//! pool never commits on its own, so `diff` must commit what is queued.
+//! pool never commits on its own, so `diff` must commit what is queued. Then diffs run
+//! while another thread writes: each lists every write completed before it.
 //! The cost of the walk in nodes read is tested with the walk itself (`format::diff`).
 
 use std::collections::BTreeMap;
@@ -236,4 +237,59 @@ fn delta_lists_same_ranges_too() {
         pool.diff("a", "nope", None),
         Err(thin_pool::Error::NoSuchVolume(_))
     ));
+}
+
+/// A diff taken while another thread writes lists every write that completed before it was
+/// called, and nothing that was never written; writes go on meanwhile (no deadlock between
+/// the diff's commits and provisioning).
+#[test]
+fn diff_sees_every_completed_write_while_writes_go_on() {
+    use rand::seq::SliceRandom;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    let (_report, mut rng) = testkit::seed::seeded_rng();
+    let pool = pool();
+    let blocks = 1024u64;
+    pool.create_volume("a", blocks * BLOCK).unwrap();
+    let a = pool.volume("a").unwrap();
+    a.write_zeroes(0, blocks * BLOCK, false, false).unwrap();
+    drop(a);
+    pool.snapshot("a", "b", false).unwrap();
+    let mut order: Vec<u64> = (0..blocks).collect();
+    order.shuffle(&mut rng);
+    let order = Arc::new(order[..600].to_vec());
+    let done = Arc::new(AtomicUsize::new(0));
+    let writer = {
+        let (pool, order, done) = (pool.clone(), order.clone(), done.clone());
+        std::thread::spawn(move || {
+            let b = pool.volume("b").unwrap();
+            let data = vec![9u8; 4096];
+            for &block in order.iter() {
+                b.write(block * BLOCK, &data, false).unwrap();
+                done.fetch_add(1, Ordering::Release);
+            }
+        })
+    };
+    let written: std::collections::BTreeSet<u64> = order.iter().copied().collect();
+    loop {
+        let completed = done.load(Ordering::Acquire);
+        let diff = pool.diff("a", "b", None).unwrap();
+        let listed: std::collections::BTreeSet<u64> = diff
+            .ranges
+            .iter()
+            .inspect(|r| assert_eq!(r.kind, DiffKind::Changed, "{r:?}"))
+            .flat_map(|r| r.begin.get()..r.begin.get() + r.length)
+            .collect();
+        for block in &order[..completed] {
+            assert!(listed.contains(block), "block {block} written, not listed");
+        }
+        assert!(
+            listed.is_subset(&written),
+            "a block listed that was never written"
+        );
+        if completed == order.len() {
+            break;
+        }
+    }
+    writer.join().unwrap();
 }

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod check;
 pub mod create;
+pub mod diff;
 pub mod dump;
 pub mod list;
 pub mod metadata_size;

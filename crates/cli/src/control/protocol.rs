@@ -7,6 +7,7 @@ use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use thin_pool::{PoolStatus, VolumeInfo};
 
+use super::diff::DiffRecord;
 use crate::pool_dir::{percent, StoredOptions};
 
 /// One management request.
@@ -73,6 +74,16 @@ pub enum Request {
     ReleaseMetadataSnap,
     /// Pool status.
     Status,
+    /// The blocks in which two volumes differ (see `control/diff.rs`).
+    Diff {
+        /// The base volume.
+        base: String,
+        /// The target volume.
+        target: String,
+        /// List `same` ranges too, with the superblock fields (`thin_delta`'s report).
+        #[serde(default)]
+        list_same: bool,
+    },
 }
 
 /// One volume, as `list` and the volume commands report it.
@@ -208,6 +219,8 @@ pub enum Outcome {
     Status(StatusRecord),
     /// Done; nothing to report (delete).
     Done,
+    /// Two volumes compared.
+    Diff(Box<DiffRecord>),
 }
 
 impl Outcome {
@@ -308,6 +321,8 @@ pub(super) struct Response {
     status: Option<StatusRecord>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<OpError>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    diff: Option<Box<DiffRecord>>,
 }
 
 impl From<Result<Outcome, OpError>> for Response {
@@ -332,6 +347,11 @@ impl From<Result<Outcome, OpError>> for Response {
                 ok: true,
                 ..Response::default()
             },
+            Ok(Outcome::Diff(diff)) => Response {
+                ok: true,
+                diff: Some(diff),
+                ..Response::default()
+            },
             Err(error) => Response {
                 ok: false,
                 error: Some(error),
@@ -347,6 +367,12 @@ impl Response {
             return Ok(Err(self
                 .error
                 .context("control socket answered ok=false without an error")?));
+        }
+        if let Some(diff) = self.diff {
+            if self.volume.is_some() || self.volumes.is_some() || self.status.is_some() {
+                bail!("control socket answered with more than one result");
+            }
+            return Ok(Ok(Outcome::Diff(diff)));
         }
         Ok(Ok(match (self.volume, self.volumes, self.status) {
             (Some(volume), None, None) => Outcome::Volume(volume),

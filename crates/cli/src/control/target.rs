@@ -17,10 +17,13 @@ pub struct Target {
 }
 
 impl Target {
-    /// Carries out one request; a change (anything but list and status) is logged with its
-    /// result, one line, at info.
+    /// Carries out one request; a change (anything but list, status and diff) is logged with
+    /// its result, one line, at info.
     pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
-        if matches!(request, Request::List | Request::Status) {
+        if matches!(
+            request,
+            Request::List | Request::Status | Request::Diff { .. }
+        ) {
             return self.perform(request);
         }
         let result = self
@@ -127,6 +130,11 @@ impl Target {
                 &pool.status(),
                 &self.options,
             ))),
+            Request::Diff {
+                base,
+                target,
+                list_same,
+            } => super::diff::execute(pool, base, target, *list_same),
         }
     }
 

@@ -40,6 +40,7 @@ fn unknown_fields_are_refused_for_every_op() {
         r#"{"op":"release_metadata_snap","x":1}"#,
         r#"{"op":"revert_volume","name":"a","snapshot":"b","force":true}"#,
         r#"{"op":"rename_volume","name":"a","new_name":"b","x":1}"#,
+        r#"{"op":"diff","base":"a","target":"b","x":1}"#,
     ] {
         let error = parse_request(line.as_bytes()).unwrap_err();
         assert!(error.contains("unknown field"), "{line}: {error}");

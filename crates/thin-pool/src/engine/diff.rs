@@ -13,7 +13,9 @@
 //! transaction are never written in place and are reused only by a later commit, which the
 //! commit lock keeps out. So writes (they only reserve blocks and queue ops under the
 //! metadata mutex) and reads (lock-free) go on during the walk; a flush or a management
-//! operation waits for it, for a time that follows the difference.
+//! operation waits for it, for a time that follows the difference. When that commit is
+//! refused (a read-only pool, or out of metadata space with writes queued), the diff fails
+//! with the same error rather than answer without those writes.
 //!
 //! Volumes of different sizes: blocks past the end of the smaller one count as unmapped in
 //! it (the part past its end is walked against an empty tree).

@@ -76,6 +76,11 @@ pub struct DeltaRange {
     pub length: u64,
     /// How they compare.
     pub kind: DeltaKind,
+    /// The data block the first block maps to in the left volume (None: unmapped there).
+    /// The range's other blocks need not follow it (`thin_delta --verbose` prints this one).
+    pub left_data_begin: Option<u64>,
+    /// The same in the right volume.
+    pub right_data_begin: Option<u64>,
 }
 
 /// What a diff walk reads and where.
@@ -290,7 +295,11 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
         while let Some(item) = pending.pop() {
             match item {
                 Item::Subtree(subtree) => self.expand(&mut pending, subtree)?,
-                Item::Entry { key, .. } => self.ranges.push(key, DeltaKind::Same),
+                Item::Entry { key, value } => {
+                    let data = data_block(value);
+                    self.ranges
+                        .push(key, DeltaKind::Same, Some(data), Some(data))
+                }
             }
         }
         Ok(())
@@ -305,7 +314,12 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
                     left.pop();
                     match l {
                         Item::Subtree(s) => self.expand(left, s)?,
-                        Item::Entry { key, .. } => self.ranges.push(key, DeltaKind::LeftOnly),
+                        Item::Entry { key, value } => self.ranges.push(
+                            key,
+                            DeltaKind::LeftOnly,
+                            Some(data_block(value)),
+                            None,
+                        ),
                     }
                     continue;
                 }
@@ -313,45 +327,51 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
                     right.pop();
                     match r {
                         Item::Subtree(s) => self.expand(right, s)?,
-                        Item::Entry { key, .. } => self.ranges.push(key, DeltaKind::RightOnly),
+                        Item::Entry { key, value } => self.ranges.push(
+                            key,
+                            DeltaKind::RightOnly,
+                            None,
+                            Some(data_block(value)),
+                        ),
                     }
                     continue;
                 }
             };
             match (l, r) {
                 (Item::Entry { key: lk, value: lv }, Item::Entry { key: rk, value: rv }) => {
+                    let (ld, rd) = (data_block(lv), data_block(rv));
                     if lk < rk {
                         left.pop();
-                        self.ranges.push(lk, DeltaKind::LeftOnly);
+                        self.ranges.push(lk, DeltaKind::LeftOnly, Some(ld), None);
                     } else if rk < lk {
                         right.pop();
-                        self.ranges.push(rk, DeltaKind::RightOnly);
+                        self.ranges.push(rk, DeltaKind::RightOnly, None, Some(rd));
                     } else {
                         left.pop();
                         right.pop();
-                        let same = BlockTime::unpack(lv).data_block()
-                            == BlockTime::unpack(rv).data_block();
-                        let kind = if same {
+                        let kind = if ld == rd {
                             DeltaKind::Same
                         } else {
                             DeltaKind::Different
                         };
-                        self.ranges.push(lk, kind);
+                        self.ranges.push(lk, kind, Some(ld), Some(rd));
                     }
                 }
-                (Item::Entry { key, .. }, Item::Subtree(s)) => {
+                (Item::Entry { key, value }, Item::Subtree(s)) => {
                     if u128::from(key) < s.interval.0 {
                         left.pop();
-                        self.ranges.push(key, DeltaKind::LeftOnly);
+                        self.ranges
+                            .push(key, DeltaKind::LeftOnly, Some(data_block(value)), None);
                     } else {
                         right.pop();
                         self.expand(right, s)?;
                     }
                 }
-                (Item::Subtree(s), Item::Entry { key, .. }) => {
+                (Item::Subtree(s), Item::Entry { key, value }) => {
                     if u128::from(key) < s.interval.0 {
                         right.pop();
-                        self.ranges.push(key, DeltaKind::RightOnly);
+                        self.ranges
+                            .push(key, DeltaKind::RightOnly, None, Some(data_block(value)));
                     } else {
                         left.pop();
                         self.expand(left, s)?;
@@ -392,6 +412,11 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
             }
         }
     }
+}
+
+/// The data block of a packed mapping value.
+fn data_block(value: u64) -> u64 {
+    BlockTime::unpack(value).data_block().get()
 }
 
 /// A node's keys strictly increase and lie inside the interval its parent gives it (the
@@ -437,8 +462,9 @@ impl Ranges {
         }
     }
 
-    /// Add virtual block `key`, greater than every key added before.
-    fn push(&mut self, key: u64, kind: DeltaKind) {
+    /// Add virtual block `key`, greater than every key added before, mapped to `left` and
+    /// `right` data blocks.
+    fn push(&mut self, key: u64, kind: DeltaKind, left: Option<u64>, right: Option<u64>) {
         if let Some(current) = &mut self.current {
             let end = u128::from(current.begin) + u128::from(current.length);
             assert!(
@@ -458,6 +484,8 @@ impl Ranges {
                 begin: key,
                 length: 1,
                 kind,
+                left_data_begin: left,
+                right_data_begin: right,
             });
         }
     }
@@ -481,15 +509,20 @@ pub struct DeltaHeader {
     pub data_block_count: u64,
 }
 
-/// Print a diff as `thin_delta` 1.1.0 prints it (its default form: every range, `same`
-/// included, as one element each; no newline after the last line). `ranges` must list
-/// `same` ranges for the output to match.
+/// Print a diff as `thin_delta` 1.1.0 prints it, no newline after the last line. `ranges`
+/// must list `same` ranges for the output to match.
+///
+/// The default form gives each range one element; `verbose` (`thin_delta --verbose`)
+/// groups consecutive ranges of one kind in one element, each a `<range>` with the data
+/// block its first block maps to (`data_begin`, or `left_data_begin` and
+/// `right_data_begin` for `different`).
 pub fn write_xml(
     out: &mut dyn Write,
     header: &DeltaHeader,
     left_id: u32,
     right_id: u32,
     ranges: &[DeltaRange],
+    verbose: bool,
 ) -> std::io::Result<()> {
     writeln!(
         out,
@@ -497,17 +530,50 @@ pub fn write_xml(
         header.time, header.transaction_id, header.data_block_size_sectors, header.data_block_count
     )?;
     writeln!(out, "  <diff left=\"{left_id}\" right=\"{right_id}\">")?;
-    for range in ranges {
-        writeln!(
-            out,
-            "    <{} begin=\"{}\" length=\"{}\"/>",
-            range.kind.xml_name(),
-            range.begin,
-            range.length
-        )?;
+    if verbose {
+        write_verbose_ranges(out, ranges)?;
+    } else {
+        for range in ranges {
+            writeln!(
+                out,
+                "    <{} begin=\"{}\" length=\"{}\"/>",
+                range.kind.xml_name(),
+                range.begin,
+                range.length
+            )?;
+        }
     }
     writeln!(out, "  </diff>")?;
     write!(out, "</superblock>")
+}
+
+/// The ranges of `thin_delta --verbose`: a run of one kind in one element.
+fn write_verbose_ranges(out: &mut dyn Write, ranges: &[DeltaRange]) -> std::io::Result<()> {
+    let data = |block: Option<u64>| block.map_or_else(|| "?".to_string(), |b| b.to_string());
+    for run in ranges.chunk_by(|a, b| a.kind == b.kind) {
+        let name = run[0].kind.xml_name();
+        writeln!(out, "    <{name}>")?;
+        for range in run {
+            let data_begin = match range.kind {
+                DeltaKind::Different => format!(
+                    "left_data_begin=\"{}\" right_data_begin=\"{}\"",
+                    data(range.left_data_begin),
+                    data(range.right_data_begin)
+                ),
+                DeltaKind::RightOnly => format!("data_begin=\"{}\"", data(range.right_data_begin)),
+                DeltaKind::Same | DeltaKind::LeftOnly => {
+                    format!("data_begin=\"{}\"", data(range.left_data_begin))
+                }
+            };
+            writeln!(
+                out,
+                "      <range begin=\"{}\" {data_begin} length=\"{}\"/>",
+                range.begin, range.length
+            )?;
+        }
+        writeln!(out, "    </{name}>")?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

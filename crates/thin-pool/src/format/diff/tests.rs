@@ -36,21 +36,23 @@ fn naive(
     keys: RangeInclusive<u64>,
     list_same: bool,
 ) -> Vec<DeltaRange> {
-    let mut all: BTreeMap<u64, DeltaKind> = BTreeMap::new();
+    let mut all: BTreeMap<u64, (DeltaKind, Option<u64>, Option<u64>)> = BTreeMap::new();
     for (&k, &l) in left.range(keys.clone()) {
-        let kind = match right.get(&k) {
+        let r = right.get(&k).copied();
+        let kind = match r {
             None => DeltaKind::LeftOnly,
-            Some(&r) if r == l => DeltaKind::Same,
+            Some(r) if r == l => DeltaKind::Same,
             Some(_) => DeltaKind::Different,
         };
-        all.insert(k, kind);
+        all.insert(k, (kind, Some(l), r));
     }
-    for (&k, _) in right.range(keys) {
-        all.entry(k).or_insert(DeltaKind::RightOnly);
+    for (&k, &r) in right.range(keys) {
+        all.entry(k)
+            .or_insert((DeltaKind::RightOnly, None, Some(r)));
     }
     let mut ranges = Ranges::new(list_same);
-    for (k, kind) in all {
-        ranges.push(k, kind);
+    for (k, (kind, l, r)) in all {
+        ranges.push(k, kind, l, r);
     }
     ranges.finish()
 }
@@ -148,7 +150,9 @@ fn extreme_keys_and_empty_trees() {
         vec![DeltaRange {
             begin: u64::MAX - 1,
             length: 2,
-            kind: DeltaKind::LeftOnly
+            kind: DeltaKind::LeftOnly,
+            left_data_begin: Some(1),
+            right_data_begin: None,
         }]
     );
 }
@@ -233,7 +237,9 @@ fn a_key_range_bounds_the_walk() {
         vec![DeltaRange {
             begin: 50_000,
             length: 100,
-            kind: DeltaKind::LeftOnly
+            kind: DeltaKind::LeftOnly,
+            left_data_begin: Some(50_000),
+            right_data_begin: None,
         }]
     );
     assert!(walked.nodes_read <= 12, "{} nodes read", walked.nodes_read);
@@ -253,17 +259,34 @@ fn xml_is_thin_deltas_form() {
             begin: 0,
             length: 2,
             kind: DeltaKind::Same,
+            left_data_begin: Some(7),
+            right_data_begin: Some(7),
         },
         DeltaRange {
             begin: 5,
             length: 1,
             kind: DeltaKind::RightOnly,
+            left_data_begin: None,
+            right_data_begin: Some(9),
+        },
+        DeltaRange {
+            begin: 8,
+            length: 1,
+            kind: DeltaKind::RightOnly,
+            left_data_begin: None,
+            right_data_begin: Some(3),
         },
     ];
-    write_xml(&mut out, &header, 0, 1, &ranges).unwrap();
+    write_xml(&mut out, &header, 0, 1, &ranges, false).unwrap();
     assert_eq!(
         String::from_utf8(out).unwrap(),
-        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same begin=\"0\" length=\"2\"/>\n    <right_only begin=\"5\" length=\"1\"/>\n  </diff>\n</superblock>"
+        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same begin=\"0\" length=\"2\"/>\n    <right_only begin=\"5\" length=\"1\"/>\n    <right_only begin=\"8\" length=\"1\"/>\n  </diff>\n</superblock>"
+    );
+    let mut out = Vec::new();
+    write_xml(&mut out, &header, 0, 1, &ranges, true).unwrap();
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        "<superblock uuid=\"\" time=\"1\" transaction=\"3\" data_block_size=\"128\" nr_data_blocks=\"1000\">\n  <diff left=\"0\" right=\"1\">\n    <same>\n      <range begin=\"0\" data_begin=\"7\" length=\"2\"/>\n    </same>\n    <right_only>\n      <range begin=\"5\" data_begin=\"9\" length=\"1\"/>\n      <range begin=\"8\" data_begin=\"3\" length=\"1\"/>\n    </right_only>\n  </diff>\n</superblock>"
     );
 }
 
@@ -279,4 +302,54 @@ fn a_corrupt_child_pointer_is_an_error() {
     // The superblock as a child: not a btree node, so the read fails its checksum.
     let request = DiffRequest::new(Some(MetadataBlock::new(0)), md.volume_root(a).ok());
     assert!(diff(md.transaction_manager(), &request).is_err());
+}
+
+/// A snapshot that grew a level (its root split) still shares the origin's leaves: the walk
+/// reads down to them from the taller side and skips them.
+#[test]
+fn trees_of_different_heights_share_their_leaves() {
+    let mut md = metadata(16384, 200_000);
+    let origin = VolumeId::new(0);
+    md.create_thin(origin).unwrap();
+    for block in 0..20_000 {
+        map(&mut md, origin, block * 2);
+    }
+    let snap = VolumeId::new(1);
+    md.create_snap(snap, origin).unwrap();
+    for block in 0..60_000 {
+        map(&mut md, snap, 100_000 + block);
+    }
+    map(&mut md, snap, 2 * 777);
+    md.commit().unwrap();
+    let tm = md.transaction_manager();
+    let (left, right) = (
+        md.volume_root(origin).unwrap(),
+        md.volume_root(snap).unwrap(),
+    );
+    let mut heights = Vec::new();
+    for root in [left, right] {
+        let mut walk = Walk {
+            source: tm,
+            nodes_read: 0,
+            keys: FULL,
+            ranges: Ranges::new(false),
+        };
+        heights.push(walk.height(root).unwrap());
+    }
+    assert!(heights[0] < heights[1], "heights {heights:?}");
+    check(&md, origin, snap, 0..=u64::MAX);
+    check(&md, snap, origin, 0..=u64::MAX);
+    // The snapshot's own part is read whole; of the part it shares with the origin, only
+    // the path to block 1554.
+    let walked = diff(tm, &DiffRequest::new(Some(left), Some(right))).unwrap();
+    let whole_snapshot = diff(tm, &DiffRequest::new(None, Some(right))).unwrap();
+    let whole_origin = diff(tm, &DiffRequest::new(Some(left), None)).unwrap();
+    assert_eq!(walked.ranges.len(), 2);
+    assert!(
+        walked.nodes_read < whole_snapshot.nodes_read - whole_origin.nodes_read + 20,
+        "{} nodes read; the snapshot's tree has {}, the origin's {}",
+        walked.nodes_read,
+        whole_snapshot.nodes_read,
+        whole_origin.nodes_read
+    );
 }
