@@ -3,7 +3,9 @@
 pub mod bench;
 pub mod check;
 pub mod create;
+pub mod create_devices;
 pub mod dump;
+pub mod import;
 pub mod list;
 pub mod metadata_size;
 pub mod restore;
