@@ -79,15 +79,14 @@ pub fn create_device_pool(
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
-    let pool =
-        Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
-            .with_context(|| {
-                format!(
-                    "cannot create a pool on {} and {}",
-                    devices.metadata_device.display(),
-                    devices.data_device.display()
-                )
-            })?;
+    let pool = Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
+        .with_context(|| {
+            format!(
+                "cannot create a pool on {} and {}",
+                devices.metadata_device.display(),
+                devices.data_device.display()
+            )
+        })?;
     stored.store(dir)?;
     for event in pool.events() {
         eprintln!("thinpool: {event}");

@@ -130,10 +130,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// Reads and checks the pool on `devices`; returns its catalog (names and sizes as
 /// `specs` give them, else `thin-ID` and the highest mapped block).
-fn read_pool(
-    devices: &DevicePaths,
-    specs: &BTreeMap<u32, VolumeSpec>,
-) -> anyhow::Result<Catalog> {
+fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow::Result<Catalog> {
     let metadata_path = &devices.metadata_device;
     // Both claimed for the import: nobody else may change them meanwhile.
     let metadata = open_metadata_device(metadata_path, false)
@@ -277,7 +274,14 @@ mod tests {
                 size_bytes: 20 << 30
             }
         );
-        for bad in ["3:root", "x:root:1G", "3::1G", "3:root:0", "3:root:100", "3:a/b:1G"] {
+        for bad in [
+            "3:root",
+            "x:root:1G",
+            "3::1G",
+            "3:root:0",
+            "3:root:100",
+            "3:a/b:1G",
+        ] {
             assert!(parse_volume(bad).is_err(), "{bad:?} was accepted");
         }
     }

@@ -325,7 +325,8 @@ impl BlockDataDevice {
         } else {
             None
         };
-        let size = device_size_bytes(&file).map_err(io_error(format!("sizing {}", path.display())))?;
+        let size =
+            device_size_bytes(&file).map_err(io_error(format!("sizing {}", path.display())))?;
         let limits =
             QueueLimits::of(&file).map_err(io_error(format!("examining {}", path.display())))?;
         Ok(BlockDataDevice {

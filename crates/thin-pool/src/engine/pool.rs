@@ -254,9 +254,7 @@ impl Pool {
     /// Whether `dir` holds a pool.
     pub fn exists(dir: &Path) -> bool {
         dir.join(METADATA_FILE).exists()
-            || dir
-                .join(crate::engine::block_device::DEVICES_FILE)
-                .exists()
+            || dir.join(crate::engine::block_device::DEVICES_FILE).exists()
     }
 
     /// Format new metadata on `metadata`, for `data`, and open the pool (for tests and
