@@ -33,7 +33,10 @@ pub(crate) fn create_pool_on(
     drop(data);
     let metadata = open_metadata_device(&devices.metadata_device, true)?;
     metadata
-        .write(MetadataBlock::new(0), &persistent_data::block::zeroed_block())
+        .write(
+            MetadataBlock::new(0),
+            &persistent_data::block::zeroed_block(),
+        )
         .and_then(|()| metadata.flush())
         .with_context(|| format!("wiping {}", devices.metadata_device.display()))?;
     drop(metadata);
