@@ -2,7 +2,8 @@
 //! create, serve, write, snapshot, crash (SIGKILL) and reopen with every flushed byte kept,
 //! grow after the data device grew (`losetup -c`), metadata that both thin_check versions
 //! accept on the metadata device after the crash and at the end, and a second server on the
-//! same devices refused by the kernel's exclusive open.
+//! same devices refused by the kernel's exclusive open; trimmed blocks passed down to the
+//! device (the loop device punches them out of its file); direct I/O on 4 KiB sectors.
 //!
 //! The data device starts full of 0xA5 bytes, so a block read back as zeros where it was not
 //! written proves the zeroing of new blocks on the device. Skipped (saying so) where loop
@@ -248,4 +249,56 @@ fn direct_io_pool_reads_back_aligned_and_unaligned_writes() {
     );
     drop(client);
     assert!(served.stop().success());
+}
+
+/// Bytes the file at `path` has allocated on its file system.
+fn allocated_bytes(path: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).unwrap().blocks() * 512
+}
+
+#[test]
+fn trimmed_blocks_are_passed_down_to_the_device() {
+    let scratch = ScratchDir::new("blockdev-passdown");
+    let Some((metadata, data)) = devices(&scratch, "blockdev_pool passdown", &[]) else {
+        return;
+    };
+    let pool = scratch.join("pool");
+    let pool_arg = pool.display().to_string();
+    thinpool_ok(&[
+        "create",
+        "--pool",
+        &pool_arg,
+        "--metadata-device",
+        &metadata.arg(),
+        "--data-device",
+        &data.arg(),
+    ]);
+    // A loop device discards (its file system punches holes), so passdown stays on.
+    assert_eq!(status_field(&pool, "discard_passdown"), true);
+    create_volume(&pool, "v", "4M");
+    let served = serve(&pool, &[]);
+    let mut client = Client::open(&served.socket, "v");
+    for block in 0..8 {
+        client.write(block * BLOCK, &pattern(20 + block, BLOCK as usize));
+    }
+    client.flush();
+    let before = allocated_bytes(data.file());
+    // Unmapping 4 whole blocks frees 4 data blocks; once their grace period is over the
+    // pool passes them down and the loop device punches them out of its file.
+    let reply = client.request(CMD_TRIM, 0, 0, 4 * BLOCK, &[]);
+    assert_eq!(reply.error, 0, "trim: {}", reply.error_message);
+    wait_for(
+        "the trimmed blocks to leave the data device's file",
+        std::time::Duration::from_secs(30),
+        || {
+            client.flush();
+            before - allocated_bytes(data.file()) >= 4 * BLOCK
+        },
+    );
+    assert!(client.read(0, 4 * BLOCK).iter().all(|&b| b == 0));
+    assert!(client.read(4 * BLOCK, BLOCK) == pattern(24, BLOCK as usize));
+    drop(client);
+    assert!(served.stop().success());
+    thin_check_both(&metadata, "after passdown");
 }

@@ -700,6 +700,20 @@ mod tests {
     }
 
     #[test]
+    fn passdown_is_off_unless_the_device_discards_and_zeroes() {
+        let limits = |discard_max_bytes, write_zeroes_max_bytes| QueueLimits {
+            logical_block_bytes: 512,
+            discard_granularity_bytes: 4096,
+            discard_max_bytes,
+            write_zeroes_max_bytes,
+        };
+        assert_eq!(limits(1 << 30, 1 << 30).passdown_refusal(), None);
+        let cannot = limits(0, 1 << 30).passdown_refusal().unwrap();
+        assert!(cannot.contains("cannot discard"), "{cannot}");
+        assert!(limits(1 << 30, 0).passdown_refusal().is_some());
+    }
+
+    #[test]
     fn layouts_are_checked_before_anything_is_written() {
         assert!(check_layout(65536, 1 << 30, 1024).is_ok());
         assert!(check_layout(4096, 1 << 30, 1024).is_err());
