@@ -27,7 +27,13 @@
 //!   (REQ_OP_DISCARD, contents undefined afterwards) has no safe wrapper in rustix and this
 //!   workspace has no `unsafe`, so passdown asks for "zeros, unmapped if you can" instead,
 //!   which a loop device turns into a hole punched in its file and a thin-provisioning-aware
-//!   device into an unmap. Both calls also drop the page cache over the range.
+//!   device into an unmap.
+//! - `fallocate(PUNCH_HOLE | KEEP_SIZE | NO_HIDE_STALE)`: on the kernels that still accept
+//!   it, a real discard (`blkdev_issue_discard`, what `BLKDISCARD` does); later kernels
+//!   dropped it from `blkdev_fallocate` and answer `EOPNOTSUPP` (6.18, where this was
+//!   tested, does). Passdown tries it first and, once refused, uses the zero-out above.
+//!
+//! All of these drop the page cache over the range first.
 //! - `copy_file_range` refuses block devices (`EINVAL`: regular files only), so copies go
 //!   through a buffer.
 //!
@@ -311,6 +317,8 @@ pub struct BlockDataDevice {
     limits: QueueLimits,
     zero_range_works: AtomicBool,
     passdown_works: AtomicBool,
+    /// `NO_HIDE_STALE` (a real discard) not refused yet.
+    discard_works: AtomicBool,
     counters: DataCounters,
 }
 
@@ -337,6 +345,7 @@ impl BlockDataDevice {
             passdown_works: AtomicBool::new(limits.passdown_refusal().is_none()),
             limits,
             zero_range_works: AtomicBool::new(true),
+            discard_works: AtomicBool::new(true),
             counters: DataCounters::default(),
         })
     }
@@ -485,7 +494,16 @@ impl DataDevice for BlockDataDevice {
         if start >= end {
             return Ok(());
         }
-        let flags = rustix::fs::FallocateFlags::PUNCH_HOLE | rustix::fs::FallocateFlags::KEEP_SIZE;
+        use rustix::fs::FallocateFlags;
+        let flags = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        if self.discard_works.load(Ordering::Relaxed) {
+            let discard = flags | FallocateFlags::NO_HIDE_STALE;
+            match rustix::fs::fallocate(self.buffered(), discard, start, end - start) {
+                Ok(()) => return Ok(()),
+                Err(e) if refused(&e.into()) => self.discard_works.store(false, Ordering::Relaxed),
+                Err(e) => return Err(e.into()),
+            }
+        }
         match rustix::fs::fallocate(self.buffered(), flags, start, end - start) {
             Ok(()) => Ok(()),
             Err(e) if refused(&e.into()) => {
