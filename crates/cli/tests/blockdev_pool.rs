@@ -102,6 +102,11 @@ fn pool_on_loop_devices_survives_kill_and_grows_with_its_device() {
         "{refused}"
     );
     create_volume(&pool, "v1", "8M");
+    let status = thinpool_ok(&["status", "--pool", &pool_arg]);
+    assert!(
+        status.contains(&format!("metadata {}, data {}", metadata.arg(), data.arg())),
+        "{status}"
+    );
 
     let served = serve(&pool, &[]);
     // A second server on the same devices (another directory naming them) is refused by the
