@@ -5,7 +5,10 @@
 //! through NBD, exactly the bytes of the data blocks it maps and zeros elsewhere; with
 //! `--volume` the names and sizes given; without, `thin-ID` sized to the highest mapped
 //! block (said on stderr). A refused import leaves no pool behind, and after serving, both
-//! thin_check versions still accept the metadata (the kernel's format, so it can go back).
+//! thin_check versions still accept the metadata; a block written through NBD appears in
+//! the real `thin_dump`'s mappings pointing at a data block that holds it, with the
+//! transaction id unchanged (what handing the pool back to the kernel relies on; no
+//! device-mapper here to load it).
 //!
 //! Skipped (saying so) where loop devices cannot be attached, unless
 //! `THINPOOL_REQUIRE_LOOP_DEVICES=1`.
@@ -15,6 +18,7 @@ mod e2e_support;
 use e2e_support::*;
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use testkit::loop_device::LoopDevice;
 use testkit::nbd_client::Mode;
@@ -141,6 +145,71 @@ fn check_both(device: &LoopDevice) {
     }
 }
 
+/// Thin device `id`'s mappings in a `thin_dump` XML (single and range mappings).
+fn dumped_mappings(xml: &str, id: u32) -> BTreeMap<u64, u64> {
+    let attribute = |line: &str, name: &str| -> u64 {
+        let start = line.find(&format!("{name}=\"")).unwrap() + name.len() + 2;
+        let end = start + line[start..].find('"').unwrap();
+        line[start..end].parse().unwrap()
+    };
+    let mut map = BTreeMap::new();
+    let mut inside = false;
+    for line in xml.lines() {
+        let line = line.trim();
+        if line.starts_with("<device ") {
+            inside = attribute(line, "dev_id") == u64::from(id);
+        } else if inside && line.starts_with("<single_mapping") {
+            map.insert(
+                attribute(line, "origin_block"),
+                attribute(line, "data_block"),
+            );
+        } else if inside && line.starts_with("<range_mapping") {
+            let (origin, data) = (
+                attribute(line, "origin_begin"),
+                attribute(line, "data_begin"),
+            );
+            for i in 0..attribute(line, "length") {
+                map.insert(origin + i, data + i);
+            }
+        }
+    }
+    map
+}
+
+/// What the kernel would find after thinpool served the pool: a block written through NBD
+/// is mapped, in the metadata the real `thin_dump` reads, to a data block holding its bytes;
+/// the earlier mappings are unchanged; and plain I/O left the transaction id LVM checks as
+/// it was (`docs/lvm.md`).
+fn hand_back(pool: &Path, devices: &Devices, tools: &ThinTools) {
+    let written = pattern(0x5eed, BLOCK as usize);
+    let served = serve(pool, &[]);
+    let mut client = Client::open(&served.socket, "root");
+    client.write(5 * BLOCK, &written);
+    client.flush();
+    drop(client);
+    assert!(served.stop().success());
+    let xml = tools.dump(devices.metadata.path(), &[]);
+    assert!(
+        xml.contains(&format!("transaction=\"{TRANSACTION_ID}\"")),
+        "the transaction id moved: {xml}"
+    );
+    let mut expected_map = mappings()[&1].clone();
+    let dumped = dumped_mappings(&xml, 1);
+    let data_block = dumped[&5];
+    expected_map.insert(5, data_block);
+    assert_eq!(dumped, expected_map, "thin device 1's mappings");
+    assert_eq!(dumped_mappings(&xml, 4), mappings()[&4]);
+    let mut on_device = vec![0u8; BLOCK as usize];
+    std::fs::File::open(devices.data.path())
+        .unwrap()
+        .read_exact_at(&mut on_device, data_block * BLOCK)
+        .unwrap();
+    assert!(
+        on_device == written,
+        "data block {data_block} does not hold the write"
+    );
+}
+
 #[test]
 fn import_names_and_sizes_restored_volumes_and_serves_their_data() {
     let scratch = ScratchDir::new("import-pool");
@@ -194,6 +263,7 @@ fn import_names_and_sizes_restored_volumes_and_serves_their_data() {
         assert!(!stderr.contains("has no size"), "{stderr}");
         verify_served(&pool, &[("root", 1, 2 * MIB), ("root-snap", 4, MIB)]);
         check_both(&devices.metadata);
+        hand_back(&pool, &devices, &tools);
         // Taken over once, the devices are refused to a second import while served.
         let served = serve(&pool, &[]);
         let output = import(&scratch.join(format!("again-{version}")), &devices, &[]);
