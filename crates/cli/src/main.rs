@@ -34,6 +34,8 @@ enum Command {
     MetadataSize(commands::metadata_size::Args),
     /// Create a pool in a directory.
     Create(commands::create::Args),
+    /// Take over a pool the kernel (dm-thin, LVM) made, on its two block devices.
+    Import(commands::import::Args),
     /// Manage volumes: create, snapshot, delete, resize, revert, rename.
     #[command(subcommand)]
     Volume(commands::volume::Command),
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         Command::Restore(args) => commands::restore::run(args),
         Command::MetadataSize(args) => commands::metadata_size::run(args),
         Command::Create(args) => commands::create::run(args),
+        Command::Import(args) => commands::import::run(args),
         Command::Volume(command) => commands::volume::run(command),
         Command::List(args) => commands::list::run(args),
         Command::Status(args) => commands::status::run(args),

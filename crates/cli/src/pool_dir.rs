@@ -11,6 +11,8 @@
 //!   DIR/data               data blocks                          engine
 //!   DIR/catalog-N.json     volume names and sizes               engine
 //!   DIR/pool.json          options chosen at create             this module
+//!   DIR/devices.json       a pool on block devices: their paths engine (instead of
+//!                          metadata and data; see engine::block_device)
 //!   DIR/nbd.sock           NBD Unix socket while serving        serve
 //!   DIR/control.sock       control socket while serving         serve
 //! ```
@@ -204,6 +206,7 @@ impl PoolDir {
             thin_pool::engine::pool::METADATA_FILE,
             thin_pool::engine::pool::DATA_FILE,
             OPTIONS_FILE,
+            thin_pool::engine::block_device::DEVICES_FILE,
         ]
         .iter()
         .map(|name| name.into())

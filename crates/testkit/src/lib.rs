@@ -12,6 +12,7 @@
 //!   the `nbd` crate's codec), used by the `nbd` and `thinpool` tests.
 //! - [`process`]: external tools with timeouts, processes killed by PID when dropped, a
 //!   served pool (`thinpool serve`), polling with a deadline.
+//! - [`loop_device`]: loop devices over test files, detached when dropped.
 //! - [`qemu_img`]: `qemu-img` map, convert and compare as a client of our servers.
 //!
 //! Nothing here is used outside `[dev-dependencies]`.
@@ -20,6 +21,7 @@
 pub mod crash;
 pub mod fault;
 pub mod fixtures;
+pub mod loop_device;
 pub mod nbd_client;
 pub mod process;
 pub mod qemu_img;

@@ -1,6 +1,9 @@
 //! `thinpool create`: make a pool in a directory (files `metadata`, `data`, the catalog, and
 //! `pool.json` with the options every later open uses), or with `--grow`, grow an existing
 //! pool's data device to `--data-size` (through the control socket when it is served).
+//! With `--metadata-device` and `--data-device` the pool is made on block devices, which
+//! the directory names (`create_devices`); `--grow` without a size then grows to the data
+//! device's size.
 
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
@@ -33,21 +36,28 @@ pub struct Args {
     /// Fail writes at once when out of data space, instead of queueing them for a while.
     #[arg(long = "error-if-no-space")]
     error_if_no_space: bool,
-    /// Grow an existing pool's data device to --data-size instead of creating a pool.
-    #[arg(long = "grow", requires = "data_size", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
+    /// Grow an existing pool's data device to --data-size instead of creating a pool
+    /// (a pool on block devices: to the data device's size when no --data-size is given).
+    #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
     grow: bool,
     /// Print the result as JSON.
     #[arg(long = "json")]
     json: bool,
+    #[command(flatten)]
+    devices: super::create_devices::DeviceArgs,
 }
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let data_size_bytes = parse_size(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))?;
     if args.grow {
+        let data_size_bytes = match args.data_size.as_deref() {
+            Some(size) => parse_size(size)?,
+            None => super::create_devices::grow_size(&dir, &args.devices)?,
+        };
         return grow(&dir, data_size_bytes, args.json);
     }
+    let data_size_bytes = parse_size(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))?;
     let stored = StoredOptions {
         zero_new_blocks: !args.no_zero,
         error_if_no_space: args.error_if_no_space,
@@ -58,10 +68,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         block_size_bytes: parse_size(&args.block_size)?,
         metadata_size_bytes: args.metadata_size.as_deref().map(parse_size).transpose()?,
     };
-    if let Some(warning) = host_space_warning(&dir.path, create.data_size_bytes) {
-        eprintln!("{warning}");
-    }
-    let status = create_pool(&dir, &create, stored)?;
+    let status = if let Some(devices) = args.devices.paths(&args.data_size, &args.metadata_size)? {
+        super::create_devices::create_device_pool(&dir, &devices, create.block_size_bytes, stored)?
+    } else {
+        if let Some(warning) = host_space_warning(&dir.path, create.data_size_bytes) {
+            eprintln!("{warning}");
+        }
+        create_pool(&dir, &create, stored)?
+    };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {

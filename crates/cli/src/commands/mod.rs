@@ -3,8 +3,10 @@
 pub mod bench;
 pub mod check;
 pub mod create;
+pub mod create_devices;
 pub mod diff;
 pub mod dump;
+pub mod import;
 pub mod list;
 pub mod metadata_size;
 pub mod metadata_snap;

@@ -172,8 +172,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     let pool = match Pool::open(&dir.path, pool_options) {
         Ok(pool) => pool,
-        Err(thin_pool::Error::Locked { .. }) => bail!(
-            "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`)",
+        Err(thin_pool::Error::Locked { path }) => bail!(
+            "the pool in {} is held by another process (is it served already? try `thinpool status --pool {}`): {path}",
             dir.path.display(),
             dir.path.display()
         ),

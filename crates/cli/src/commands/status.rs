@@ -27,6 +27,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status));
+        if let Some(devices) = thin_pool::engine::block_device::DevicePaths::load(&dir.path)? {
+            println!(
+                "devices:           metadata {}, data {}{}",
+                devices.metadata_device.display(),
+                devices.data_device.display(),
+                if devices.direct_io { " (O_DIRECT)" } else { "" }
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -31,6 +31,14 @@ impl FileDevice {
         FileDevice::open_with(path, writable, libc::O_NOFOLLOW)
     }
 
+    /// [`FileDevice::open`] for a block device, opened exclusively (`O_EXCL`): while it is
+    /// open, Linux refuses every other exclusive opener of the device (another thinpool, a
+    /// mount, the device mapper's dm-thin) with `EBUSY`. Plain opens (`blkid`, a
+    /// `thin_check` run by hand) are not refused; the claim is this machine's only.
+    pub fn open_exclusive(path: &Path, writable: bool) -> io::Result<FileDevice> {
+        FileDevice::open_with(path, writable, libc::O_EXCL)
+    }
+
     fn open_with(path: &Path, writable: bool, flags: i32) -> io::Result<FileDevice> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()

@@ -19,10 +19,13 @@
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
 //!   volume catalog and the data device.
+//! - `block_device`: pools on block devices (the directory names them; the data device on
+//!   a block device, exclusive, with zero-out, passdown and optional `O_DIRECT`).
 //!
 //! See ARCHITECTURE.md for the read, provisioning-write and commit paths and the files
 //! each crosses.
 
+pub mod block_device;
 pub mod catalog;
 mod commit;
 mod committer;

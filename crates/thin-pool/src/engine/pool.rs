@@ -223,7 +223,12 @@ impl Pool {
     }
 
     /// Open the pool in directory `dir`, taking an exclusive lock on its metadata.
+    /// A directory that names block devices (`devices.json`) opens the pool on them
+    /// ([`Pool::open_devices`]).
     pub fn open(dir: &Path, options: PoolOptions) -> Result<Pool> {
+        if let Some(devices) = crate::engine::block_device::DevicePaths::load(dir)? {
+            return Pool::open_devices(dir, &devices, options);
+        }
         let metadata_path = dir.join(METADATA_FILE);
         let metadata = FileDevice::open_no_follow(&metadata_path, !options.read_only)
             .map_err(io_error(format!("opening {}", metadata_path.display())))?;
@@ -249,6 +254,7 @@ impl Pool {
     /// Whether `dir` holds a pool.
     pub fn exists(dir: &Path) -> bool {
         dir.join(METADATA_FILE).exists()
+            || dir.join(crate::engine::block_device::DEVICES_FILE).exists()
     }
 
     /// Format new metadata on `metadata`, for `data`, and open the pool (for tests and

@@ -24,6 +24,8 @@ pub struct BenchDir {
     /// `--dir` itself, when the benchmark created it (removed too, if left empty).
     created_parent: Option<PathBuf>,
     interrupted: Arc<AtomicBool>,
+    /// `--metadata-device`/`--data-device`: the pools go on these block devices.
+    pub devices: Option<thin_pool::engine::block_device::DevicePaths>,
 }
 
 impl BenchDir {
@@ -47,6 +49,7 @@ impl BenchDir {
             path,
             created_parent,
             interrupted,
+            devices: None,
         };
         dir.catch_signals()?;
         Ok(dir)

@@ -185,7 +185,10 @@ fn filled_volume(
 }
 
 fn open_data_file(dir: &BenchDir, pool: &str) -> anyhow::Result<File> {
-    let path = dir.pool_path(pool).join(DATA_FILE);
+    let path = match &dir.devices {
+        Some(devices) => super::devices::data_path(devices),
+        None => dir.pool_path(pool).join(DATA_FILE),
+    };
     File::open(&path).with_context(|| format!("opening {}", path.display()))
 }
 
