@@ -14,7 +14,9 @@ pub mod error;
 pub mod format;
 pub mod ids;
 
-pub use engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+pub use engine::options::{
+    Autoextend, CreateOptions, ExtendBy, PoolMode, PoolOptions, PoolStatus, VolumeInfo,
+};
 pub use engine::pool::Pool;
 pub use engine::volume::{Extent, Volume};
 pub use error::{Error, Result};

@@ -172,9 +172,8 @@ impl Shared {
         })?;
         #[cfg(debug_assertions)]
         self.assert_unreferenced(&freed);
-        if self.options.discard_passdown {
-            meta.passdown.extend(freed);
-        }
+        #[cfg(not(debug_assertions))]
+        let _ = freed;
         Ok(())
     }
 
@@ -216,19 +215,19 @@ impl Shared {
         }
     }
 
-    /// After a durable commit: the data blocks it freed (held by the metadata) go to the
-    /// limbo, those a discard freed marked for passdown. Their grace period starts at a
-    /// later `reclaim`: the caller may still be unmapping them from an index (a shrink
-    /// clears its index after the commit, under the metadata lock).
+    /// After a durable commit: the data blocks it freed (held by the metadata; by a
+    /// discard, a shrink, a delete or a broken sharing) go to the limbo, marked for passdown
+    /// when the pool passes freed blocks down. Their grace period starts at a later
+    /// `reclaim`: the caller may still be unmapping them from an index (a shrink clears its
+    /// index after the commit, under the metadata lock).
     fn park_freed(&self, meta: &mut MetaState) {
-        let passdown: std::collections::HashSet<DataBlock> =
-            std::mem::take(&mut meta.passdown).into_iter().collect();
+        let pass_down = self.options.discard_passdown;
         let Some(md) = meta.md.as_mut() else { return };
+        let usage = md.usage();
         let held = md.take_newly_held_data_blocks();
-        meta.limbo.add(held.into_iter().map(|block| Held {
-            block,
-            pass_down: passdown.contains(&block),
-        }));
+        meta.limbo
+            .add(held.into_iter().map(|block| Held { block, pass_down }));
+        self.watch.after_commit(self, &usage);
     }
 
     /// Without waiting: release the held blocks no pinned I/O can reach any more (passing
@@ -236,18 +235,29 @@ impl Shared {
     pub(crate) fn reclaim(&self, meta: &mut MetaState) {
         let released = meta.limbo.poll(&self.readers);
         let Some(md) = meta.md.as_mut() else { return };
+        let mut pass_down: Vec<u64> = released
+            .iter()
+            .filter(|held| held.pass_down && md.is_held(held.block))
+            .map(|held| held.block.get())
+            .collect();
+        // Discarded before they are released (under the metadata lock): a block reserved
+        // again afterwards is never punched under its new data. Runs of neighbours go
+        // down as one discard; a failure only costs space on the data device.
+        pass_down.sort_unstable();
+        let mut bytes = 0;
+        for (first, count) in block_runs(&pass_down) {
+            let (offset, len) = (first * self.block_size_bytes, count * self.block_size_bytes);
+            if self.data.discard(offset, len).is_ok() {
+                bytes += len;
+            }
+        }
+        self.watch
+            .passed_down_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         for held in released {
-            if !md.is_held(held.block) {
-                continue;
+            if md.is_held(held.block) {
+                md.release_held_data_block(held.block);
             }
-            if held.pass_down {
-                // A discard failure only costs space on the data device.
-                let _ = self.data.discard(
-                    held.block.offset_bytes(self.block_size_bytes),
-                    self.block_size_bytes,
-                );
-            }
-            md.release_held_data_block(held.block);
         }
     }
 
@@ -282,7 +292,6 @@ impl Shared {
         meta.generation += 1;
         let dropped = meta.ops.len();
         meta.take_ops(dropped);
-        meta.passdown.clear();
         if !out_of_space {
             let _ = PoolMetadata::mark_needs_check(&*self.metadata_device);
         }
@@ -382,6 +391,18 @@ impl Shared {
     }
 }
 
+/// Runs of consecutive numbers in sorted `blocks`, as (first, count).
+pub(crate) fn block_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &block in blocks {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == block => *count += 1,
+            _ => runs.push((block, 1)),
+        }
+    }
+    runs
+}
+
 /// Apply one op; a data block it frees (count now zero) is added to `freed`.
 fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result<()> {
     match op {
@@ -392,8 +413,9 @@ fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result
         } => {
             let data_block = mapping.data_block();
             if md.has_volume(volume) {
-                // No passdown for a replaced block: until this commit is durable the old
-                // mapping may be what survives a crash.
+                // A replaced block whose count falls to zero is held by the commit and
+                // passed down only once that commit is durable (until then the old mapping
+                // may be what survives a crash).
                 md.insert_at(volume, block, data_block, mapping.time())?;
             } else if !md.release_data_block(data_block) {
                 // The volume was deleted: the reservation goes back.

@@ -12,6 +12,8 @@
 //! - `committer`: the periodic commit thread;
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
+//! - `autoextend`: the low-water marks and the thread that grows the data and metadata;
+//! - `trim`: giving every free data block back to the data device (`thinpool trim`);
 //! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
@@ -20,6 +22,7 @@
 //! See ARCHITECTURE.md for the read, provisioning-write and commit paths and the files
 //! each crosses.
 
+mod autoextend;
 pub mod catalog;
 mod commit;
 mod committer;
@@ -33,4 +36,5 @@ pub mod options;
 pub mod pool;
 mod provision;
 mod shared;
+mod trim;
 pub mod volume;
