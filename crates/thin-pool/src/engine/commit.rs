@@ -71,11 +71,17 @@ impl Shared {
         self.apply_ops(meta, count)?;
         self.commit_change(meta, |_| Ok(()))?;
         // Every block this commit freed was unmapped from its index when its op was
-        // queued: start its grace period now and, if no I/O pinned before is left (the
-        // usual case), release it and pass it down at once.
-        self.reclaim(meta);
-        self.reclaim(meta);
+        // queued.
+        self.reclaim_freed(meta);
         Ok(())
+    }
+
+    /// Once the blocks the last commit freed are unmapped from every index: start their
+    /// grace period now and, if no I/O pinned before is left (the usual case), release
+    /// them and pass them down at once.
+    pub(crate) fn reclaim_freed(&self, meta: &mut MetaState) {
+        self.reclaim(meta);
+        self.reclaim(meta);
     }
 
     /// Run `change` on the metadata and commit. A change refused before it changed anything

@@ -126,6 +126,8 @@ impl Pool {
             for snapshot in shared.volumes.load().values() {
                 snapshot.forget_origin(id);
             }
+            // Its freed blocks are in no index now: release (and pass down) at once.
+            shared.reclaim_freed(&mut meta);
             Ok(())
         })();
         if result.is_err() {
@@ -173,6 +175,8 @@ impl Pool {
         volume.index.clear_from(VirtualBlock::new(block_count));
         volume.index.resize(block_count);
         volume.size_bytes.store(size_bytes, Ordering::Release);
+        // The blocks the shrink freed are in no index now: release (and pass down) at once.
+        shared.reclaim_freed(&mut meta);
         drop(meta);
         self.info(name)
     }
