@@ -15,6 +15,7 @@
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
+//!   -> {"op":"trim"}                                     (answers {"ok":true,"trimmed_bytes":N})
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does

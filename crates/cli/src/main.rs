@@ -42,6 +42,8 @@ enum Command {
     Status(commands::status::Args),
     /// Serve the pool's volumes over NBD.
     Serve(commands::serve::Args),
+    /// Give every free data block back to the host (like thin_trim; also while serving).
+    Trim(commands::trim::Args),
     /// Measure the engine against the raw data device, side by side.
     Bench(commands::bench::Args),
 }
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::List(args) => commands::list::run(args),
         Command::Status(args) => commands::status::run(args),
         Command::Serve(args) => commands::serve::run(args),
+        Command::Trim(args) => commands::trim::run(args),
         Command::Bench(args) => commands::bench::run(args),
     };
     match result {

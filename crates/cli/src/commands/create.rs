@@ -15,6 +15,7 @@ pub const DATA_SIZE_DEFAULT: &str = "16G";
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -33,6 +34,12 @@ pub struct Args {
     /// Fail writes at once when out of data space, instead of queueing them for a while.
     #[arg(long = "error-if-no-space")]
     error_if_no_space: bool,
+    /// Don't give freed data blocks back to the host (no hole punched in the data file
+    /// when blocks are freed; `thinpool trim` still does).
+    #[arg(long = "no-discard-passdown")]
+    no_discard_passdown: bool,
+    #[command(flatten)]
+    space: super::space::SpaceArgs,
     /// Grow an existing pool's data device to --data-size instead of creating a pool.
     #[arg(long = "grow", requires = "data_size", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
     grow: bool,
@@ -48,11 +55,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.grow {
         return grow(&dir, data_size_bytes, args.json);
     }
-    let stored = StoredOptions {
+    let mut stored = StoredOptions {
         zero_new_blocks: !args.no_zero,
         error_if_no_space: args.error_if_no_space,
         ..StoredOptions::default()
     };
+    stored.space = args.space.apply(stored.space)?;
+    stored.space.discard_passdown = !args.no_discard_passdown;
     let create = CreateOptions {
         data_size_bytes,
         block_size_bytes: parse_size(&args.block_size)?,
@@ -74,6 +83,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             status.metadata_total_blocks,
             on_off(status.zero_new_blocks),
             on_off(status.error_if_no_space),
+        );
+        println!(
+            "low water {}%, autoextend {}, no-space timeout {}",
+            status.low_water_percent,
+            super::space::describe_autoextend(stored.space.autoextend.as_ref()),
+            super::status::describe_timeout(status.no_space_timeout_seconds),
         );
     }
     Ok(ExitCode::SUCCESS)

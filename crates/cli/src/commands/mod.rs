@@ -8,7 +8,9 @@ pub mod list;
 pub mod metadata_size;
 pub mod restore;
 pub mod serve;
+pub mod space;
 pub mod status;
+pub mod trim;
 pub mod volume;
 
 use std::process::ExitCode;

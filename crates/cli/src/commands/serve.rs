@@ -59,6 +59,7 @@ const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -98,6 +99,9 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
+    #[command(flatten)]
+    space: super::space::SpaceArgs,
 }
 
 /// Run the command.
@@ -112,7 +116,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
     super::restore::name_restored_volumes(&dir.path)?;
-    let options = StoredOptions::load(&dir)?;
+    let mut options = StoredOptions::load(&dir)?;
+    options.space = args.space.apply(options.space)?;
     // Pool::open checks the metadata before opening it read-write (as LVM runs thin_check
     // before activation), unless told not to.
     let pool_options = thin_pool::PoolOptions {

@@ -51,6 +51,8 @@ pub enum Request {
     List,
     /// Pool status.
     Status,
+    /// Give every free data block back to the host (answers with the bytes trimmed).
+    Trim,
 }
 
 /// One volume, as `list` and the volume commands report it.
@@ -124,8 +126,23 @@ pub struct StatusRecord {
     pub error_if_no_space: bool,
     /// Freed data blocks are discarded on the data device.
     pub discard_passdown: bool,
-    /// Free data blocks fell to the low-water mark.
+    /// Data use reached the low-water mark.
     pub low_water_reached: bool,
+    /// Metadata use reached the low-water mark.
+    #[serde(default)]
+    pub metadata_low_water_reached: bool,
+    /// The low-water mark, in percent of the data and of the metadata.
+    #[serde(default)]
+    pub low_water_percent: u32,
+    /// Autoextend, if on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoextend: Option<crate::pool_dir::StoredAutoextend>,
+    /// How long a write waits for space when out of it (0: forever).
+    #[serde(default)]
+    pub no_space_timeout_seconds: u64,
+    /// Bytes of freed data blocks given back to the host since the pool opened.
+    #[serde(default)]
+    pub data_bytes_passed_down: u64,
     /// Metadata block of a held metadata snapshot.
     pub metadata_snap: Option<u64>,
     /// Volumes in the pool.
@@ -153,6 +170,11 @@ impl StatusRecord {
             error_if_no_space: status.error_if_no_space,
             discard_passdown: status.discard_passdown,
             low_water_reached: status.low_water_reached,
+            metadata_low_water_reached: status.metadata_low_water_reached,
+            low_water_percent: status.low_water_percent,
+            autoextend: options.space.autoextend,
+            no_space_timeout_seconds: status.no_space_timeout.as_secs(),
+            data_bytes_passed_down: status.data_bytes_passed_down,
             metadata_snap: status.metadata_snap,
             volume_count: status.volume_count,
         }
@@ -170,6 +192,8 @@ pub enum Outcome {
     Status(StatusRecord),
     /// Done; nothing to report (delete).
     Done,
+    /// Free data blocks given back to the host (trim), in bytes.
+    Trimmed(u64),
 }
 
 impl Outcome {
@@ -270,6 +294,8 @@ pub(super) struct Response {
     status: Option<StatusRecord>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     error: Option<OpError>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trimmed_bytes: Option<u64>,
 }
 
 impl From<Result<Outcome, OpError>> for Response {
@@ -288,6 +314,11 @@ impl From<Result<Outcome, OpError>> for Response {
             Ok(Outcome::Status(status)) => Response {
                 ok: true,
                 status: Some(status),
+                ..Response::default()
+            },
+            Ok(Outcome::Trimmed(bytes)) => Response {
+                ok: true,
+                trimmed_bytes: Some(bytes),
                 ..Response::default()
             },
             Ok(Outcome::Done) => Response {
@@ -309,6 +340,9 @@ impl Response {
             return Ok(Err(self
                 .error
                 .context("control socket answered ok=false without an error")?));
+        }
+        if let Some(bytes) = self.trimmed_bytes {
+            return Ok(Ok(Outcome::Trimmed(bytes)));
         }
         Ok(Ok(match (self.volume, self.volumes, self.status) {
             (Some(volume), None, None) => Outcome::Volume(volume),

@@ -70,6 +70,7 @@ impl Target {
                 }
                 Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
             }
+            Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
             Request::List => Ok(Outcome::Volumes(
                 pool.list().iter().map(VolumeRecord::from).collect(),
             )),
