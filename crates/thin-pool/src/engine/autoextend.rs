@@ -270,10 +270,10 @@ fn grow_if_needed(shared: &Shared) {
     };
     // After a failed data growth, the next try waits a while (the metadata's does not).
     let data_may_try = !watch.exhausted.load(Ordering::Acquire)
-        || !watch
+        || watch
             .lock_state()
             .last_failure
-            .is_some_and(|at| at.elapsed() < RETRY_INTERVAL);
+            .is_none_or(|at| at.elapsed() >= RETRY_INTERVAL);
     let usage = {
         let mut meta = shared.lock_meta();
         match meta.md() {

@@ -11,9 +11,9 @@
 //! mapping without its data nor a leaked block.
 //!
 //! Freed data blocks: a commit holds the blocks its transaction freed (they stay free in
-//! the space map but are not reserved) and parks them in the limbo (`grace`); the next
-//! commits release them, and pass down those a discard freed, once no I/O pinned before
-//! their unmap is left. A write out of space waits for that ([`Shared::wait_for_held`]).
+//! the space map but are not reserved) and parks them in the limbo (`grace`); later
+//! reclaims release them, and pass them all down (discard, shrink, delete, broken sharing:
+//! the host gets the space back), once no I/O pinned before their unmap is left. A write out of space waits for that ([`Shared::wait_for_held`]).
 //!
 //! Failure: a metadata operation refused before any change (see
 //! [`PoolMetadata::transaction_failed`]) is reported and the transaction goes on; any other
