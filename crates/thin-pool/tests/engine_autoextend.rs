@@ -7,10 +7,12 @@
 //! contents checked against what was written.
 
 use persistent_data::MemoryDevice;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thin_pool::engine::catalog::MemoryCatalog;
 use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::engine::options::HostFreeProbe;
 use thin_pool::{Autoextend, Error, ExtendBy, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -238,4 +240,79 @@ fn a_zero_no_space_timeout_queues_writes_until_the_pool_grows() {
     let mut buf = vec![0u8; BLOCK as usize];
     v.read(4 * BLOCK, &mut buf).unwrap();
     assert!(buf == pattern(4));
+}
+
+/// The host's free space as autoextend sees it, changed by the test.
+fn host_probe(free: &Arc<AtomicU64>) -> HostFreeProbe {
+    let free = free.clone();
+    HostFreeProbe::new(move || Some(free.load(Ordering::SeqCst)))
+}
+
+#[test]
+fn a_full_host_stops_autoextend_and_the_no_space_policy_applies() {
+    let free = Arc::new(AtomicU64::new(u64::MAX));
+    let autoextend = Some(Autoextend {
+        threshold_percent: 50,
+        by: ExtendBy::Percent(100),
+        max_bytes: 1 << 30,
+    });
+    // error_if_no_space: ENOSPC at once, with the reason logged.
+    let failing = pool(
+        8,
+        512,
+        PoolOptions {
+            error_if_no_space: true,
+            autoextend,
+            host_free_probe: Some(host_probe(&free)),
+            ..PoolOptions::default()
+        },
+    );
+    free.store(0, Ordering::SeqCst);
+    let v = failing.volume("v").unwrap();
+    for b in 0..8 {
+        v.write(b * BLOCK, &pattern(b), false).unwrap();
+    }
+    let e = v.write(8 * BLOCK, &pattern(8), false).unwrap_err();
+    assert!(matches!(e, Error::OutOfDataSpace { .. }), "{e}");
+    assert_eq!(failing.mode(), PoolMode::OutOfDataSpace);
+    assert_eq!(count_events(&failing, "the host file system is full"), 1);
+    assert_eq!(failing.status().data_total_blocks, 8);
+
+    // Queue: the write waits, and completes once the host has room again.
+    let free = Arc::new(AtomicU64::new(0));
+    let queueing = pool(
+        8,
+        512,
+        PoolOptions {
+            no_space_timeout: Duration::ZERO,
+            autoextend,
+            host_free_probe: Some(host_probe(&free)),
+            ..PoolOptions::default()
+        },
+    );
+    let v = queueing.volume("v").unwrap();
+    for b in 0..8 {
+        v.write(b * BLOCK, &pattern(b), false).unwrap();
+    }
+    let writer = {
+        let v = v.clone();
+        std::thread::spawn(move || v.write(8 * BLOCK, &pattern(8), false))
+    };
+    wait_for("out of data space", || {
+        queueing.mode() == PoolMode::OutOfDataSpace
+    });
+    assert!(count_events(&queueing, "the host file system is full") == 1);
+    assert!(!writer.is_finished(), "the write queues");
+    // Room for 4 blocks: the pool grows by what fits.
+    free.store(4 * BLOCK, Ordering::SeqCst);
+    writer.join().unwrap().unwrap();
+    // Each growth adds what fits in the host's room (4 blocks; the probe keeps saying so).
+    let total = queueing.status().data_total_blocks;
+    assert!(total == 12 || total == 16, "{total} blocks");
+    assert_eq!(queueing.mode(), PoolMode::Write);
+    for b in 0..9 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        v.read(b * BLOCK, &mut buf).unwrap();
+        assert!(buf == pattern(b), "block {b}");
+    }
 }

@@ -53,6 +53,8 @@ pub(crate) struct SpaceWatch {
     requested: AtomicBool,
     /// The pool cannot grow now: writes follow the no-space policy.
     exhausted: AtomicBool,
+    /// The last metadata growth failed (said once until one succeeds).
+    metadata_blocked: AtomicBool,
     /// Bytes of freed data blocks given back to the data device (passdown and trim).
     pub(crate) passed_down_bytes: AtomicU64,
     /// The directory whose file system holds the pool's files (for its free space).
@@ -83,6 +85,7 @@ impl SpaceWatch {
             metadata_low_water: AtomicBool::new(false),
             requested: AtomicBool::new(false),
             exhausted: AtomicBool::new(false),
+            metadata_blocked: AtomicBool::new(false),
             passed_down_bytes: AtomicU64::new(0),
             host_dir: OnceLock::new(),
             state: Mutex::new(WatchState::default()),
@@ -134,9 +137,10 @@ impl SpaceWatch {
         self.autoextend.is_some() && !self.exhausted.load(Ordering::Acquire)
     }
 
-    /// Ask the thread for a growth (cheap when already asked).
+    /// Ask the thread for a growth (cheap when already asked; nothing when the pool cannot
+    /// grow now: the thread retries on its own).
     pub(crate) fn request(&self) {
-        if self.autoextend.is_some() && !self.requested.swap(true, Ordering::AcqRel) {
+        if self.may_grow() && !self.requested.swap(true, Ordering::AcqRel) {
             let _guard = self.lock_state();
             self.wake.notify_all();
         }
@@ -305,11 +309,14 @@ fn grow_if_needed(shared: &Shared) {
 }
 
 fn host_free(shared: &Shared) -> Option<u64> {
-    shared
-        .watch
-        .host_dir
-        .get()
-        .and_then(|dir| host_free_bytes(dir))
+    match &shared.options.host_free_probe {
+        Some(probe) => probe.call(),
+        None => shared
+            .watch
+            .host_dir
+            .get()
+            .and_then(|dir| host_free_bytes(dir)),
+    }
 }
 
 fn grow_data_step(shared: &Shared, autoextend: &Autoextend, usage: &Usage) {
@@ -383,27 +390,37 @@ fn grow_metadata_step(shared: &Shared, autoextend: &Autoextend, usage: &Usage) {
     }
     if let Some(free) = host_free(shared) {
         if target - current > free {
-            let why = format!(
-                "the host file system has {free} bytes free, growing the metadata needs {} (it is preallocated)",
-                target - current
+            metadata_blocked(
+                shared,
+                format!(
+                    "the host file system has {free} bytes free, growing the metadata needs {} (it is preallocated)",
+                    target - current
+                ),
             );
-            tracing::error!(target: "thinpool::space", "autoextend: {why}");
-            shared.log(format!("autoextend: metadata not grown: {why}"));
             return;
         }
     }
     match grow_metadata(shared, Some(target)) {
         Ok(blocks) => {
+            shared
+                .watch
+                .metadata_blocked
+                .store(false, Ordering::Release);
             tracing::info!(target: "thinpool::space", "autoextend: metadata grew from {} to {blocks} blocks", usage.metadata_total_blocks);
             shared.log(format!(
                 "autoextend: metadata grew from {} to {blocks} blocks",
                 usage.metadata_total_blocks
             ));
         }
-        Err(e) => {
-            tracing::error!(target: "thinpool::space", "autoextend: growing the metadata failed: {e}");
-            shared.log(format!("autoextend: growing the metadata failed: {e}"));
-        }
+        Err(e) => metadata_blocked(shared, format!("growing the metadata failed: {e}")),
+    }
+}
+
+/// A metadata growth could not be made: say why, once until one succeeds.
+fn metadata_blocked(shared: &Shared, why: String) {
+    if !shared.watch.metadata_blocked.swap(true, Ordering::AcqRel) {
+        tracing::error!(target: "thinpool::space", "autoextend: metadata not grown: {why}");
+        shared.log(format!("autoextend: metadata not grown: {why}"));
     }
 }
 

@@ -36,6 +36,33 @@ pub struct PoolOptions {
     /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
     #[doc(hidden)]
     pub fault_hook: Option<FaultHook>,
+    /// Tests only: the host's free bytes as autoextend sees them (instead of the file
+    /// system of the pool directory).
+    #[doc(hidden)]
+    pub host_free_probe: Option<HostFreeProbe>,
+}
+
+/// A stand-in for the host file system's free space (tests only): see
+/// [`PoolOptions::host_free_probe`].
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct HostFreeProbe(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl HostFreeProbe {
+    /// A probe answering `probe()`.
+    pub fn new(probe: impl Fn() -> Option<u64> + Send + Sync + 'static) -> HostFreeProbe {
+        HostFreeProbe(Arc::new(probe))
+    }
+
+    pub(crate) fn call(&self) -> Option<u64> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for HostFreeProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HostFreeProbe")
+    }
 }
 
 /// [`PoolOptions::low_water_percent`] unless set.
@@ -128,6 +155,7 @@ impl Default for PoolOptions {
             autoextend: None,
             commit_interval: Some(Duration::from_secs(1)),
             fault_hook: None,
+            host_free_probe: None,
             skip_check: false,
         }
     }
