@@ -1,6 +1,7 @@
 //! `thinpool create`: make a pool in a directory (files `metadata`, `data`, the catalog, and
-//! `pool.json` with the options every later open uses), or with `--grow`, grow an existing
-//! pool's data device to `--data-size` (through the control socket when it is served).
+//! `pool.json` with the options every later open uses: zeroing, the no-space policy, and the
+//! space options of `space`), or with `--grow`, grow an existing pool's data device to
+//! `--data-size` (through the control socket when it is served).
 
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;

@@ -4,6 +4,9 @@
 //! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
 //! mapping.
 //!
+//! The space options (`--low-water`, `--autoextend-*`, `--no-space-timeout`) override those
+//! in `pool.json` for this run only.
+//!
 //! The default pool directory is created on first use, with one volume named `disk`, so that
 //! `thinpool serve` works on a fresh machine.
 //!

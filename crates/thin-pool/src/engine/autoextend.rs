@@ -55,6 +55,9 @@ pub(crate) struct SpaceWatch {
     exhausted: AtomicBool,
     /// The last metadata growth failed (said once until one succeeds).
     metadata_blocked: AtomicBool,
+    /// A write found no data block (whatever the usage says: free blocks may all be in
+    /// their grace period): grow even below the threshold.
+    starved: AtomicBool,
     /// Bytes of freed data blocks given back to the data device (passdown and trim).
     pub(crate) passed_down_bytes: AtomicU64,
     /// The directory whose file system holds the pool's files (for its free space).
@@ -86,6 +89,7 @@ impl SpaceWatch {
             requested: AtomicBool::new(false),
             exhausted: AtomicBool::new(false),
             metadata_blocked: AtomicBool::new(false),
+            starved: AtomicBool::new(false),
             passed_down_bytes: AtomicU64::new(0),
             host_dir: OnceLock::new(),
             state: Mutex::new(WatchState::default()),
@@ -143,6 +147,14 @@ impl SpaceWatch {
         if self.may_grow() && !self.requested.swap(true, Ordering::AcqRel) {
             let _guard = self.lock_state();
             self.wake.notify_all();
+        }
+    }
+
+    /// A write found no free data block: ask for a growth whatever the usage.
+    pub(crate) fn request_space(&self) {
+        if self.may_grow() {
+            self.starved.store(true, Ordering::Release);
+            self.request();
         }
     }
 
@@ -285,7 +297,8 @@ fn grow_if_needed(shared: &Shared) {
             Err(_) => return,
         }
     };
-    let data_full = usage.data_used_blocks >= usage.data_total_blocks;
+    let data_full = usage.data_used_blocks >= usage.data_total_blocks
+        || watch.starved.swap(false, Ordering::AcqRel);
     if at_least(
         usage.data_used_blocks,
         usage.data_total_blocks,

@@ -159,7 +159,7 @@ impl Provisioner {
                         // Autoextend can still grow the data: wait for it, whatever the
                         // policy and the timeout (the growth thread wakes us, or says it
                         // cannot grow).
-                        shared.watch.request();
+                        shared.watch.request_space();
                         let meta = shared.lock_meta();
                         let _ = shared.space.wait_timeout(meta, SPACE_WAIT_STEP);
                         continue;
