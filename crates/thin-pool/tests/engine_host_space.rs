@@ -207,9 +207,11 @@ fn trim_while_writers_provision_never_punches_their_data() {
     );
     pool.create_volume("v", 512 * BLOCK).unwrap();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let rounds = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     let writer = {
         let v = pool.volume("v").unwrap();
         let stop = stop.clone();
+        let rounds = rounds.clone();
         std::thread::spawn(move || {
             // Write every block, discard it, write it again: freed blocks are reused while
             // trims run.
@@ -229,12 +231,16 @@ fn trim_while_writers_provision_never_punches_their_data() {
                     v.read(b * BLOCK, &mut buf).unwrap();
                     assert!(buf == pattern(round, b), "round {round} block {b}");
                 }
+                rounds.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             }
             round
         })
     };
-    for _ in 0..20 {
+    // Trims run through several whole rounds of the writer.
+    let mut trims = 0;
+    while trims < 20 || rounds.load(std::sync::atomic::Ordering::SeqCst) < 3 {
         pool.trim().unwrap();
+        trims += 1;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let round = writer.join().unwrap();

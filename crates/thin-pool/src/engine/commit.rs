@@ -444,3 +444,18 @@ fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::block_runs;
+
+    #[test]
+    fn runs_join_neighbours_only() {
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(block_runs(&[3]), vec![(3, 1)]);
+        assert_eq!(
+            block_runs(&[1, 2, 3, 5, 7, 8]),
+            vec![(1, 3), (5, 1), (7, 2)]
+        );
+    }
+}
