@@ -141,3 +141,28 @@ fn help_shows_an_example() {
         );
     }
 }
+
+#[test]
+fn serve_sets_the_no_space_timeout_for_the_run() {
+    let temp = ScratchDir::new("serve-no-space-timeout");
+    let pool = temp.join("pool");
+    let p = pool.to_str().unwrap();
+    // Queue policy, and a timeout of 60 s in pool.json.
+    create_pool(&pool, &["--data-size", "1M"]);
+    create_volume(&pool, "v", "2M");
+    assert_eq!(status(p)["no_space_timeout_seconds"], 60);
+    let served = serve(&pool, &["--quiet", "--no-space-timeout", "1"]);
+    assert_eq!(status(p)["no_space_timeout_seconds"], 1);
+    let mut client = Client::open(&served.socket, "v");
+    for block in 0..16 {
+        client.write(block * BLOCK, &pattern(block, BLOCK as usize));
+    }
+    // Queued for a second (not 60), then ENOSPC.
+    assert_eq!(
+        client.write_errno(16 * BLOCK, &pattern(16, BLOCK as usize)),
+        ENOSPC
+    );
+    assert_eq!(status(p)["mode"], "out_of_data_space");
+    client.disconnect();
+    assert!(served.stop().success());
+}
