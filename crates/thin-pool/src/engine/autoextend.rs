@@ -8,7 +8,7 @@
 //!                                      metadata ≥ threshold → request a growth
 //!   thinpool-space thread              on request (or every second): grow the data file by
 //!                                      `by` up to `max_bytes` and the host's free space,
-//!                                      the metadata by the same share (`manage::grow_*`)
+//!                                      the metadata by the same share (`Shared::grow_data`, `grow_metadata`)
 //!   alloc out of space                 growth possible → wait for it (any policy);
 //!                                      not possible (`exhausted`) → the no-space policy
 //! ```
@@ -20,7 +20,6 @@
 //! says why, writes that need space follow the no-space policy (queue or error), and the
 //! thread tries again every [`RETRY_INTERVAL`] while it is asked to.
 
-use crate::engine::manage::{grow_data, grow_metadata};
 use crate::engine::options::{Autoextend, ExtendBy, PoolMode, PoolOptions};
 use crate::engine::pool::host_free_bytes;
 use crate::engine::shared::{io_error, Shared};
@@ -369,7 +368,7 @@ fn grow_data_step(shared: &Shared, autoextend: &Autoextend, usage: &Usage) {
             target = current + room;
         }
     }
-    match grow_data(shared, target) {
+    match shared.grow_data(target) {
         Ok(blocks) if blocks * block > current => {
             tracing::info!(target: "thinpool::space", "autoextend: data grew from {current} to {} bytes", blocks * block);
             shared.log(format!(
@@ -413,7 +412,7 @@ fn grow_metadata_step(shared: &Shared, autoextend: &Autoextend, usage: &Usage) {
             return;
         }
     }
-    match grow_metadata(shared, Some(target)) {
+    match shared.grow_metadata(Some(target)) {
         Ok(blocks) => {
             shared
                 .watch

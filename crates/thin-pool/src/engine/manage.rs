@@ -185,69 +185,73 @@ impl Pool {
     /// must already be that large) and the pool with it, letting queued writes proceed.
     /// Returns the number of data blocks.
     pub fn grow_data(&self, size_bytes: u64) -> Result<u64> {
-        grow_data(&self.shared, size_bytes)
+        self.shared.grow_data(size_bytes)
     }
 
     /// Grow the metadata device to `size_bytes` (a regular file is extended; None: use the
     /// device's current size) and the metadata space map with it. Returns the number of
     /// metadata blocks the space map manages.
     pub fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
-        grow_metadata(&self.shared, size_bytes)
+        self.shared.grow_metadata(size_bytes)
     }
 }
 
-/// [`Pool::grow_data`] (also the autoextend thread's).
-pub(crate) fn grow_data(shared: &Shared, size_bytes: u64) -> Result<u64> {
-    let _commit = shared.lock_commit();
-    check_data_grow(shared, size_bytes)?;
-    let device_bytes = shared
-        .data
-        .grow_to(size_bytes)
-        .map_err(io_error("growing the data device".to_string()))?;
-    let blocks = size_bytes.min(device_bytes) / shared.block_size_bytes;
-    let (mut meta, taken) = shared.flush_and_lock()?;
-    let md = meta.md()?;
-    if blocks > md.data_space_map().block_count() {
-        md.extend_data(blocks)?;
+impl Shared {
+    /// [`Pool::grow_data`] (also the autoextend thread's).
+    pub(crate) fn grow_data(&self, size_bytes: u64) -> Result<u64> {
+        let shared = self;
+        let _commit = shared.lock_commit();
+        self.check_data_grow(size_bytes)?;
+        let device_bytes = shared
+            .data
+            .grow_to(size_bytes)
+            .map_err(io_error("growing the data device".to_string()))?;
+        let blocks = size_bytes.min(device_bytes) / shared.block_size_bytes;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        let md = meta.md()?;
+        if blocks > md.data_space_map().block_count() {
+            md.extend_data(blocks)?;
+            shared.commit_locked(&mut meta, taken)?;
+        }
+        let blocks = meta.md()?.data_space_map().block_count();
+        if shared.mode() == PoolMode::OutOfDataSpace {
+            shared.set_mode(PoolMode::Write);
+        }
+        drop(meta);
+        shared.space.notify_all();
+        Ok(blocks)
+    }
+
+    /// [`Pool::grow_metadata`] (also the autoextend thread's).
+    pub(crate) fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
+        let shared = self;
+        let _commit = shared.lock_commit();
+        let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
+        if wanted_blocks > METADATA_BLOCKS_MAX {
+            return Err(Error::Invalid(format!(
+                "metadata size {} bytes: the format addresses at most {METADATA_BLOCKS_MAX} blocks of 4 KiB ({} bytes)",
+                size_bytes.unwrap_or(0),
+                METADATA_BLOCKS_MAX * 4096
+            )));
+        }
+        let blocks = shared
+            .metadata_device
+            .extend_to(wanted_blocks)
+            .map_err(io_error("growing the metadata device".to_string()))?;
+        let (mut meta, taken) = shared.flush_and_lock()?;
+        if meta.md.as_ref().is_some_and(|md| md.needs_check()) {
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        let result = meta.md()?.extend_metadata(blocks);
+        let total = shared.checked(&mut meta, result)?;
+        if shared.mode() == PoolMode::OutOfMetadataSpace {
+            shared.set_mode(PoolMode::Write);
+        }
         shared.commit_locked(&mut meta, taken)?;
+        drop(meta);
+        shared.space.notify_all();
+        Ok(total)
     }
-    let blocks = meta.md()?.data_space_map().block_count();
-    if shared.mode() == PoolMode::OutOfDataSpace {
-        shared.set_mode(PoolMode::Write);
-    }
-    drop(meta);
-    shared.space.notify_all();
-    Ok(blocks)
-}
-
-/// [`Pool::grow_metadata`] (also the autoextend thread's).
-pub(crate) fn grow_metadata(shared: &Shared, size_bytes: Option<u64>) -> Result<u64> {
-    let _commit = shared.lock_commit();
-    let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
-    if wanted_blocks > METADATA_BLOCKS_MAX {
-        return Err(Error::Invalid(format!(
-            "metadata size {} bytes: the format addresses at most {METADATA_BLOCKS_MAX} blocks of 4 KiB ({} bytes)",
-            size_bytes.unwrap_or(0),
-            METADATA_BLOCKS_MAX * 4096
-        )));
-    }
-    let blocks = shared
-        .metadata_device
-        .extend_to(wanted_blocks)
-        .map_err(io_error("growing the metadata device".to_string()))?;
-    let (mut meta, taken) = shared.flush_and_lock()?;
-    if meta.md.as_ref().is_some_and(|md| md.needs_check()) {
-        return Err(Error::ReadOnly { needs_check: true });
-    }
-    let result = meta.md()?.extend_metadata(blocks);
-    let total = shared.checked(&mut meta, result)?;
-    if shared.mode() == PoolMode::OutOfMetadataSpace {
-        shared.set_mode(PoolMode::Write);
-    }
-    shared.commit_locked(&mut meta, taken)?;
-    drop(meta);
-    shared.space.notify_all();
-    Ok(total)
 }
 
 impl Pool {
@@ -313,38 +317,41 @@ fn check_size(size_bytes: u64) -> Result<()> {
     Ok(())
 }
 
-/// Refuse a data grow to `size_bytes` that the pool could not map or record: more data
-/// blocks than the index and the format address, or a data space map whose new bitmaps
-/// and index would not fit in the free metadata blocks beside the reserve. Called before
-/// the data device changes.
-fn check_data_grow(shared: &Shared, size_bytes: u64) -> Result<()> {
-    let blocks = size_bytes / shared.block_size_bytes;
-    let blocks_max = INDEX_DATA_BLOCK_MAX + 1;
-    if blocks > blocks_max {
-        return Err(Error::Invalid(format!(
-            "data size {size_bytes} bytes is {blocks} blocks of {} bytes: a pool holds at most {blocks_max}",
-            shared.block_size_bytes
-        )));
+impl Shared {
+    /// Refuse a data grow to `size_bytes` that the pool could not map or record: more data
+    /// blocks than the index and the format address, or a data space map whose new bitmaps
+    /// and index would not fit in the free metadata blocks beside the reserve. Called before
+    /// the data device changes.
+    fn check_data_grow(&self, size_bytes: u64) -> Result<()> {
+        let shared = self;
+        let blocks = size_bytes / shared.block_size_bytes;
+        let blocks_max = INDEX_DATA_BLOCK_MAX + 1;
+        if blocks > blocks_max {
+            return Err(Error::Invalid(format!(
+                "data size {size_bytes} bytes is {blocks} blocks of {} bytes: a pool holds at most {blocks_max}",
+                shared.block_size_bytes
+            )));
+        }
+        let mut meta = shared.lock_meta();
+        let ops = meta.ops.len();
+        let md = meta.md()?;
+        let current = md.data_space_map().block_count();
+        if blocks <= current {
+            return Ok(());
+        }
+        let usage = md.usage();
+        let total = usage.metadata_total_blocks;
+        let free = total - usage.metadata_used_blocks;
+        let cost = data_grow_metadata_blocks(current, blocks);
+        let reserve = metadata_reserve_blocks(total);
+        let needed = cost + reserve + metadata_blocks_for_ops(ops);
+        if needed > free {
+            return Err(Error::Invalid(format!(
+                "growing the data from {current} to {blocks} blocks needs {cost} metadata blocks for the data space map's bitmaps and index, and {reserve} stay reserved: {free} of the {total} metadata blocks are free; grow the metadata first"
+            )));
+        }
+        Ok(())
     }
-    let mut meta = shared.lock_meta();
-    let ops = meta.ops.len();
-    let md = meta.md()?;
-    let current = md.data_space_map().block_count();
-    if blocks <= current {
-        return Ok(());
-    }
-    let usage = md.usage();
-    let total = usage.metadata_total_blocks;
-    let free = total - usage.metadata_used_blocks;
-    let cost = data_grow_metadata_blocks(current, blocks);
-    let reserve = metadata_reserve_blocks(total);
-    let needed = cost + reserve + metadata_blocks_for_ops(ops);
-    if needed > free {
-        return Err(Error::Invalid(format!(
-            "growing the data from {current} to {blocks} blocks needs {cost} metadata blocks for the data space map's bitmaps and index, and {reserve} stay reserved: {free} of the {total} metadata blocks are free; grow the metadata first"
-        )));
-    }
-    Ok(())
 }
 
 /// Metadata blocks the commit growing a data space map from `from` to `to` blocks may take,
