@@ -73,6 +73,13 @@ fn the_low_water_mark_fires_once_per_crossing_at_its_threshold() {
     assert_eq!(status.data_used_blocks, 80);
     assert!(status.low_water_reached, "80% reaches the mark");
     assert_eq!(status.low_water_percent, 80);
+    // Hovering at the mark (79 of 100 blocks is within 1% of it) keeps it reached.
+    v.discard(79 * BLOCK, BLOCK).unwrap();
+    pool.commit().unwrap();
+    pool.commit().unwrap();
+    assert_eq!(pool.status().data_used_blocks, 79);
+    assert!(pool.status().low_water_reached);
+    v.write(79 * BLOCK, &pattern(79), false).unwrap();
     for b in 80..90 {
         v.write(b * BLOCK, &pattern(b), false).unwrap();
     }

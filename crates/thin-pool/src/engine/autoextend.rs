@@ -172,8 +172,12 @@ impl SpaceWatch {
     pub(crate) fn after_commit(&self, shared: &Shared, usage: &Usage) {
         self.check_data_low_water(shared, usage.data_used_blocks, usage.data_total_blocks);
         let (used, total) = (usage.metadata_used_blocks, usage.metadata_total_blocks);
-        let reached = at_least(used, total, self.low_water_percent);
-        if reached != self.metadata_low_water.swap(reached, Ordering::AcqRel) {
+        let reached = self.crossing(
+            &self.metadata_low_water,
+            at_least(used, total, self.low_water_percent),
+            !at_least(used, total, self.low_water_percent.saturating_sub(1)),
+        );
+        if let Some(reached) = reached {
             let message = if reached {
                 format!(
                     "metadata low water mark reached: {used} of {total} metadata blocks used (mark {}%)",
@@ -192,11 +196,14 @@ impl SpaceWatch {
     }
 
     fn check_data_low_water(&self, shared: &Shared, used: u64, total: u64) {
-        let reached = at_least(used, total, self.low_water_percent)
-            || total.saturating_sub(used) <= self.low_water_mark_blocks;
-        if reached != self.data_low_water.load(Ordering::Acquire)
-            && reached != self.data_low_water.swap(reached, Ordering::AcqRel)
-        {
+        let free = total.saturating_sub(used);
+        let reached = self.crossing(
+            &self.data_low_water,
+            at_least(used, total, self.low_water_percent) || free <= self.low_water_mark_blocks,
+            !at_least(used, total, self.low_water_percent.saturating_sub(1))
+                && free > self.low_water_mark_blocks,
+        );
+        if let Some(reached) = reached {
             let message = if reached {
                 format!(
                     "low water mark reached: {used} of {total} data blocks used, {} free (mark {}%)",
@@ -208,6 +215,14 @@ impl SpaceWatch {
             };
             log_low_water(shared, reached, message);
         }
+    }
+
+    /// Set `mark` when `above`, clear it when `below` (1% under the mark: use hovering at
+    /// the mark does not flood the log). Returns the new state if it changed.
+    fn crossing(&self, mark: &AtomicBool, above: bool, below: bool) -> Option<bool> {
+        let now = mark.load(Ordering::Acquire);
+        let wanted = if now { !below } else { above };
+        (wanted != now && mark.swap(wanted, Ordering::AcqRel) != wanted).then_some(wanted)
     }
 
     /// The pool cannot grow: say why once, and let waiting writes apply the policy.
