@@ -20,6 +20,7 @@
 //!   -> {"op":"reserve_metadata_snap"}                    (answers with the status)
 //!   -> {"op":"release_metadata_snap"}                    (answers with the status)
 //!   -> {"op":"diff","base":"vm1","target":"snap"}        (answers {"ok":true,"diff":{...}})
+//!   -> {"op":"trim"}                                     (answers {"ok":true,"trimmed_bytes":N})
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does

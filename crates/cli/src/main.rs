@@ -48,6 +48,8 @@ enum Command {
     MetadataSnap(commands::metadata_snap::Command),
     /// Serve the pool's volumes over NBD.
     Serve(commands::serve::Args),
+    /// Give every free data block back to the host (like thin_trim; also while serving).
+    Trim(commands::trim::Args),
     /// Measure the engine against the raw data device, side by side.
     Bench(commands::bench::Args),
     /// List the blocks in which two volumes differ (like thin_delta).
@@ -68,6 +70,7 @@ fn main() -> ExitCode {
         Command::Status(args) => commands::status::run(args),
         Command::MetadataSnap(command) => commands::metadata_snap::run(command),
         Command::Serve(args) => commands::serve::run(args),
+        Command::Trim(args) => commands::trim::run(args),
         Command::Bench(args) => commands::bench::run(args),
         Command::Diff(args) => commands::diff::run(args),
     };

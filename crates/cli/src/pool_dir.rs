@@ -309,6 +309,66 @@ pub struct StoredOptions {
     pub zero_new_blocks: bool,
     /// Fail writes at once when out of data space instead of queueing them.
     pub error_if_no_space: bool,
+    /// Space alerts, autoextend, the no-space timeout and passdown (absent in files written
+    /// before they existed: the defaults).
+    #[serde(flatten)]
+    pub space: SpaceOptions,
+}
+
+/// The space settings of `pool.json` (`--low-water`, `--autoextend-*`,
+/// `--no-space-timeout`, `--no-discard-passdown`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SpaceOptions {
+    /// Used share of the data and of the metadata, in percent, that raises the low-water
+    /// alert.
+    pub low_water_percent: u32,
+    /// Automatic growth, if on.
+    pub autoextend: Option<StoredAutoextend>,
+    /// How long a write waits for space when out of it (0: forever).
+    pub no_space_timeout_seconds: u64,
+    /// Give freed data blocks back to the host (punch holes in the data file).
+    pub discard_passdown: bool,
+}
+
+impl Default for SpaceOptions {
+    fn default() -> Self {
+        SpaceOptions {
+            low_water_percent: thin_pool::engine::options::LOW_WATER_PERCENT_DEFAULT,
+            autoextend: None,
+            no_space_timeout_seconds: 60,
+            discard_passdown: true,
+        }
+    }
+}
+
+/// Autoextend as `pool.json` keeps it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StoredAutoextend {
+    /// Used share, in percent, that triggers a growth.
+    pub threshold_percent: u32,
+    /// Growth step: a share of the current size, in percent...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by_percent: Option<u32>,
+    /// ...or a size in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by_bytes: Option<u64>,
+    /// Largest data size autoextend grows to.
+    pub max_bytes: u64,
+}
+
+impl StoredAutoextend {
+    /// The engine's form.
+    pub fn engine(&self) -> thin_pool::Autoextend {
+        thin_pool::Autoextend {
+            threshold_percent: self.threshold_percent,
+            by: match (self.by_percent, self.by_bytes) {
+                (_, Some(bytes)) => thin_pool::ExtendBy::Bytes(bytes),
+                (percent, None) => thin_pool::ExtendBy::Percent(percent.unwrap_or(20)),
+            },
+            max_bytes: self.max_bytes,
+        }
+    }
 }
 
 impl Default for StoredOptions {
@@ -317,6 +377,7 @@ impl Default for StoredOptions {
             version: 1,
             zero_new_blocks: true,
             error_if_no_space: false,
+            space: SpaceOptions::default(),
         }
     }
 }
@@ -377,6 +438,10 @@ impl StoredOptions {
         PoolOptions {
             zero_new_blocks: self.zero_new_blocks,
             error_if_no_space: self.error_if_no_space,
+            low_water_percent: self.space.low_water_percent,
+            autoextend: self.space.autoextend.as_ref().map(StoredAutoextend::engine),
+            no_space_timeout: std::time::Duration::from_secs(self.space.no_space_timeout_seconds),
+            discard_passdown: self.space.discard_passdown,
             ..PoolOptions::default()
         }
     }

@@ -15,7 +15,9 @@ pub mod format;
 pub mod ids;
 
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
-pub use engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+pub use engine::options::{
+    Autoextend, CreateOptions, ExtendBy, PoolMode, PoolOptions, PoolStatus, VolumeInfo,
+};
 pub use engine::pool::Pool;
 pub use engine::usage::VolumeSpace;
 pub use engine::volume::{Extent, Volume};

@@ -1,6 +1,7 @@
 //! `thinpool create`: make a pool in a directory (files `metadata`, `data`, the catalog, and
-//! `pool.json` with the options every later open uses), or with `--grow`, grow an existing
-//! pool's data device to `--data-size` (through the control socket when it is served).
+//! `pool.json` with the options every later open uses: zeroing, the no-space policy, and the
+//! space options of `space`), or with `--grow`, grow an existing pool's data device to
+//! `--data-size` (through the control socket when it is served).
 //! With `--metadata-device` and `--data-device` the pool is made on block devices, which
 //! the directory names (`create_devices`); `--grow` without a size then grows to the data
 //! device's size.
@@ -18,6 +19,7 @@ pub const DATA_SIZE_DEFAULT: &str = "16G";
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -36,6 +38,12 @@ pub struct Args {
     /// Fail writes at once when out of data space, instead of queueing them for a while.
     #[arg(long = "error-if-no-space")]
     error_if_no_space: bool,
+    /// Don't give freed data blocks back to the host (no hole punched in the data file
+    /// when blocks are freed; `thinpool trim` still does).
+    #[arg(long = "no-discard-passdown")]
+    no_discard_passdown: bool,
+    #[command(flatten)]
+    space: super::space::SpaceArgs,
     /// Grow an existing pool's data device to --data-size instead of creating a pool
     /// (a pool on block devices: to the data device's size when no --data-size is given).
     #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
@@ -58,11 +66,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return grow(&dir, data_size_bytes, args.json);
     }
     let data_size_bytes = parse_size(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))?;
-    let stored = StoredOptions {
+    let mut stored = StoredOptions {
         zero_new_blocks: !args.no_zero,
         error_if_no_space: args.error_if_no_space,
         ..StoredOptions::default()
     };
+    stored.space = args.space.apply(stored.space)?;
+    stored.space.discard_passdown = !args.no_discard_passdown;
     let create = CreateOptions {
         data_size_bytes,
         block_size_bytes: parse_size(&args.block_size)?,
@@ -88,6 +98,12 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             status.metadata_total_blocks,
             on_off(status.zero_new_blocks),
             on_off(status.error_if_no_space),
+        );
+        println!(
+            "low water {}%, autoextend {}, no-space timeout {}",
+            status.low_water_percent,
+            super::space::describe_autoextend(stored.space.autoextend.as_ref()),
+            super::status::describe_timeout(status.no_space_timeout_seconds),
         );
     }
     Ok(ExitCode::SUCCESS)

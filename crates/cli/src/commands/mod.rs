@@ -12,7 +12,9 @@ pub mod metadata_size;
 pub mod metadata_snap;
 pub mod restore;
 pub mod serve;
+pub mod space;
 pub mod status;
+pub mod trim;
 pub mod volume;
 
 use std::process::ExitCode;

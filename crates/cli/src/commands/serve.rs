@@ -4,6 +4,9 @@
 //! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
 //! mapping.
 //!
+//! The space options (`--low-water`, `--autoextend-*`, `--no-space-timeout`) override those
+//! in `pool.json` for this run only.
+//!
 //! The default pool directory is created on first use, with one volume named `disk`, so that
 //! `thinpool serve` works on a fresh machine.
 //!
@@ -70,6 +73,7 @@ const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -137,6 +141,9 @@ pub struct Args {
     idle_timeout_seconds: u64,
     #[command(flatten)]
     tls: TlsArgs,
+    /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
+    #[command(flatten)]
+    space: super::space::SpaceArgs,
 }
 
 /// Run the command.
@@ -161,7 +168,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !args.read_only {
         super::restore::name_restored_volumes(&dir.path)?;
     }
-    let options = StoredOptions::load(&dir)?;
+    let mut options = StoredOptions::load(&dir)?;
+    options.space = args.space.apply(options.space)?;
     // Pool::open checks the metadata before opening it read-write (as LVM runs thin_check
     // before activation), unless told not to.
     let pool_options = thin_pool::PoolOptions {

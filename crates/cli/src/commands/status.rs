@@ -47,6 +47,15 @@ fn yes_no(value: bool) -> &'static str {
     }
 }
 
+/// The no-space timeout for people.
+pub fn describe_timeout(seconds: u64) -> String {
+    if seconds == 0 {
+        "none (writes queue until space comes)".to_string()
+    } else {
+        format!("{seconds} s")
+    }
+}
+
 /// The text form: one `label: value` line per field.
 pub fn render(status: &StatusRecord) -> String {
     let block = status.block_size_bytes;
@@ -89,6 +98,31 @@ pub fn render(status: &StatusRecord) -> String {
         (
             "error_if_no_space",
             yes_no(status.error_if_no_space).to_string(),
+        ),
+        (
+            "low water",
+            format!(
+                "{}% (data reached: {}, metadata reached: {})",
+                status.low_water_percent,
+                yes_no(status.low_water_reached),
+                yes_no(status.metadata_low_water_reached)
+            ),
+        ),
+        (
+            "autoextend",
+            super::space::describe_autoextend(status.autoextend.as_ref()),
+        ),
+        (
+            "no-space timeout",
+            describe_timeout(status.no_space_timeout_seconds),
+        ),
+        (
+            "discard passdown",
+            format!(
+                "{} ({} given back since open)",
+                yes_no(status.discard_passdown),
+                format_size(status.data_bytes_passed_down)
+            ),
         ),
     ];
     lines

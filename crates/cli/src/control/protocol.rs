@@ -84,6 +84,8 @@ pub enum Request {
         #[serde(default)]
         list_same: bool,
     },
+    /// Give every free data block back to the host (answers with the bytes trimmed).
+    Trim,
 }
 
 /// One volume, as `list` and the volume commands report it.
@@ -173,8 +175,23 @@ pub struct StatusRecord {
     pub error_if_no_space: bool,
     /// Freed data blocks are discarded on the data device.
     pub discard_passdown: bool,
-    /// Free data blocks fell to the low-water mark.
+    /// Data use reached the low-water mark.
     pub low_water_reached: bool,
+    /// Metadata use reached the low-water mark.
+    #[serde(default)]
+    pub metadata_low_water_reached: bool,
+    /// The low-water mark, in percent of the data and of the metadata.
+    #[serde(default)]
+    pub low_water_percent: u32,
+    /// Autoextend, if on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoextend: Option<crate::pool_dir::StoredAutoextend>,
+    /// How long a write waits for space when out of it (0: forever).
+    #[serde(default)]
+    pub no_space_timeout_seconds: u64,
+    /// Bytes of freed data blocks given back to the host since the pool opened.
+    #[serde(default)]
+    pub data_bytes_passed_down: u64,
     /// Metadata block of a held metadata snapshot.
     pub metadata_snap: Option<u64>,
     /// Volumes in the pool.
@@ -202,6 +219,11 @@ impl StatusRecord {
             error_if_no_space: status.error_if_no_space,
             discard_passdown: status.discard_passdown,
             low_water_reached: status.low_water_reached,
+            metadata_low_water_reached: status.metadata_low_water_reached,
+            low_water_percent: status.low_water_percent,
+            autoextend: options.space.autoextend,
+            no_space_timeout_seconds: status.no_space_timeout.as_secs(),
+            data_bytes_passed_down: status.data_bytes_passed_down,
             metadata_snap: status.metadata_snap,
             volume_count: status.volume_count,
         }
@@ -221,6 +243,8 @@ pub enum Outcome {
     Done,
     /// Two volumes compared.
     Diff(Box<DiffRecord>),
+    /// Free data blocks given back to the host (trim), in bytes.
+    Trimmed(u64),
 }
 
 impl Outcome {
@@ -323,6 +347,8 @@ pub(super) struct Response {
     error: Option<OpError>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     diff: Option<Box<DiffRecord>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trimmed_bytes: Option<u64>,
 }
 
 impl From<Result<Outcome, OpError>> for Response {
@@ -341,6 +367,11 @@ impl From<Result<Outcome, OpError>> for Response {
             Ok(Outcome::Status(status)) => Response {
                 ok: true,
                 status: Some(status),
+                ..Response::default()
+            },
+            Ok(Outcome::Trimmed(bytes)) => Response {
+                ok: true,
+                trimmed_bytes: Some(bytes),
                 ..Response::default()
             },
             Ok(Outcome::Done) => Response {
@@ -373,6 +404,9 @@ impl Response {
                 bail!("control socket answered with more than one result");
             }
             return Ok(Ok(Outcome::Diff(diff)));
+        }
+        if let Some(bytes) = self.trimmed_bytes {
+            return Ok(Ok(Outcome::Trimmed(bytes)));
         }
         Ok(Ok(match (self.volume, self.volumes, self.status) {
             (Some(volume), None, None) => Outcome::Volume(volume),

@@ -126,6 +126,7 @@ impl Target {
                     &self.options,
                 )))
             }
+            Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
             Request::Status => Ok(Outcome::Status(StatusRecord::new(
                 &pool.status(),
                 &self.options,

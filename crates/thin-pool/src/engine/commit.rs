@@ -11,9 +11,9 @@
 //! mapping without its data nor a leaked block.
 //!
 //! Freed data blocks: a commit holds the blocks its transaction freed (they stay free in
-//! the space map but are not reserved) and parks them in the limbo (`grace`); the next
-//! commits release them, and pass down those a discard freed, once no I/O pinned before
-//! their unmap is left. A write out of space waits for that ([`Shared::wait_for_held`]).
+//! the space map but are not reserved) and parks them in the limbo (`grace`); later
+//! reclaims release them, and pass them all down (discard, shrink, delete, broken sharing:
+//! the host gets the space back), once no I/O pinned before their unmap is left. A write out of space waits for that ([`Shared::wait_for_held`]).
 //!
 //! Failure: a metadata operation refused before any change (see
 //! [`PoolMetadata::transaction_failed`]) is reported and the transaction goes on; any other
@@ -92,11 +92,17 @@ impl Shared {
         self.apply_ops(meta, count)?;
         self.commit_change(meta, |_| Ok(()))?;
         // Every block this commit freed was unmapped from its index when its op was
-        // queued: start its grace period now and, if no I/O pinned before is left (the
-        // usual case), release it and pass it down at once.
-        self.reclaim(meta);
-        self.reclaim(meta);
+        // queued.
+        self.reclaim_freed(meta);
         Ok(())
+    }
+
+    /// Once the blocks the last commit freed are unmapped from every index: start their
+    /// grace period now and, if no I/O pinned before is left (the usual case), release
+    /// them and pass them down at once.
+    pub(crate) fn reclaim_freed(&self, meta: &mut MetaState) {
+        self.reclaim(meta);
+        self.reclaim(meta);
     }
 
     /// Run `change` on the metadata and commit. A change refused before it changed anything
@@ -193,9 +199,8 @@ impl Shared {
         })?;
         #[cfg(debug_assertions)]
         self.assert_unreferenced(&freed);
-        if self.options.discard_passdown {
-            meta.passdown.extend(freed);
-        }
+        #[cfg(not(debug_assertions))]
+        let _ = freed;
         Ok(())
     }
 
@@ -237,19 +242,19 @@ impl Shared {
         }
     }
 
-    /// After a durable commit: the data blocks it freed (held by the metadata) go to the
-    /// limbo, those a discard freed marked for passdown. Their grace period starts at a
-    /// later `reclaim`: the caller may still be unmapping them from an index (a shrink
-    /// clears its index after the commit, under the metadata lock).
+    /// After a durable commit: the data blocks it freed (held by the metadata; by a
+    /// discard, a shrink, a delete or a broken sharing) go to the limbo, marked for passdown
+    /// when the pool passes freed blocks down. Their grace period starts at a later
+    /// `reclaim`: the caller may still be unmapping them from an index (a shrink clears its
+    /// index after the commit, under the metadata lock).
     fn park_freed(&self, meta: &mut MetaState) {
-        let passdown: std::collections::HashSet<DataBlock> =
-            std::mem::take(&mut meta.passdown).into_iter().collect();
+        let pass_down = self.options.discard_passdown;
         let Some(md) = meta.md.as_mut() else { return };
+        let usage = md.usage();
         let held = md.take_newly_held_data_blocks();
-        meta.limbo.add(held.into_iter().map(|block| Held {
-            block,
-            pass_down: passdown.contains(&block),
-        }));
+        meta.limbo
+            .add(held.into_iter().map(|block| Held { block, pass_down }));
+        self.watch.after_commit(self, &usage);
     }
 
     /// Without waiting: release the held blocks no pinned I/O can reach any more (passing
@@ -257,18 +262,29 @@ impl Shared {
     pub(crate) fn reclaim(&self, meta: &mut MetaState) {
         let released = meta.limbo.poll(&self.readers);
         let Some(md) = meta.md.as_mut() else { return };
+        let mut pass_down: Vec<u64> = released
+            .iter()
+            .filter(|held| held.pass_down && md.is_held(held.block))
+            .map(|held| held.block.get())
+            .collect();
+        // Discarded before they are released (under the metadata lock): a block reserved
+        // again afterwards is never punched under its new data. Runs of neighbours go
+        // down as one discard; a failure only costs space on the data device.
+        pass_down.sort_unstable();
+        let mut bytes = 0;
+        for (first, count) in block_runs(&pass_down) {
+            let (offset, len) = (first * self.block_size_bytes, count * self.block_size_bytes);
+            if self.data.discard(offset, len).is_ok() {
+                bytes += len;
+            }
+        }
+        self.watch
+            .passed_down_bytes
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
         for held in released {
-            if !md.is_held(held.block) {
-                continue;
+            if md.is_held(held.block) {
+                md.release_held_data_block(held.block);
             }
-            if held.pass_down {
-                // A discard failure only costs space on the data device.
-                let _ = self.data.discard(
-                    held.block.offset_bytes(self.block_size_bytes),
-                    self.block_size_bytes,
-                );
-            }
-            md.release_held_data_block(held.block);
         }
     }
 
@@ -303,7 +319,6 @@ impl Shared {
         meta.generation += 1;
         let dropped = meta.ops.len();
         meta.take_ops(dropped);
-        meta.passdown.clear();
         if !out_of_space {
             let _ = PoolMetadata::mark_needs_check(&*self.metadata_device);
         }
@@ -403,6 +418,18 @@ impl Shared {
     }
 }
 
+/// Runs of consecutive numbers in sorted `blocks`, as (first, count).
+pub(crate) fn block_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
+    let mut runs: Vec<(u64, u64)> = Vec::new();
+    for &block in blocks {
+        match runs.last_mut() {
+            Some((first, count)) if *first + *count == block => *count += 1,
+            _ => runs.push((block, 1)),
+        }
+    }
+    runs
+}
+
 /// Apply one op; a data block it frees (count now zero) is added to `freed`.
 fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result<()> {
     match op {
@@ -413,8 +440,9 @@ fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result
         } => {
             let data_block = mapping.data_block();
             if md.has_volume(volume) {
-                // No passdown for a replaced block: until this commit is durable the old
-                // mapping may be what survives a crash.
+                // A replaced block whose count falls to zero is held by the commit and
+                // passed down only once that commit is durable (until then the old mapping
+                // may be what survives a crash).
                 md.insert_at(volume, block, data_block, mapping.time())?;
             } else if !md.release_data_block(data_block) {
                 // The volume was deleted: the reservation goes back.
@@ -435,5 +463,20 @@ fn apply_op(md: &mut PoolMetadata, op: Op, freed: &mut Vec<DataBlock>) -> Result
             }
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::block_runs;
+
+    #[test]
+    fn runs_join_neighbours_only() {
+        assert_eq!(block_runs(&[]), vec![]);
+        assert_eq!(block_runs(&[3]), vec![(3, 1)]);
+        assert_eq!(
+            block_runs(&[1, 2, 3, 5, 7, 8]),
+            vec![(1, 3), (5, 1), (7, 2)]
+        );
     }
 }

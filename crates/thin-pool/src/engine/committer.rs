@@ -83,6 +83,13 @@ fn commit_loop(shared: Weak<Shared>, interval: Duration) {
             if let Err(e) = strong.commit() {
                 strong.log_warn(format!("periodic commit failed: {e}"));
             }
+        } else {
+            // Freed blocks whose pinned I/O was still running at their commit: release
+            // (and pass down) those it left since.
+            let mut meta = strong.lock_meta();
+            if !meta.limbo.is_empty() {
+                strong.reclaim(&mut meta);
+            }
         }
     }
 }

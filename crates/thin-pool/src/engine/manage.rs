@@ -126,6 +126,8 @@ impl Pool {
             for snapshot in shared.volumes.load().values() {
                 snapshot.forget_origin(id);
             }
+            // Its freed blocks are in no index now: release (and pass down) at once.
+            shared.reclaim_freed(&mut meta);
             Ok(())
         })();
         if result.is_err() {
@@ -173,6 +175,8 @@ impl Pool {
         volume.index.clear_from(VirtualBlock::new(block_count));
         volume.index.resize(block_count);
         volume.size_bytes.store(size_bytes, Ordering::Release);
+        // The blocks the shrink freed are in no index now: release (and pass down) at once.
+        shared.reclaim_freed(&mut meta);
         drop(meta);
         self.info(name)
     }
@@ -181,7 +185,21 @@ impl Pool {
     /// must already be that large) and the pool with it, letting queued writes proceed.
     /// Returns the number of data blocks.
     pub fn grow_data(&self, size_bytes: u64) -> Result<u64> {
-        let shared = &self.shared;
+        self.shared.grow_data(size_bytes)
+    }
+
+    /// Grow the metadata device to `size_bytes` (a regular file is extended; None: use the
+    /// device's current size) and the metadata space map with it. Returns the number of
+    /// metadata blocks the space map manages.
+    pub fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
+        self.shared.grow_metadata(size_bytes)
+    }
+}
+
+impl Shared {
+    /// [`Pool::grow_data`] (also the autoextend thread's).
+    pub(crate) fn grow_data(&self, size_bytes: u64) -> Result<u64> {
+        let shared = self;
         let _commit = shared.lock_commit();
         self.check_data_grow(size_bytes)?;
         let device_bytes = shared
@@ -199,17 +217,14 @@ impl Pool {
         if shared.mode() == PoolMode::OutOfDataSpace {
             shared.set_mode(PoolMode::Write);
         }
-        shared.low_water_reached.store(false, Ordering::Release);
         drop(meta);
         shared.space.notify_all();
         Ok(blocks)
     }
 
-    /// Grow the metadata device to `size_bytes` (a regular file is extended; None: use the
-    /// device's current size) and the metadata space map with it. Returns the number of
-    /// metadata blocks the space map manages.
-    pub fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
-        let shared = &self.shared;
+    /// [`Pool::grow_metadata`] (also the autoextend thread's).
+    pub(crate) fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<u64> {
+        let shared = self;
         let _commit = shared.lock_commit();
         let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
         if wanted_blocks > METADATA_BLOCKS_MAX {
@@ -237,7 +252,9 @@ impl Pool {
         shared.space.notify_all();
         Ok(total)
     }
+}
 
+impl Pool {
     /// Set the user transaction id (the catalog follows it).
     pub fn set_transaction_id(&self, current: TransactionId, new: TransactionId) -> Result<()> {
         let shared = &self.shared;
@@ -304,13 +321,13 @@ fn check_size(size_bytes: u64) -> Result<()> {
     Ok(())
 }
 
-impl Pool {
+impl Shared {
     /// Refuse a data grow to `size_bytes` that the pool could not map or record: more data
     /// blocks than the index and the format address, or a data space map whose new bitmaps
     /// and index would not fit in the free metadata blocks beside the reserve. Called before
     /// the data device changes.
     fn check_data_grow(&self, size_bytes: u64) -> Result<()> {
-        let shared = &self.shared;
+        let shared = self;
         let blocks = size_bytes / shared.block_size_bytes;
         let blocks_max = INDEX_DATA_BLOCK_MAX + 1;
         if blocks > blocks_max {

@@ -15,6 +15,8 @@
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
 //! - `usage`: per-volume space accounting (mapped, exclusive, shared) without stalling I/O;
+//! - `autoextend`: the low-water marks and the thread that grows the data and metadata;
+//! - `trim`: giving every free data block back to the data device (`thinpool trim`);
 //! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
@@ -25,6 +27,7 @@
 //! See ARCHITECTURE.md for the read, provisioning-write and commit paths and the files
 //! each crosses.
 
+mod autoextend;
 pub mod block_device;
 pub mod catalog;
 mod commit;
@@ -41,5 +44,6 @@ pub mod pool;
 mod provision;
 mod revert;
 mod shared;
+mod trim;
 pub mod usage;
 pub mod volume;

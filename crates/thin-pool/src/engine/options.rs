@@ -14,13 +14,20 @@ pub struct PoolOptions {
     pub discard_passdown: bool,
     /// Fail writes that need space at once when out of data space (else queue them).
     pub error_if_no_space: bool,
-    /// How long a queued write waits for space before failing.
+    /// How long a queued write waits for space before failing (zero: forever, as dm-thin's
+    /// `no_space_timeout` of 0).
     pub no_space_timeout: Duration,
     /// Refuse every change, and open without writing anything: no check (it may repair),
     /// no commit thread, no catalog clean-up, the metadata file opened read-only.
     pub read_only: bool,
     /// Free data blocks at or below which a low-water event fires.
     pub low_water_mark_blocks: u64,
+    /// Used share of the data, and of the metadata, in percent, at which the low-water
+    /// event fires (once per crossing; 100: only when full).
+    pub low_water_percent: u32,
+    /// Grow the data (a regular file) and the metadata when their use crosses a threshold
+    /// (None: never, the default). See [`Autoextend`].
+    pub autoextend: Option<Autoextend>,
     /// Commit this often when something changed (None: only on flush and management).
     pub commit_interval: Option<Duration>,
     /// Open read-write without checking the metadata first (the check, thin_check's rules,
@@ -33,6 +40,70 @@ pub struct PoolOptions {
     /// Tests only: called at the points of [`FaultPoint`], e.g. to inject a panic.
     #[doc(hidden)]
     pub fault_hook: Option<FaultHook>,
+    /// Tests only: the host's free bytes as autoextend sees them (instead of the file
+    /// system of the pool directory).
+    #[doc(hidden)]
+    pub host_free_probe: Option<HostFreeProbe>,
+}
+
+/// A stand-in for the host file system's free space (tests only): see
+/// [`PoolOptions::host_free_probe`].
+#[doc(hidden)]
+#[derive(Clone)]
+pub struct HostFreeProbe(Arc<dyn Fn() -> Option<u64> + Send + Sync>);
+
+impl HostFreeProbe {
+    /// A probe answering `probe()`.
+    pub fn new(probe: impl Fn() -> Option<u64> + Send + Sync + 'static) -> HostFreeProbe {
+        HostFreeProbe(Arc::new(probe))
+    }
+
+    pub(crate) fn call(&self) -> Option<u64> {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for HostFreeProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("HostFreeProbe")
+    }
+}
+
+/// [`PoolOptions::low_water_percent`] unless set.
+pub const LOW_WATER_PERCENT_DEFAULT: u32 = 80;
+
+/// Automatic growth, as LVM's `thin_pool_autoextend_threshold` and
+/// `thin_pool_autoextend_percent`: when the data's use reaches `threshold_percent`, the data
+/// device grows by `by`, up to `max_bytes` and to what the host file system has free; when
+/// the metadata's use reaches it, the metadata device grows by `by` too (a size counts as
+/// the same share of the data size). The growth runs on a thread of its own, off the I/O
+/// path; a write that finds no space while the pool can still grow waits for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Autoextend {
+    /// Used share, in percent (1 to 100), that triggers a growth.
+    pub threshold_percent: u32,
+    /// How much each growth adds.
+    pub by: ExtendBy,
+    /// The data device never grows beyond this many bytes.
+    pub max_bytes: u64,
+}
+
+/// How much one automatic growth adds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExtendBy {
+    /// This share of the current size, in percent.
+    Percent(u32),
+    /// This many bytes (the metadata grows by the same share of its size).
+    Bytes(u64),
+}
+
+impl std::fmt::Display for ExtendBy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ExtendBy::Percent(percent) => write!(f, "{percent}%"),
+            ExtendBy::Bytes(bytes) => write!(f, "{bytes} bytes"),
+        }
+    }
 }
 
 /// Where the engine calls [`PoolOptions::fault_hook`] (tests only).
@@ -84,8 +155,11 @@ impl Default for PoolOptions {
             no_space_timeout: Duration::from_secs(60),
             read_only: false,
             low_water_mark_blocks: 0,
+            low_water_percent: LOW_WATER_PERCENT_DEFAULT,
+            autoextend: None,
             commit_interval: Some(Duration::from_secs(1)),
             fault_hook: None,
+            host_free_probe: None,
             skip_check: false,
             slow_commit_threshold: Some(Duration::from_secs(1)),
         }
@@ -168,8 +242,19 @@ pub struct PoolStatus {
     pub discard_passdown: bool,
     /// error_if_no_space set.
     pub error_if_no_space: bool,
-    /// Free data blocks fell to the low water mark.
+    /// Data use reached the low-water mark (`low_water_percent`, or the free blocks of
+    /// `low_water_mark_blocks`).
     pub low_water_reached: bool,
+    /// Metadata use reached `low_water_percent`.
+    pub metadata_low_water_reached: bool,
+    /// The low-water mark, in percent of the data and of the metadata.
+    pub low_water_percent: u32,
+    /// Automatic growth, if on.
+    pub autoextend: Option<Autoextend>,
+    /// How long a write waits for space (zero: forever).
+    pub no_space_timeout: Duration,
+    /// Bytes of free data blocks given back to the host so far (passdown and trim).
+    pub data_bytes_passed_down: u64,
     /// Volumes.
     pub volume_count: usize,
 }

@@ -25,6 +25,7 @@
 //! (no metadata changes until the metadata device grows), `ReadOnly` (option, or after a
 //! metadata error, with needs_check set) and `Fail`.
 
+use crate::engine::autoextend::SpaceWatch;
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
 use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
 use crate::engine::committer::Committer;
@@ -219,7 +220,9 @@ impl Pool {
             volumes: vec![],
         })?;
         drop(md);
-        Pool::open_parts(metadata, Arc::new(data), Box::new(catalog), options, None)
+        let pool = Pool::open_parts(metadata, Arc::new(data), Box::new(catalog), options, None)?;
+        pool.shared.watch.set_host_dir(dir.to_path_buf());
+        Ok(pool)
     }
 
     /// Open the pool in directory `dir`, taking an exclusive lock on its metadata.
@@ -242,13 +245,15 @@ impl Pool {
         let data_path = dir.join(DATA_FILE);
         let data = FileDataDevice::open(&data_path)
             .map_err(io_error(format!("opening {}", data_path.display())))?;
-        Pool::open_parts(
+        let pool = Pool::open_parts(
             Arc::new(metadata),
             Arc::new(data),
             Box::new(DirCatalog::new(dir)),
             options,
             Some(lock),
-        )
+        )?;
+        pool.shared.watch.set_host_dir(dir.to_path_buf());
+        Ok(pool)
     }
 
     /// Whether `dir` holds a pool.
@@ -349,6 +354,9 @@ impl Pool {
             .commit_interval
             .filter(|_| mode != PoolMode::ReadOnly);
         let committer = Committer::start(&shared, interval)?;
+        if mode != PoolMode::ReadOnly {
+            SpaceWatch::start(&shared)?;
+        }
         Ok(Pool {
             shared,
             committer: Arc::new(committer),
@@ -444,7 +452,16 @@ impl Pool {
                 || (mode == PoolMode::ReadOnly && !self.shared.options.read_only),
             discard_passdown: self.shared.options.discard_passdown,
             error_if_no_space: self.shared.options.error_if_no_space,
-            low_water_reached: self.shared.low_water_reached.load(Ordering::Acquire),
+            low_water_reached: self.shared.watch.data_low_water.load(Ordering::Acquire),
+            metadata_low_water_reached: self
+                .shared
+                .watch
+                .metadata_low_water
+                .load(Ordering::Acquire),
+            low_water_percent: self.shared.options.low_water_percent,
+            autoextend: self.shared.options.autoextend,
+            no_space_timeout: self.shared.options.no_space_timeout,
+            data_bytes_passed_down: self.shared.watch.passed_down_bytes.load(Ordering::Relaxed),
             volume_count,
         }
     }
@@ -457,6 +474,7 @@ impl Pool {
     /// Stop the commit thread and commit. Further I/O through open volumes still works, but
     /// is only committed by explicit flushes.
     pub fn close(&self) -> Result<()> {
+        self.shared.watch.stop();
         self.committer.stop(&self.shared);
         if matches!(self.mode(), PoolMode::Write | PoolMode::OutOfDataSpace) {
             self.shared.commit()?;

@@ -23,7 +23,6 @@ use crate::engine::options::{FaultPoint, PoolMode, PoolOptions};
 use crate::engine::shared::{Op, Shared, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{BlockTime, DataBlock, VirtualBlock};
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -116,7 +115,9 @@ impl Provisioner {
     /// nothing yet, and out of data space is what it gets at the timeout anyway.
     pub(crate) fn alloc(&self, volume: &VolumeState) -> Result<Reservation<'_>> {
         let shared = &*self.shared;
-        let deadline = Instant::now() + shared.options.no_space_timeout;
+        // A zero timeout queues forever, as dm-thin's.
+        let timeout = shared.options.no_space_timeout;
+        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
         let mut committed_once = false;
         loop {
             shared.check_changes_allowed()?;
@@ -133,7 +134,7 @@ impl Provisioner {
                     }
                     let usage = md.usage();
                     drop(meta);
-                    self.reserved(usage.data_total_blocks - usage.data_used_blocks);
+                    self.reserved(usage.data_used_blocks, usage.data_total_blocks);
                     return Ok(Reservation {
                         provisioner: self,
                         block,
@@ -148,19 +149,29 @@ impl Provisioner {
                         // Frees the blocks discards unmapped; they become reservable once
                         // the I/O pinned before their unmap is done.
                         shared.commit()?;
-                        shared.wait_for_held(deadline.min(Instant::now() + GRACE_WAIT_MAX));
+                        let grace = Instant::now() + GRACE_WAIT_MAX;
+                        shared.wait_for_held(deadline.map_or(grace, |d| d.min(grace)));
+                        continue;
+                    }
+                    let now = Instant::now();
+                    let expired = deadline.is_some_and(|d| now >= d);
+                    if shared.watch.may_grow() && !volume.gate.is_paused() {
+                        // Autoextend can still grow the data: wait for it, whatever the
+                        // policy and the timeout (the growth thread wakes us, or says it
+                        // cannot grow).
+                        shared.watch.request_space();
+                        let meta = shared.lock_meta();
+                        let _ = shared.space.wait_timeout(meta, SPACE_WAIT_STEP);
                         continue;
                     }
                     shared.set_mode(PoolMode::OutOfDataSpace);
-                    let now = Instant::now();
-                    if shared.options.error_if_no_space
-                        || now >= deadline
-                        || volume.gate.is_paused()
-                    {
+                    if shared.options.error_if_no_space || expired || volume.gate.is_paused() {
                         return Err(Error::OutOfDataSpace { block_count });
                     }
+                    // Queued: autoextend (if on) retries while writes wait.
+                    shared.watch.request();
                     let meta = shared.lock_meta();
-                    let wait = (deadline - now).min(SPACE_WAIT_STEP);
+                    let wait = deadline.map_or(SPACE_WAIT_STEP, |d| (d - now).min(SPACE_WAIT_STEP));
                     let _ = shared.space.wait_timeout(meta, wait);
                     committed_once = false;
                 }
@@ -169,16 +180,13 @@ impl Provisioner {
         }
     }
 
-    /// After a reservation: the low-water event, and leaving out-of-data-space mode.
-    fn reserved(&self, free_blocks: u64) {
+    /// After a reservation: the low-water event and the autoextend request (`autoextend`),
+    /// and leaving out-of-data-space mode.
+    fn reserved(&self, used_blocks: u64, total_blocks: u64) {
         let shared = &*self.shared;
-        if free_blocks <= shared.options.low_water_mark_blocks
-            && !shared.low_water_reached.swap(true, Ordering::AcqRel)
-        {
-            shared.log(format!(
-                "low water mark reached: {free_blocks} free data blocks"
-            ));
-        }
+        shared
+            .watch
+            .after_reservation(shared, used_blocks, total_blocks);
         if shared.mode() == PoolMode::OutOfDataSpace {
             shared.set_mode(PoolMode::Write);
         }

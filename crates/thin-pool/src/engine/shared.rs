@@ -15,6 +15,7 @@
 //! their own panics the same way ([`Shared::contained`]), so their caller gets an error, not
 //! an unwind. Block locks and the event log guard nothing a panic can leave half-done.
 
+use crate::engine::autoextend::SpaceWatch;
 use crate::engine::catalog::{Catalog, CatalogStore, CatalogVolume};
 use crate::engine::committer::Signal;
 use crate::engine::data_device::DataDevice;
@@ -24,7 +25,7 @@ use crate::engine::index::Index;
 use crate::engine::options::{PoolMode, PoolOptions};
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
-use crate::ids::{BlockTime, DataBlock, Time, VirtualBlock, VolumeId};
+use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
 use arc_swap::ArcSwap;
 use persistent_data::BlockDevice;
 use std::collections::BTreeMap;
@@ -70,11 +71,6 @@ pub(crate) struct MetaState {
     /// `ops_queued - ops_taken == ops.len()`, checked at every apply.
     pub(crate) ops_queued: u64,
     pub(crate) ops_taken: u64,
-    /// Data blocks a discard freed in this transaction: discarded on the data device only
-    /// once the commit that frees them is durable (before it, the committed metadata may
-    /// still map them, e.g. in a snapshot whose copy-on-write is not committed) and no
-    /// lock-free I/O can reach them (see `limbo`).
-    pub(crate) passdown: Vec<DataBlock>,
     /// Data blocks freed by commits, held in the metadata until no I/O pinned before they
     /// were unmapped is left (`grace`).
     pub(crate) limbo: Limbo,
@@ -90,7 +86,6 @@ impl MetaState {
             ops: Vec::new(),
             ops_queued: 0,
             ops_taken: 0,
-            passdown: Vec::new(),
             limbo: Limbo::default(),
         }
     }
@@ -277,7 +272,8 @@ pub(crate) struct Shared {
     mode: AtomicU8,
     /// The pool time new mappings are made at (the metadata's, mirrored for the data path).
     time: AtomicU32,
-    pub(crate) low_water_reached: AtomicBool,
+    /// Low-water marks and automatic growth (`autoextend`).
+    pub(crate) watch: SpaceWatch,
     /// Wakes and stops the commit thread.
     pub(crate) committer: Signal,
     pub(crate) catalog_store: Box<dyn CatalogStore>,
@@ -303,6 +299,7 @@ impl Shared {
         catalog_store: Box<dyn CatalogStore>,
     ) -> Shared {
         Shared {
+            watch: SpaceWatch::new(&options),
             data,
             metadata_device,
             block_size_bytes,
@@ -313,7 +310,6 @@ impl Shared {
             volumes: ArcSwap::from_pointee(volumes),
             mode: AtomicU8::new(mode as u8),
             time: AtomicU32::new(time.get()),
-            low_water_reached: AtomicBool::new(false),
             committer: Signal::default(),
             catalog_store,
             events: Mutex::new(Vec::new()),
@@ -392,7 +388,6 @@ impl Shared {
         meta.generation += 1;
         meta.ops.clear();
         meta.ops_taken = meta.ops_queued;
-        meta.passdown.clear();
         self.set_mode(PoolMode::Fail);
         self.space.notify_all();
     }

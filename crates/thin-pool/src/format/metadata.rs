@@ -356,6 +356,13 @@ impl PoolMetadata {
         self.data.release(block)
     }
 
+    /// Runs `(first block, count)` of free data blocks in `begin..end`: free in the space
+    /// map, not reserved, not held, and not freed by the transaction under way (the
+    /// committed metadata may still map those).
+    pub fn free_data_runs(&self, begin: u64, end: u64) -> Vec<(u64, u64)> {
+        self.data.free_runs(begin, end)
+    }
+
     /// Whether `block` is reserved for a mapping not made yet.
     pub fn is_reserved(&self, block: DataBlock) -> bool {
         self.data.is_reserved(block)

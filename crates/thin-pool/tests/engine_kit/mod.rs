@@ -207,6 +207,11 @@ impl CrashDataDevice {
         self.discard_ignored.store(ignored, Ordering::Release);
     }
 
+    /// Whether the power is out.
+    pub fn power_is_cut(&self) -> bool {
+        self.power.is_cut()
+    }
+
     /// Run `hook` right after the next flush completes, on the flushing thread.
     pub fn on_next_flush(&self, hook: FlushHook) {
         *lock(&self.after_flush) = Some(hook);

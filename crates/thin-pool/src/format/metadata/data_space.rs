@@ -172,6 +172,22 @@ impl DataSpace {
         None
     }
 
+    /// Runs `(first, count)` of the blocks in `begin..end` that nothing uses or may use
+    /// soon: count zero, not reserved, not freed in this transaction, not held.
+    pub(crate) fn free_runs(&self, begin: u64, end: u64) -> Vec<(u64, u64)> {
+        let end = end.min(self.map.block_count());
+        let mut runs: Vec<(u64, u64)> = Vec::new();
+        let mut block = begin;
+        while let Some(found) = self.search(block, end) {
+            match runs.last_mut() {
+                Some((first, count)) if *first + *count == found => *count += 1,
+                _ => runs.push((found, 1)),
+            }
+            block = found + 1;
+        }
+        runs
+    }
+
     /// Forget a reservation. Returns whether `block` was reserved.
     pub(crate) fn release(&mut self, block: DataBlock) -> bool {
         self.reserved.remove(&block)

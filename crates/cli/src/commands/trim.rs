@@ -1,0 +1,38 @@
+//! `thinpool trim`: give every free data block back to the host (punch holes in the data
+//! file), as `thin_trim` does; through the control socket when the pool is served, so it runs
+//! while clients write.
+
+use anyhow::bail;
+use std::process::ExitCode;
+
+use crate::control::{self, Outcome, Request};
+use crate::pool_dir::{format_size, PoolArg};
+
+/// Arguments.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pool: PoolArg,
+    /// Print the result as JSON (`{"trimmed_bytes": N}`).
+    #[arg(long = "json")]
+    json: bool,
+}
+
+/// Run the command.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let dir = args.pool.resolve();
+    let bytes = match control::ask(&dir, &Request::Trim)? {
+        Outcome::Trimmed(bytes) => bytes,
+        other => bail!("unexpected answer: {other:?}"),
+    };
+    if args.json {
+        println!("{}", serde_json::json!({ "trimmed_bytes": bytes }));
+    } else {
+        println!(
+            "trimmed {} of free data blocks in {}",
+            format_size(bytes),
+            dir.path.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,62 @@
+//! Trim: give every free data block back to the data device (a hole punched in a data file,
+//! a discard on a block device), as `thin_trim` does for an inactive pool, here while the
+//! pool serves.
+//!
+//! ```text
+//!   commit (frees become held, then released and passed down)
+//!   for each chunk of TRIM_CHUNK_BLOCKS:   metadata lock ─ free runs ─ discard them ─ unlock
+//! ```
+//!
+//! A block is free when its count is zero in the space map and it is neither reserved for a
+//! write in flight, nor freed by the transaction under way (the committed metadata may still
+//! map it), nor held in its grace period (pinned I/O may still reach it). Reservations are
+//! made under the metadata lock, and each chunk is discarded under it, so a block reserved
+//! after its chunk was read is never punched under the data its write puts there. The lock
+//! is released between chunks, so writes wait for one chunk at most.
+
+use crate::engine::pool::Pool;
+use crate::engine::shared::io_error;
+use crate::error::Result;
+use std::sync::atomic::Ordering;
+
+/// Data blocks looked at per hold of the metadata lock.
+const TRIM_CHUNK_BLOCKS: u64 = 4096;
+
+impl Pool {
+    /// Discard every free data block on the data device. Returns the bytes discarded
+    /// (free blocks that were holes already count too).
+    pub fn trim(&self) -> Result<u64> {
+        let shared = &self.shared;
+        // Frees queued so far become free blocks (or, in their grace period, pass down
+        // when it ends).
+        shared.commit()?;
+        let block_size = shared.block_size_bytes;
+        let mut trimmed = 0;
+        let mut begin = 0;
+        loop {
+            shared.check_changes_allowed()?;
+            let mut meta = shared.lock_meta();
+            let md = meta.md()?;
+            let total = md.data_space_map().block_count();
+            if begin >= total {
+                break;
+            }
+            let end = (begin + TRIM_CHUNK_BLOCKS).min(total);
+            for (first, count) in md.free_data_runs(begin, end) {
+                let (offset, len) = (first * block_size, count * block_size);
+                shared.data.discard(offset, len).map_err(io_error(format!(
+                    "discarding data blocks {first}..{} (trim)",
+                    first + count
+                )))?;
+                trimmed += len;
+            }
+            drop(meta);
+            begin = end;
+        }
+        shared
+            .watch
+            .passed_down_bytes
+            .fetch_add(trimmed, Ordering::Relaxed);
+        Ok(trimmed)
+    }
+}
