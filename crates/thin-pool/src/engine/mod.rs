@@ -12,6 +12,7 @@
 //! - `committer`: the periodic commit thread;
 //! - `shared`: the state the pool's threads share, and one volume's state;
 //! - `options`: options, mode, status and volume information;
+//! - `stats`: commit counters and the duration histogram monitoring reads;
 //! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
@@ -33,4 +34,5 @@ pub mod options;
 pub mod pool;
 mod provision;
 mod shared;
+pub mod stats;
 pub mod volume;

@@ -34,6 +34,7 @@ use crate::engine::load::{check_before_writing, check_catalog, load_volumes};
 use crate::engine::manage::data_grow_metadata_blocks;
 use crate::engine::provision::Provisioner;
 use crate::engine::shared::{io_error, MetaState, Shared};
+use crate::engine::stats::CommitStats;
 use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
@@ -436,6 +437,16 @@ impl Pool {
             error_if_no_space: self.shared.options.error_if_no_space,
             low_water_reached: self.shared.low_water_reached.load(Ordering::Acquire),
             volume_count,
+        }
+    }
+
+    /// Commits since the pool opened, and how long they took (a snapshot of lock-free
+    /// counters: takes no lock, commits nothing).
+    pub fn commit_stats(&self) -> CommitStats {
+        let durations = self.shared.commit_counters.durations.snapshot();
+        CommitStats {
+            commit_count: durations.count(),
+            durations,
         }
     }
 
