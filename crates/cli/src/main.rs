@@ -8,6 +8,7 @@
 mod commands;
 mod control;
 mod export;
+mod metrics;
 mod pool_dir;
 
 use clap::{Parser, Subcommand};

@@ -44,6 +44,7 @@ use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use nbd::ExportRegistry;
 
+mod metrics;
 mod shutdown;
 mod tcp;
 
@@ -98,6 +99,12 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    /// Serve Prometheus metrics over HTTP at `http://ADDR:PORT/metrics`: `PORT` (binds
+    /// 127.0.0.1) or `ADDR:PORT`; port 0 picks a free one (the banner shows it). Off unless
+    /// given. Example: `thinpool serve --metrics 9100`, then
+    /// `curl http://127.0.0.1:9100/metrics`.
+    #[arg(long = "metrics", value_name = "ADDR:PORT")]
+    metrics: Option<String>,
 }
 
 /// Run the command.
@@ -147,6 +154,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let tcp_exposure = tcp
         .map(|address| tcp_exposure(address, args.insecure))
         .transpose()?;
+    let metrics_address = args
+        .metrics
+        .as_deref()
+        .map(metrics::parse_metrics_address)
+        .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
     remove_stale_socket(&nbd_socket)?;
@@ -168,16 +180,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if !args.quiet {
         config.on_event = Some(Arc::new(log_event));
     }
+    // With metrics on, the servers look exports up through a registry that counts requests.
+    let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
     // Signals are caught from here on, so a stop request during start-up is not lost.
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
     // The Unix socket and TCP are separate servers, so that each serves its own exports
     // (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections.
     let mut servers = Vec::new();
-    let mut server = nbd::Server::new(
-        Arc::clone(&registry) as Arc<dyn ExportRegistry>,
-        config.clone(),
-    );
+    let mut server = nbd::Server::new(Arc::clone(&served), config.clone());
     server
         .listen_unix(&nbd_socket)
         .with_context(|| format!("cannot listen on {}", nbd_socket.display()))?;
@@ -186,8 +197,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let tcp_bound = match tcp {
         Some(address) => {
             let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
-                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
-                None => Arc::clone(&registry) as _,
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
+                None => Arc::clone(&served),
             };
             let mut server = nbd::Server::new(tcp_registry, config);
             let bound = server
@@ -199,6 +210,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
+    let metrics_bound = match (metrics_address, metrics) {
+        (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
+        _ => None,
+    };
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
         eprintln!(
             "thinpool: warning: {}",
@@ -211,6 +226,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &nbd_socket,
         &control_socket,
         tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
+        metrics_bound,
     )?;
 
     let (stop_fail_watch, fail_watch) = start_fail_watch(pool.clone())?;
@@ -282,6 +298,7 @@ fn print_banner(
     nbd_socket: &Path,
     control_socket: &Path,
     tcp: Option<(SocketAddr, Option<&[String]>)>,
+    metrics: Option<SocketAddr>,
 ) -> anyhow::Result<()> {
     let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let pool_path = absolute(&dir.path);
@@ -325,6 +342,9 @@ fn print_banner(
         "  control socket: {}",
         absolute(control_socket).display()
     )?;
+    if let Some(address) = metrics {
+        writeln!(out, "  metrics:        http://{address}/metrics")?;
+    }
     writeln!(out, "connect with (every volume is an export of its name):")?;
     writeln!(out, "  nbdinfo '{unix_uri}'")?;
     writeln!(out, "  qemu-img info '{unix_uri}'")?;

@@ -90,19 +90,17 @@ impl HistogramSnapshot {
         self.sum_ns = self.sum_ns.wrapping_add(other.sum_ns);
     }
 
-    /// `(upper bound in seconds, observations at or below it)` per bucket, the last bound
-    /// +Inf: the cumulative form the Prometheus text format wants.
-    pub fn cumulative_seconds(&self) -> Vec<(f64, u64)> {
-        let mut total = 0;
+    /// `(upper bound in seconds, observations in that bucket)` per bucket, not cumulative,
+    /// the last bound +Inf.
+    pub fn buckets_seconds(&self) -> Vec<(f64, u64)> {
         self.buckets
             .iter()
             .enumerate()
             .map(|(i, &count)| {
-                total += count;
                 let bound = DURATION_BUCKET_BOUNDS_NS
                     .get(i)
                     .map_or(f64::INFINITY, |&ns| ns as f64 / 1e9);
-                (bound, total)
+                (bound, count)
             })
             .collect()
     }
@@ -150,12 +148,13 @@ mod tests {
         assert_eq!(snapshot.buckets[6], 1, "999.999 µs goes to 1 ms");
         assert_eq!(snapshot.buckets[18], 1, "10 s exactly");
         assert_eq!(snapshot.buckets[19], 2, "beyond 10 s: +Inf");
-        let cumulative = snapshot.cumulative_seconds();
-        assert_eq!(cumulative.len(), DURATION_BUCKET_COUNT);
-        assert_eq!(cumulative[0], (1e-5, 2));
-        assert_eq!(cumulative[18], (10.0, 5));
-        assert_eq!(cumulative[19].1, 7);
-        assert!(cumulative[19].0.is_infinite());
+        let buckets = snapshot.buckets_seconds();
+        assert_eq!(buckets.len(), DURATION_BUCKET_COUNT);
+        assert_eq!(buckets[0], (1e-5, 2));
+        assert_eq!(buckets[6], (1e-3, 1));
+        assert_eq!(buckets[18], (10.0, 1));
+        assert_eq!(buckets[19].1, 2);
+        assert!(buckets[19].0.is_infinite());
     }
 
     #[test]
