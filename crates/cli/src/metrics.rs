@@ -263,6 +263,9 @@ pub struct Sample {
     pub volumes: BTreeMap<String, VolumeSample>,
 }
 
+/// One counter of [`VolumeTotals`].
+type VolumeField = fn(&VolumeTotals) -> u64;
+
 fn gauge(encoder: &mut DescriptorEncoder, name: &str, help: &str, value: u64) -> std::fmt::Result {
     encoder
         .encode_descriptor(name, help, None, MetricType::Gauge)?
@@ -367,7 +370,7 @@ impl Collector for Sample {
                     .encode_gauge(&mapped)?;
             }
         }
-        let counters: [(&str, &str, fn(&VolumeTotals) -> u64); 2] = [
+        let counters: [(&str, &str, VolumeField); 2] = [
             (
                 "thinpool_volume_read_bytes",
                 "Bytes read from the export by successful NBD reads.",

@@ -6,7 +6,7 @@
 //! during a record may count it in one field and not yet in another; every field only
 //! grows). The binary uses the same type for its per-connection request histograms.
 //!
-//! The engine records into [`CommitCounters`] (in `Shared`) once per metadata commit, from
+//! The engine records into `CommitCounters` (in `Shared`) once per metadata commit, from
 //! the start of the data flush that precedes it to the end of the superblock write
 //! (`commit.rs`); [`crate::Pool::commit_stats`] hands out a [`CommitStats`] snapshot.
 

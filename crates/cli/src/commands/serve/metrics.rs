@@ -27,6 +27,8 @@ use thin_pool::Pool;
 const REQUEST_BYTES_MAX: usize = 8192;
 /// Time a client has to send its request, and then to take the answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// Pause after a failed accept.
+const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Most headers parsed.
 const HEADERS_MAX: usize = 32;
 
@@ -77,9 +79,11 @@ pub fn start(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<Socke
         .name("metrics-http".to_string())
         .spawn(move || {
             for stream in listener.incoming() {
-                // A failed accept (e.g. out of file descriptors) costs only that client.
-                if let Ok(stream) = stream {
-                    serve_one(stream, &metrics);
+                match stream {
+                    Ok(stream) => serve_one(stream, &metrics),
+                    // A failed accept (e.g. out of file descriptors) costs only that client;
+                    // the pause keeps a lasting failure from spinning.
+                    Err(_) => std::thread::sleep(ACCEPT_RETRY_PAUSE),
                 }
             }
         })
