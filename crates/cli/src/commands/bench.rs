@@ -6,7 +6,8 @@
 //! reports medians. The sections:
 //!
 //! - [`reads`]: random 4 KiB reads through `Volume::read` vs `pread` of the same data file,
-//!   1 and 2 threads; sequential 4 KiB reads with 8 MiB data blocks.
+//!   1 and 2 threads; sequential 4 KiB reads with 8 MiB data blocks; random reads through
+//!   the NBD export with the request counting of `serve --metrics` and without.
 //! - [`writes`]: first writes vs overwrites, bytes written per client byte, writes that break
 //!   sharing after a snapshot.
 //! - [`mappings`]: snapshot, deletion and activation of a volume with 1M mappings.
@@ -107,6 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut rows: Vec<Row> = Vec::new();
     rows.extend(reads::random(&dir, &sizes).context("random reads")?);
     rows.extend(reads::sequential(&dir, &sizes).context("sequential reads")?);
+    rows.extend(reads::counted(&dir, &sizes).context("reads with metrics")?);
     rows.extend(writes::first_and_over(&dir, &sizes).context("first writes")?);
     rows.extend(writes::sharing(&dir, &sizes).context("writes breaking sharing")?);
     rows.extend(mappings::run(&dir, &sizes).context("large volumes")?);
