@@ -51,6 +51,7 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         "first writes",
         "snapshot",
         "activation",
+        "with metrics",
     ] {
         assert!(
             names.iter().any(|n| n.contains(wanted)),
