@@ -75,6 +75,12 @@ pub fn start(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<Socke
     let listener = TcpListener::bind(address)
         .with_context(|| format!("cannot listen for metrics on {address}"))?;
     let bound = listener.local_addr().context("metrics listener address")?;
+    if !bound.ip().is_loopback() {
+        eprintln!(
+            "thinpool: warning: metrics on {bound} are readable without authentication by \
+             every host that reaches it (volume names, sizes, traffic)"
+        );
+    }
     std::thread::Builder::new()
         .name("metrics-http".to_string())
         .spawn(move || {
