@@ -2,7 +2,8 @@
 //! socket (default `nbd.sock` in the pool directory, mode 0600) and, only when asked, on TCP
 //! (127.0.0.1 unless an address is given), with the control socket beside it for management
 //! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
-//! mapping.
+//! mapping. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well (`serve/metrics.rs`,
+//! counted as `crate::metrics` describes).
 //!
 //! The default pool directory is created on first use, with one volume named `disk`, so that
 //! `thinpool serve` works on a fresh machine.
