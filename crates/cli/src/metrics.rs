@@ -548,3 +548,110 @@ impl Export for CountedExport {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::export::PoolRegistry;
+    use persistent_data::MemoryDevice;
+    use thin_pool::engine::catalog::MemoryCatalog;
+    use thin_pool::engine::data_device::MemoryDataDevice;
+    use thin_pool::PoolOptions;
+
+    const BLOCK: u64 = 64 * 1024;
+
+    fn served_pool() -> (Pool, Arc<Metrics>, CountingRegistry) {
+        let pool = Pool::format_parts(
+            Arc::new(MemoryDevice::new(256)),
+            Arc::new(MemoryDataDevice::new(16 * BLOCK)),
+            Box::new(MemoryCatalog::default()),
+            BLOCK,
+            PoolOptions {
+                commit_interval: None,
+                ..PoolOptions::default()
+            },
+        )
+        .unwrap();
+        pool.create_volume("v", 4 * BLOCK).unwrap();
+        let registry = Arc::new(PoolRegistry::new(pool.clone(), Vec::new()).unwrap());
+        let metrics = Metrics::new(pool.clone(), Vec::new());
+        let counting = CountingRegistry::new(registry, Arc::clone(&metrics));
+        (pool, metrics, counting)
+    }
+
+    fn totals(metrics: &Metrics, volume: &str) -> Option<VolumeTotals> {
+        metrics.sample().volumes.get(volume).map(|v| v.totals)
+    }
+
+    #[test]
+    fn counts_survive_the_connection_and_go_with_the_volume() {
+        let (pool, metrics, counting) = served_pool();
+        let export = counting.open("v").unwrap().unwrap();
+        export.write_at(0, &[7u8; 4096], false).unwrap();
+        let mut buffer = vec![0u8; 8192];
+        export.read_at(0, &mut buffer).unwrap();
+        export.flush().unwrap();
+        assert!(
+            export.read_at(4 * BLOCK, &mut buffer).is_err(),
+            "past the end"
+        );
+        let live = totals(&metrics, "v").unwrap();
+        assert_eq!((live.read_bytes, live.written_bytes), (8192, 4096));
+        let counts: Vec<u64> = live.durations.iter().map(|d| d.count()).collect();
+        assert_eq!(
+            counts,
+            [2, 1, 1, 0, 0, 0],
+            "the failed read counts as a request"
+        );
+        let sample = metrics.sample();
+        assert_eq!(sample.volumes["v"].mapped_bytes, Some(BLOCK));
+        assert!(sample.commits.commit_count >= 1, "the flush committed");
+
+        // The connection ends: nothing is lost, and a new one adds to it.
+        drop(export);
+        assert_eq!(totals(&metrics, "v"), Some(live));
+        assert!(nbd::sync::lock(&metrics.table).live.is_empty());
+        let export = counting.open("").unwrap().unwrap();
+        export.read_at(0, &mut buffer[..4096]).unwrap();
+        assert_eq!(totals(&metrics, "v").unwrap().read_bytes, 8192 + 4096);
+        let text = metrics.render();
+        for line in [
+            "thinpool_volume_read_bytes_total{volume=\"v\"} 12288",
+            "thinpool_volume_written_bytes_total{volume=\"v\"} 4096",
+            "thinpool_volume_requests_total{volume=\"v\",op=\"read\"} 3",
+            "thinpool_volume_mapped_bytes{volume=\"v\"} 65536",
+            "thinpool_request_duration_seconds_count{op=\"write\"} 1",
+            "thinpool_mode{mode=\"rw\"} 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
+        }
+
+        // A deleted volume's series go.
+        drop(export);
+        pool.delete_volume("v").unwrap();
+        assert_eq!(totals(&metrics, "v"), None);
+        assert!(!metrics.render().contains("volume=\"v\""));
+        pool.close().unwrap();
+    }
+
+    #[test]
+    fn the_connection_gauge_follows_connect_and_disconnect() {
+        let (pool, metrics, _) = served_pool();
+        let connected = |connection| nbd::Event::Connected {
+            connection,
+            peer: String::new(),
+        };
+        let disconnected = |connection| nbd::Event::Disconnected {
+            connection,
+            error: None,
+        };
+        metrics.on_event(&connected(1));
+        metrics.on_event(&connected(2));
+        assert_eq!(metrics.sample().connections, 2);
+        metrics.on_event(&disconnected(1));
+        metrics.on_event(&disconnected(2));
+        metrics.on_event(&disconnected(3));
+        assert_eq!(metrics.sample().connections, 0, "never below zero");
+        pool.close().unwrap();
+    }
+}
