@@ -9,6 +9,7 @@ mod commands;
 mod control;
 mod export;
 mod logging;
+mod metrics;
 mod pool_dir;
 
 use clap::{Parser, Subcommand};

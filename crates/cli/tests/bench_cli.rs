@@ -52,6 +52,7 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         "snapshot",
         "activation",
         "diff of",
+        "with metrics",
     ] {
         assert!(
             names.iter().any(|n| n.contains(wanted)),

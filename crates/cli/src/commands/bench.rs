@@ -6,7 +6,8 @@
 //! reports medians. The sections:
 //!
 //! - [`reads`]: random 4 KiB reads through `Volume::read` vs `pread` of the same data file,
-//!   1 and 2 threads; sequential 4 KiB reads with 8 MiB data blocks.
+//!   1 and 2 threads; sequential 4 KiB reads with 8 MiB data blocks; random reads through
+//!   the NBD export with the request counting of `serve --metrics` and without.
 //! - [`writes`]: first writes vs overwrites, bytes written per client byte, writes that break
 //!   sharing after a snapshot.
 //! - [`mappings`]: snapshot, deletion and activation of a volume with 1M mappings.
@@ -140,6 +141,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if wanted("reads") {
         rows.extend(reads::random(&dir, &sizes).context("random reads")?);
         rows.extend(reads::sequential(&dir, &sizes).context("sequential reads")?);
+    }
+    if wanted("reads") && dir.devices.is_none() {
+        rows.extend(reads::counted(&dir, &sizes).context("reads with metrics")?);
     }
     if dir.devices.is_some() {
         progress("block devices: only the read comparisons run");

@@ -2,7 +2,8 @@
 //! socket (default `nbd.sock` in the pool directory, mode 0600) and, only when asked, on TCP
 //! (127.0.0.1 unless an address is given), with the control socket beside it for management
 //! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
-//! mapping.
+//! mapping. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well (`serve/metrics.rs`,
+//! counted as `crate::metrics` describes).
 //!
 //! The space options (`--low-water`, `--autoextend-*`, `--no-space-timeout`) override those
 //! in `pool.json` for this run only.
@@ -55,6 +56,7 @@ use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use nbd::ExportRegistry;
 
+mod metrics;
 mod shutdown;
 mod systemd;
 mod tcp;
@@ -73,7 +75,9 @@ const DEFAULT_VOLUME_SIZE_BYTES: u64 = 16 << 30;
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Arguments.
 #[derive(clap::Args, Debug)]
-#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
+/// `--help` ends with an example of TLS and one of space alerts and autoextend (flattened
+/// argument groups cannot each add theirs: clap keeps one `after_help`).
+#[command(after_help = format!("{}\n\n{}", tls::EXAMPLES, super::space::SPACE_HELP_EXAMPLE))]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -144,6 +148,12 @@ pub struct Args {
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
     #[command(flatten)]
     space: super::space::SpaceArgs,
+    /// Serve Prometheus metrics over HTTP at `http://ADDR:PORT/metrics`: `PORT` (binds
+    /// 127.0.0.1) or `ADDR:PORT`; port 0 picks a free one (the banner shows it). Off unless
+    /// given. Example: `thinpool serve --metrics 9100`, then
+    /// `curl http://127.0.0.1:9100/metrics`.
+    #[arg(long = "metrics", value_name = "ADDR:PORT")]
+    metrics: Option<String>,
 }
 
 /// Run the command.
@@ -230,6 +240,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             tcp_exposure = Some(exposure);
         }
     }
+    let metrics_address = args
+        .metrics
+        .as_deref()
+        .map(metrics::parse_metrics_address)
+        .transpose()?;
     let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
     let control_socket = dir.control_socket();
     if activated.unix.is_empty() {
@@ -243,7 +258,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         options,
         reserved_names: registry.raw_names(),
     });
-    let config = nbd::Config {
+    let mut config = nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
@@ -251,16 +266,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         tls,
         ..nbd::Config::default()
     };
+    // With metrics on, the servers look exports up through a registry that counts requests.
+    let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
     // Signals are caught from here on, so a stop request during start-up is not lost.
     let mut signals =
         Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
     // The Unix socket and TCP are separate servers, so that each serves its own exports
     // (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections.
     let mut servers = Vec::new();
-    let mut server = nbd::Server::new(
-        Arc::clone(&registry) as Arc<dyn ExportRegistry>,
-        config.clone(),
-    );
+    let mut server = nbd::Server::new(Arc::clone(&served), config.clone());
     let mut nbd_socket = nbd_socket;
     if activated.unix.is_empty() {
         server
@@ -280,8 +294,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let tcp_bound = match tcp {
         None if !activated.tcp.is_empty() => {
             let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
-                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
-                None => Arc::clone(&registry) as _,
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
+                None => Arc::clone(&served),
             };
             let mut server = nbd::Server::new(tcp_registry, config);
             let mut bound = None;
@@ -296,8 +310,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         Some(address) => {
             let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
-                Some(names) => Arc::new(AllowList::new(Arc::clone(&registry) as _, names)),
-                None => Arc::clone(&registry) as _,
+                Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
+                None => Arc::clone(&served),
             };
             let mut server = nbd::Server::new(tcp_registry, config);
             let bound = server
@@ -309,6 +323,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
+    let metrics_bound = match (metrics_address, metrics) {
+        (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
+        _ => None,
+    };
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
         tracing::warn!(
             "{}",
@@ -329,6 +347,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         &nbd_socket,
         &control_socket,
         tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
+        metrics_bound,
     )?;
 
     let volumes: Vec<String> = pool.list().into_iter().map(|info| info.name).collect();
@@ -417,6 +436,7 @@ fn print_banner(
     nbd_socket: &Path,
     control_socket: &Path,
     tcp: Option<(SocketAddr, Option<&[String]>)>,
+    metrics: Option<SocketAddr>,
 ) -> anyhow::Result<()> {
     let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let pool_path = absolute(&dir.path);
@@ -460,6 +480,9 @@ fn print_banner(
         "  control socket: {}",
         absolute(control_socket).display()
     )?;
+    if let Some(address) = metrics {
+        writeln!(out, "  metrics:        http://{address}/metrics")?;
+    }
     writeln!(out, "connect with (every volume is an export of its name):")?;
     writeln!(out, "  nbdinfo '{unix_uri}'")?;
     writeln!(out, "  qemu-img info '{unix_uri}'")?;

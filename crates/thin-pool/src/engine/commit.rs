@@ -81,9 +81,12 @@ impl Shared {
     /// metadata. Returns the lock and how many ops may be applied: ops queued during the
     /// flush are not covered by it and wait for the next commit.
     pub(crate) fn flush_and_lock(&self) -> Result<(MutexGuard<'_, MetaState>, usize)> {
+        let started = Instant::now();
         let taken = self.lock_meta().ops.len();
         self.flush_data()?;
-        Ok((self.lock_meta(), taken))
+        let mut meta = self.lock_meta();
+        meta.commit_started = Some(started);
+        Ok((meta, taken))
     }
 
     /// Apply `count` ops and commit; `meta` is locked and the data device was flushed after
@@ -122,6 +125,9 @@ impl Shared {
                 md.commit().map(|()| value)
             });
             let value = self.checked(meta, result)?;
+            let started = meta.commit_started.take();
+            let duration = started.map_or(Duration::ZERO, |started| started.elapsed());
+            self.commit_counters.durations.record(duration);
             self.park_freed(meta);
             Ok(value)
         })

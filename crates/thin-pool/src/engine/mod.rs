@@ -17,6 +17,7 @@
 //! - `usage`: per-volume space accounting (mapped, exclusive, shared) without stalling I/O;
 //! - `autoextend`: the low-water marks and the thread that grows the data and metadata;
 //! - `trim`: giving every free data block back to the data device (`thinpool trim`);
+//! - `stats`: commit counters and the duration histogram monitoring reads;
 //! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
 //!   may still reach it;
 //! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
@@ -44,6 +45,7 @@ pub mod pool;
 mod provision;
 mod revert;
 mod shared;
+pub mod stats;
 mod trim;
 pub mod usage;
 pub mod volume;

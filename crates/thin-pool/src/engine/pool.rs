@@ -35,6 +35,7 @@ use crate::engine::load::{check_before_writing, check_catalog, load_volumes};
 use crate::engine::manage::data_grow_metadata_blocks;
 use crate::engine::provision::Provisioner;
 use crate::engine::shared::{io_error, MetaState, Shared};
+use crate::engine::stats::CommitStats;
 use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
@@ -463,6 +464,16 @@ impl Pool {
             no_space_timeout: self.shared.options.no_space_timeout,
             data_bytes_passed_down: self.shared.watch.passed_down_bytes.load(Ordering::Relaxed),
             volume_count,
+        }
+    }
+
+    /// Commits since the pool opened, and how long they took (a snapshot of lock-free
+    /// counters: takes no lock, commits nothing).
+    pub fn commit_stats(&self) -> CommitStats {
+        let durations = self.shared.commit_counters.durations.snapshot();
+        CommitStats {
+            commit_count: durations.count(),
+            durations,
         }
     }
 

@@ -23,6 +23,7 @@ use crate::engine::gate::WriteGate;
 use crate::engine::grace::{Limbo, Readers};
 use crate::engine::index::Index;
 use crate::engine::options::{PoolMode, PoolOptions};
+use crate::engine::stats::CommitCounters;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
 use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
@@ -32,6 +33,7 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
 
 /// Block locks per volume (hashed by virtual block).
 const BLOCK_LOCKS: usize = 256;
@@ -74,6 +76,8 @@ pub(crate) struct MetaState {
     /// Data blocks freed by commits, held in the metadata until no I/O pinned before they
     /// were unmapped is left (`grace`).
     pub(crate) limbo: Limbo,
+    /// When the commit under way started (its data flush, in `flush_and_lock`).
+    pub(crate) commit_started: Option<Instant>,
 }
 
 impl MetaState {
@@ -87,6 +91,7 @@ impl MetaState {
             ops_queued: 0,
             ops_taken: 0,
             limbo: Limbo::default(),
+            commit_started: None,
         }
     }
 
@@ -282,6 +287,8 @@ pub(crate) struct Shared {
     fail_reason: Mutex<Option<String>>,
     /// Threads doing lock-free I/O on data blocks they looked up (`grace`).
     pub(crate) readers: Readers,
+    /// Commits and their durations, for monitoring (`stats`).
+    pub(crate) commit_counters: CommitCounters,
 }
 
 impl Shared {
@@ -315,6 +322,7 @@ impl Shared {
             events: Mutex::new(Vec::new()),
             fail_reason: Mutex::new(None),
             readers: Readers::default(),
+            commit_counters: CommitCounters::default(),
         }
     }
 

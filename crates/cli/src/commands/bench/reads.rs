@@ -14,9 +14,13 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::sync::Barrier;
+use std::sync::{Arc, Barrier};
 use thin_pool::engine::pool::DATA_FILE;
 use thin_pool::{Pool, Volume};
+
+use crate::export::PoolRegistry;
+use crate::metrics::{CountingRegistry, Metrics, Op};
+use nbd::ExportRegistry;
 
 /// Data block size of the sequential-read pool: the first report's 8 MiB.
 const SEQUENTIAL_BLOCK_SIZE_BYTES: u64 = 8 << 20;
@@ -275,4 +279,101 @@ where
         }
         Ok(started.elapsed().as_secs_f64())
     })
+}
+
+/// Random reads through the export `serve` hands the NBD server for a volume, with the
+/// request counting of `serve --metrics` ([`crate::metrics::CountingRegistry`]) and without,
+/// and against `pread`: what counting adds to the read path. Both threads of the 2-thread
+/// case share one export, so they count into the same per-connection counters, as the
+/// threads of one NBD connection do.
+pub fn counted(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
+    const POOL: &str = "counted-reads";
+    let volume_bytes = sizes.random_read_volume_bytes;
+    progress(&format!(
+        "reads with metrics: filling a {} MiB volume (64 KiB blocks)",
+        volume_bytes >> 20
+    ));
+    let (pool, volume, raw) = filled_volume(dir, POOL, volume_bytes, BLOCK_SIZE_BYTES, 16)?;
+    drop(volume);
+    let registry = Arc::new(PoolRegistry::new(pool.clone(), Vec::new())?);
+    let metrics = Metrics::new(pool.clone(), Vec::new());
+    let counting = CountingRegistry::new(Arc::clone(&registry) as _, Arc::clone(&metrics));
+    let plain = registry.open("reads")?.context("no volume \"reads\"")?;
+    let counted = counting.open("reads")?.context("no volume \"reads\"")?;
+    let offsets: Vec<Vec<u64>> = (0..2)
+        .map(|thread| random_offsets(volume_bytes, sizes.random_read_count, thread))
+        .collect();
+    let reads = sizes.random_read_count as f64;
+    let through_counted = |o: u64, buf: &mut [u8]| Ok(counted.read_at(o, buf)?);
+    let through_plain = |o: u64, buf: &mut [u8]| Ok(plain.read_at(o, buf)?);
+    let through_pread = |o: u64, buf: &mut [u8]| Ok(raw.read_exact_at(buf, o)?);
+    // Warm up both paths (two threads: both offset lists).
+    compare_reads(&offsets, through_counted, through_plain)?;
+    // kIOPS samples: counted vs pread (1 thread), counted vs plain (1 and 2 threads).
+    let (mut counted_1, mut pread_1) = (Vec::new(), Vec::new());
+    let mut counted_n = [Vec::new(), Vec::new()];
+    let mut plain_n = [Vec::new(), Vec::new()];
+    let mut counted_reads = reads * 2.0;
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        let seconds = compare_reads(&offsets[..1], through_counted, through_pread)?;
+        counted_1.push(reads / seconds[0] / 1000.0);
+        pread_1.push(reads / seconds[1] / 1000.0);
+        for threads in [1usize, 2] {
+            let seconds = compare_reads(&offsets[..threads], through_counted, through_plain)?;
+            let total = reads * threads as f64;
+            counted_n[threads - 1].push(total / seconds[0] / 1000.0);
+            plain_n[threads - 1].push(total / seconds[1] / 1000.0);
+        }
+        counted_reads += reads * 4.0;
+        progress(&format!(
+            "reads with metrics {}/{}: counted {:.0} kIOPS, pread {:.0}; counted {:.0}/{:.0}, \
+             not counted {:.0}/{:.0} (1/2 threads)",
+            repetition + 1,
+            sizes.repetition_count,
+            counted_1[repetition],
+            pread_1[repetition],
+            counted_n[0][repetition],
+            counted_n[1][repetition],
+            plain_n[0][repetition],
+            plain_n[1][repetition]
+        ));
+    }
+    // The counting really ran: every read through `counted` is in the metrics.
+    let sample = metrics.sample();
+    let seen = sample.volumes.get("reads").map_or(0, |volume| {
+        volume.totals.durations[Op::Read as usize].count()
+    });
+    if seen != counted_reads as u64 {
+        bail!("the metrics counted {seen} reads of {counted_reads}");
+    }
+    let [counted_1_thread, counted_2_threads] = counted_n.map(median);
+    let [plain_1_thread, plain_2_threads] = plain_n.map(median);
+    let rows = vec![
+        Row::new(
+            "random 4 KiB reads, 1 thread: NBD export with metrics vs pread",
+            median(counted_1),
+            median(pread_1),
+            "kIOPS",
+        ),
+        Row::new(
+            "random 4 KiB reads, 1 thread: NBD export with metrics vs without",
+            counted_1_thread,
+            plain_1_thread,
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(0.95)),
+        Row::new(
+            "random 4 KiB reads, 2 threads: NBD export with metrics vs without",
+            counted_2_threads,
+            plain_2_threads,
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(0.95)),
+    ];
+    drop((counted, plain, counting, registry, metrics));
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
 }

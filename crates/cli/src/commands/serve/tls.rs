@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context};
 
 /// Shown at the end of `thinpool serve --help`.
-const EXAMPLES: &str = "\
+pub(super) const EXAMPLES: &str = "\
 TLS example (nbdkit's certificate layout: ca-cert.pem, server-cert.pem, server-key.pem):
   thinpool serve --tcp 10809 --tls=require --tls-certificates /etc/thinpool/tls --tls-verify-peer
   nbdinfo 'nbds://127.0.0.1:10809/disk?tls-certificates=/etc/thinpool/client-tls'
@@ -33,7 +33,6 @@ pub enum TlsSetting {
 
 /// The TLS arguments of `serve`.
 #[derive(clap::Args, Debug)]
-#[command(after_help = EXAMPLES)]
 pub struct TlsArgs {
     /// TLS on the NBD sockets (Unix and TCP): off, on (the client chooses) or require.
     #[arg(long = "tls", value_enum, value_name = "MODE", default_value_t = TlsSetting::Off)]
