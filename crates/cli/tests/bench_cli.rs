@@ -1,5 +1,5 @@
 //! Goal: `thinpool bench --quick --json` runs end to end, prints its rows in the documented
-//! JSON shape, and removes every pool it built.
+//! JSON shape (with each row's `spread`), and removes every pool it built.
 //! Method: run the built binary with `--dir` in a scratch directory, parse stdout, check each
 //! row's keys and types, and that the directory is left empty. Timings and `met` depend on
 //! the machine, so nothing asserts on them.
@@ -28,15 +28,17 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         keys.sort_unstable();
         assert_eq!(
             keys,
-            ["a", "b", "met", "name", "ratio", "target", "unit"],
+            ["a", "b", "met", "name", "ratio", "spread", "target", "unit"],
             "{row}"
         );
         assert!(!row["name"].as_str().expect("name").is_empty(), "{row}");
         assert!(!row["unit"].as_str().expect("unit").is_empty(), "{row}");
-        for key in ["a", "b", "ratio"] {
+        for key in ["a", "b", "ratio", "spread"] {
             let figure = row[key].as_f64();
             assert!(figure.is_some_and(f64::is_finite), "{key} in {row}");
         }
+        // The spread is a relative interquartile range: never negative.
+        assert!(row["spread"].as_f64().unwrap() >= 0.0, "{row}");
         // A target comes with a verdict; no target, no verdict.
         match &row["target"] {
             Value::String(_) => assert!(row["met"].is_boolean(), "{row}"),

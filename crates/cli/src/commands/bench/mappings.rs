@@ -14,7 +14,7 @@
 
 use super::dir::BenchDir;
 use super::report::{Row, Target};
-use super::{create_pool, median, progress, time, Sizes, BLOCK_SIZE_BYTES};
+use super::{create_pool, progress, time, Sizes, BLOCK_SIZE_BYTES};
 use anyhow::{ensure, Context};
 use thin_pool::{Pool, PoolOptions};
 
@@ -127,26 +127,26 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     Ok(vec![
         Row::new(
             format!("snapshot creation: {count}-mapping volume vs empty volume"),
-            median(snapshot_big),
-            median(snapshot_empty),
+            &snapshot_big,
+            &snapshot_empty,
             "ms",
         ),
         Row::new(
             format!("volume deletion: {count}-mapping snapshot, all shared, vs empty snapshot"),
-            median(delete_shared),
-            median(delete_empty.clone()),
+            &delete_shared,
+            &delete_empty,
             "ms",
         ),
         Row::new(
             format!("volume deletion: {count}-mapping volume, unshared, vs empty snapshot"),
-            median(delete_unshared),
-            median(delete_empty),
+            &delete_unshared,
+            &delete_empty,
             "ms",
         ),
         Row::new(
             format!("activation (Pool::open + volume): {count}-mapping volume vs empty volume"),
-            median(activate_big),
-            median(activate_empty),
+            &activate_big,
+            &activate_empty,
             "ms",
         )
         .target(Target::ABelow(ACTIVATION_MAX_MS)),

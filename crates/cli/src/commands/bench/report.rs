@@ -1,11 +1,16 @@
 //! Result rows and their two renderings: an aligned table and a JSON list.
 //!
 //! A row compares two figures in one unit, `a` (the engine, or the case under test) and `b`
-//! (the baseline), with `ratio = a / b` unless the row says otherwise, and an optional
-//! target on the ratio or on `a`. JSON keys: `name`, `a`, `b`, `unit`, `ratio`, `target`
-//! (a string such as `"ratio >= 0.95"`, or null) and `met` (a bool, or null without a
-//! target).
+//! (the baseline), measured in pairs: sample `i` of `a` and sample `i` of `b` ran back to back
+//! (in alternating order where the measurement allows it). `a` and `b` are the medians of
+//! their samples; `ratio` is the median of the per-pair ratios `a[i] / b[i]`, so drift of the
+//! machine between pairs cancels out; `spread` is the interquartile range of those per-pair
+//! ratios divided by their median (0.03: the middle half of the pairs lie within 3 % of the
+//! ratio). A row has an optional target on the ratio or on `a`. JSON keys: `name`, `a`, `b`,
+//! `unit`, `ratio`, `spread`, `target` (a string such as `"ratio >= 0.95"`, or null) and
+//! `met` (a bool, or null without a target).
 
+use super::median;
 use serde_json::json;
 
 /// What a row must reach.
@@ -48,21 +53,36 @@ pub struct Row {
     pub b: f64,
     /// Unit of `a` and `b`.
     pub unit: &'static str,
-    /// Usually `a / b`.
+    /// The median of the per-pair ratios `a[i] / b[i]`.
     pub ratio: f64,
+    /// Interquartile range of the per-pair ratios over their median.
+    pub spread: f64,
     /// What the ratio or `a` must reach, if anything.
     pub target: Option<Target>,
 }
 
 impl Row {
-    /// A row with `ratio = a / b`.
-    pub fn new(name: impl Into<String>, a: f64, b: f64, unit: &'static str) -> Row {
+    /// A row from paired samples: `a[i]` and `b[i]` were measured together.
+    pub fn new(name: impl Into<String>, a: &[f64], b: &[f64], unit: &'static str) -> Row {
+        assert_eq!(a.len(), b.len(), "samples come in pairs");
+        let ratios: Vec<f64> = a
+            .iter()
+            .zip(b)
+            .map(|(&a, &b)| if b == 0.0 { 0.0 } else { a / b })
+            .collect();
+        let ratio = median(ratios.clone());
+        let spread = if ratio == 0.0 {
+            0.0
+        } else {
+            ((quantile(&ratios, 0.75) - quantile(&ratios, 0.25)) / ratio).abs()
+        };
         Row {
             name: name.into(),
-            a,
-            b,
+            a: median(a.to_vec()),
+            b: median(b.to_vec()),
             unit,
-            ratio: if b == 0.0 { 0.0 } else { a / b },
+            ratio,
+            spread,
             target: None,
         }
     }
@@ -81,6 +101,17 @@ impl Row {
     fn target_text(&self) -> Option<String> {
         self.target.map(|t| t.describe(self.unit))
     }
+}
+
+/// The `q` quantile of some samples (0.5 the median), interpolating linearly between the two
+/// nearest samples.
+pub fn quantile(samples: &[f64], q: f64) -> f64 {
+    assert!(!samples.is_empty(), "a quantile of no samples");
+    let mut sorted = samples.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let position = q.clamp(0.0, 1.0) * (sorted.len() - 1) as f64;
+    let (low, high) = (position.floor() as usize, position.ceil() as usize);
+    sorted[low] + (sorted[high] - sorted[low]) * (position - low as f64)
 }
 
 /// A number with about four significant digits.
@@ -105,10 +136,11 @@ pub fn table(rows: &[Row]) -> String {
         "b",
         "unit",
         "ratio",
+        "spread",
         "target",
         "met",
     ];
-    let cells: Vec<[String; 7]> = rows
+    let cells: Vec<[String; 8]> = rows
         .iter()
         .map(|r| {
             [
@@ -117,6 +149,7 @@ pub fn table(rows: &[Row]) -> String {
                 figure(r.b),
                 r.unit.to_string(),
                 figure(r.ratio),
+                format!("{:.1}%", r.spread * 100.0),
                 r.target_text().unwrap_or_else(|| "-".to_string()),
                 match r.met() {
                     Some(true) => "yes".to_string(),
@@ -137,7 +170,7 @@ pub fn table(rows: &[Row]) -> String {
         let mut text = String::new();
         for (i, (cell, w)) in cells.iter().zip(widths).enumerate() {
             // Names and units left-aligned, figures right-aligned.
-            if matches!(i, 0 | 3 | 5 | 6) {
+            if matches!(i, 0 | 3 | 6 | 7) {
                 text.push_str(&format!("{cell:<w$}  "));
             } else {
                 text.push_str(&format!("{cell:>w$}  "));
@@ -165,6 +198,7 @@ pub fn json(rows: &[Row]) -> String {
                 "b": r.b,
                 "unit": r.unit,
                 "ratio": r.ratio,
+                "spread": r.spread,
                 "target": r.target_text(),
                 "met": r.met(),
             })
@@ -179,21 +213,37 @@ mod tests {
 
     #[test]
     fn targets_compare_ratio_or_a() {
-        let row = Row::new("x", 96.0, 100.0, "kIOPS").target(Target::RatioAtLeast(0.95));
+        let row = Row::new("x", &[96.0], &[100.0], "kIOPS").target(Target::RatioAtLeast(0.95));
         assert_eq!(row.met(), Some(true));
-        let row = Row::new("x", 2.0, 1.0, "bytes").target(Target::RatioAtMost(1.25));
+        let row = Row::new("x", &[2.0], &[1.0], "bytes").target(Target::RatioAtMost(1.25));
         assert_eq!(row.met(), Some(false));
-        let row = Row::new("x", 120.0, 3.0, "ms").target(Target::ABelow(500.0));
+        let row = Row::new("x", &[120.0], &[3.0], "ms").target(Target::ABelow(500.0));
         assert_eq!(row.met(), Some(true));
-        assert_eq!(Row::new("x", 1.0, 0.0, "ms").ratio, 0.0);
+        assert_eq!(Row::new("x", &[1.0], &[0.0], "ms").ratio, 0.0);
+    }
+
+    #[test]
+    fn ratio_is_the_median_of_pair_ratios_and_spread_their_iqr() {
+        // Pair ratios 0.5, 1.0, 1.0, 1.0, 2.0: the machine doubled its speed between pairs,
+        // which the medians of a and b alone would mix up.
+        let a = [1.0, 10.0, 20.0, 40.0, 160.0];
+        let b = [2.0, 10.0, 20.0, 40.0, 80.0];
+        let row = Row::new("x", &a, &b, "ms");
+        assert_eq!((row.a, row.b, row.ratio), (20.0, 20.0, 1.0));
+        // Quartiles of [0.5, 1, 1, 1, 2] are 1 and 1.
+        assert_eq!(row.spread, 0.0);
+        let row = Row::new("x", &[1.0, 2.0, 3.0, 4.0, 5.0], &[1.0; 5], "ms");
+        // Quartiles 2 and 4 around a median of 3.
+        assert!((row.spread - 2.0 / 3.0).abs() < 1e-12, "{}", row.spread);
+        assert_eq!(quantile(&[3.0, 1.0], 0.5), 2.0);
     }
 
     #[test]
     fn json_has_every_key() {
-        let rows = [Row::new("x", 1.0, 2.0, "ms")];
+        let rows = [Row::new("x", &[1.0], &[2.0], "ms")];
         let value: serde_json::Value = serde_json::from_str(&json(&rows)).unwrap();
         let object = value[0].as_object().unwrap();
-        for key in ["name", "a", "b", "unit", "ratio", "target", "met"] {
+        for key in ["name", "a", "b", "unit", "ratio", "spread", "target", "met"] {
             assert!(object.contains_key(key), "{key}");
         }
         assert!(table(&rows).contains("0.500"));

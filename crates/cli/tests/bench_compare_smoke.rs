@@ -1,0 +1,141 @@
+//! Goal: `scripts/bench-compare --quick` runs end to end against every server (thinpool's thin
+//! volume, its snapshot and its raw export, nbdkit, qemu-nbd raw and qcow2), prints a markdown
+//! row with figures for every (workload, target) pair, writes the same rows as JSON, and
+//! leaves nothing behind in its scratch directory.
+//! Method: run the script with tiny sizes (8 MiB read targets, 2 MiB written, 100 ms per
+//! timed fio run) and this build's `thinpool`, then parse the table and the JSON. The figures
+//! depend on the machine, so nothing asserts on them beyond being finite numbers. The `dd`
+//! replay needs /dev/fuse and loop devices; without them the script runs with `--no-dd`.
+
+use serde_json::Value;
+use std::path::Path;
+use std::time::Duration;
+use testkit::process::{require_tool, run_tool_in};
+use testkit::scratch::ScratchDir;
+
+/// (workload as printed, targets) for every fio row of the table.
+const ROWS: &[(&str, &[&str])] = &[
+    ("4 KiB sequential reads, QD1", READ_TARGETS),
+    ("4 KiB random reads, QD64, 1 connection", READ_TARGETS),
+    ("4 KiB random reads, QD32, 2 connections", READ_TARGETS),
+    ("4 KiB random reads, QD32, 16 connections", READ_TARGETS),
+    (
+        "4 KiB random overwrites, QD32, 2 connections",
+        WRITE_TARGETS,
+    ),
+    ("1 MiB sequential reads, QD8", READ_TARGETS),
+    ("1 MiB sequential first writes, QD8", WRITE_TARGETS),
+    ("64 KiB random first writes, QD8", WRITE_TARGETS),
+    (
+        "4 KiB copy-on-write writes after a snapshot (64 KiB blocks), QD16",
+        &["thin", "qemu-qcow2", "raw"],
+    ),
+];
+const READ_TARGETS: &[&str] = &["thin", "snap", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
+const WRITE_TARGETS: &[&str] = &["thin", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
+const DD: &str = "dd bs=4k of the whole device, nbdfuse + losetup";
+
+/// A table cell as a finite number.
+fn number(cell: &str, line: &str) -> f64 {
+    let value: f64 = cell
+        .parse()
+        .unwrap_or_else(|_| panic!("{cell:?} is not a number in {line}"));
+    assert!(value.is_finite(), "{line}");
+    value
+}
+
+#[test]
+fn quick_run_prints_every_row_with_figures() {
+    for (tool, package) in [
+        ("fio", "fio"),
+        ("nbdkit", "nbdkit"),
+        ("qemu-nbd", "qemu-utils"),
+        ("qemu-img", "qemu-utils"),
+        ("nbdcopy", "libnbd-bin"),
+        ("nbdfuse", "libnbd-bin"),
+        ("python3", "python3"),
+    ] {
+        require_tool(tool, package);
+    }
+    let scratch = ScratchDir::new("bench-compare");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-compare");
+    let json_path = scratch.path().join("rows.json");
+    let bench_dir = scratch.path().join("work");
+    std::fs::create_dir(&bench_dir).unwrap();
+    let dd = Path::new("/dev/fuse").exists() && Path::new("/dev/loop-control").exists();
+    let mut args = vec!["--quick", "--json", json_path.to_str().unwrap()];
+    if !dd {
+        args.push("--no-dd");
+    }
+    let output = run_tool_in(
+        &script,
+        &args,
+        Duration::from_secs(600),
+        None,
+        &[
+            ("THINPOOL", env!("CARGO_BIN_EXE_thinpool")),
+            ("BENCH_DIR", bench_dir.to_str().unwrap()),
+            ("BENCH_SIZE", "8M"),
+            ("BENCH_WRITE_SIZE", "2M"),
+            ("BENCH_RUNTIME", "100ms"),
+        ],
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "bench-compare failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("load average"), "{stdout}");
+
+    let mut expected: Vec<(&str, &str)> = ROWS
+        .iter()
+        .flat_map(|(workload, targets)| targets.iter().map(move |t| (*workload, *t)))
+        .collect();
+    if dd {
+        expected.extend(["thin", "raw", "nbdkit"].map(|t| (DD, t)));
+    }
+    let lines: Vec<&str> = stdout
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| workload") && !l.contains("---"))
+        .collect();
+    assert_eq!(lines.len(), expected.len(), "{stdout}");
+    for (line, (workload, target)) in lines.iter().zip(&expected) {
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(cells.len(), 7, "{line}");
+        assert_eq!((cells[0], cells[1]), (*workload, *target), "{line}");
+        assert!(number(cells[2], line) > 0.0, "no I/O in {line}");
+        assert!(number(cells[3], line) > 0.0, "no bytes in {line}");
+        // The ratio to the thin volume: every target but the thin volume itself.
+        if *target == "thin" {
+            assert_eq!(cells[4], "-", "{line}");
+        } else {
+            let ratio = cells[4].split_whitespace().next().unwrap();
+            assert!(number(ratio, line) > 0.0, "{line}");
+        }
+        // CPU per I/O for the fio rows, none for dd.
+        for cell in &cells[5..] {
+            if *workload == DD {
+                assert_eq!(*cell, "-", "{line}");
+            } else {
+                assert!(number(cell, line) >= 0.0, "{line}");
+            }
+        }
+    }
+
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(&json_path).expect("the JSON file")).unwrap();
+    let rows = report["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), expected.len());
+    for (row, (workload, target)) in rows.iter().zip(&expected) {
+        assert_eq!(row["workload"], *workload, "{row}");
+        assert_eq!(row["target"], *target, "{row}");
+        assert!(row["iops"].as_f64().is_some_and(|x| x > 0.0), "{row}");
+    }
+    for key in ["load_before", "load_after"] {
+        assert!(report[key].as_str().is_some_and(|s| !s.is_empty()), "{key}");
+    }
+
+    let left: Vec<_> = std::fs::read_dir(&bench_dir).unwrap().collect();
+    assert!(left.is_empty(), "bench-compare left {left:?} behind");
+}
