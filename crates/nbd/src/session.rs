@@ -42,7 +42,9 @@
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading and checking of
-//! requests; `dispatch` serving a checked request on the export and writing its reply.
+//! requests; `dispatch` serving a checked request on the export and writing its reply;
+//! `splice` sending large READ replies from the export's file without a copy (plaintext
+//! connections, exports that give [`Export::read_source`]).
 
 mod budget;
 mod dispatch;

@@ -118,6 +118,8 @@ impl Connection {
             }
         }
         let Some(writer) = self.lock_writer() else {
+            // Broken: nothing more is sent; the filled pipe must not feed a later reply.
+            pipe.discard();
             return true;
         };
         let sent = send_more(&writer, &head).and_then(|()| pipe.drain_into(&writer, length));

@@ -102,6 +102,11 @@ impl Pipe {
         Ok(())
     }
 
+    /// Closes the pipe with whatever it holds; the next fill makes a fresh one.
+    pub(super) fn discard(&mut self) {
+        self.ends = None;
+    }
+
     /// The pipe, made if needed and grown to hold `length` bytes.
     fn ready(&mut self, length: usize) -> Option<&(OwnedFd, OwnedFd, usize)> {
         if self.ends.is_none() {
