@@ -14,6 +14,7 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
+use std::os::fd::AsFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use nbd::{
     Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, MetaContext,
-    ZeroOptions,
+    ReadSource, ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
 
@@ -278,6 +279,15 @@ impl Export for RawFileExport {
         self.file
             .read_exact_at(buffer, offset)
             .map_err(|e| self.io_error(format!("read at {offset}"), e))
+    }
+
+    /// The file is the export, byte for byte, and its ranges never hold anything else, so
+    /// READ replies may be spliced from it.
+    fn read_source(&self, offset: u64, _length: u64) -> Option<ReadSource<'_>> {
+        Some(ReadSource {
+            file: self.file.as_fd(),
+            offset,
+        })
     }
 
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {

@@ -18,6 +18,7 @@
 //! can bind what it describes then (for instance the identity of another volume).
 
 use std::collections::BTreeMap;
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, RwLock};
 
 use crate::error::{Error, ErrorKind, Result};
@@ -32,6 +33,17 @@ pub struct Extent {
     pub hole: bool,
     /// Reads as zeroes (NBD_STATE_ZERO).
     pub zero: bool,
+}
+
+/// Where the bytes of a READ lie in a file ([`Export::read_source`]): the session may then
+/// send them from the file to the socket with `splice`, without copying them through a
+/// buffer.
+#[derive(Clone, Copy, Debug)]
+pub struct ReadSource<'a> {
+    /// A regular file, opened for reading.
+    pub file: BorrowedFd<'a>,
+    /// Offset in `file` of the first byte of the range.
+    pub offset: u64,
 }
 
 /// One run of equal status in a context other than `base:allocation`, reported by
@@ -118,6 +130,19 @@ pub trait Export: Send + Sync {
     /// unspecified (the session reuses buffers without zeroing them), so every byte must be
     /// written, zeroes included.
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> Result<()>;
+
+    /// The file range holding the `length` bytes at `offset`, if they lie in one file, so a
+    /// READ reply can be sent from it without a copy (plaintext connections, large reads;
+    /// the session falls back to [`Export::read_at`] if the file ends early or `splice`
+    /// fails). The kernel may keep references to the file's cached pages after the reply is
+    /// written (a socket's send queue holds them until the peer reads them), so only an export
+    /// whose file range can never come to hold other data may answer: a plain file served as
+    /// is, yes; a thin volume, whose blocks may be freed and given to another volume once the
+    /// read ends, no. The default is `None`.
+    fn read_source(&self, offset: u64, length: u64) -> Option<ReadSource<'_>> {
+        let _ = (offset, length);
+        None
+    }
 
     /// Writes `data` at `offset`; if `fua`, the data is durable when this returns.
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;

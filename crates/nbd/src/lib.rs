@@ -33,7 +33,7 @@ pub mod tls;
 pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
     Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
-    StatusExtent, ZeroOptions,
+    ReadSource, StatusExtent, ZeroOptions,
 };
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};
 pub use tls::{Tls, TlsMode};

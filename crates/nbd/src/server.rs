@@ -649,6 +649,8 @@ impl Shared {
                     idle_timeout: self.config.idle_timeout,
                     stack_bytes: self.config.thread_stack_bytes,
                     thread_name: format!("nbd-conn-{id}"),
+                    // A TLS session's socket leads to the pump, which copies anyway.
+                    splice_reads: self.config.tls.is_none(),
                 };
                 session::serve(negotiated, reader, writer, limits, Box::new(end));
             }

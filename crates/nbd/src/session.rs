@@ -42,11 +42,14 @@
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading and checking of
-//! requests; `dispatch` serving a checked request on the export and writing its reply.
+//! requests; `dispatch` serving a checked request on the export and writing its reply;
+//! `splice` sending large READ replies from the export's file without a copy (plaintext
+//! connections, exports that give [`Export::read_source`]).
 
 mod budget;
 mod dispatch;
 mod input;
+mod splice;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -87,6 +90,9 @@ pub(crate) struct Limits {
     pub(crate) stack_bytes: usize,
     /// Name of the extra threads.
     pub(crate) thread_name: String,
+    /// Large READs of an export that offers [`Export::read_source`] are spliced from its file
+    /// to the socket (plaintext sockets only).
+    pub(crate) splice_reads: bool,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -134,6 +140,8 @@ struct Scratch {
     retained: Vec<u8>,
     /// A larger payload's buffer, for one request only.
     large: Vec<u8>,
+    /// The pipe spliced READ replies go through.
+    pipe: splice::Pipe,
 }
 
 impl Scratch {
@@ -190,6 +198,7 @@ struct Connection {
     threads_max: usize,
     stack_bytes: usize,
     thread_name: String,
+    splice_reads: bool,
     /// Taken by the last thread to leave.
     on_end: Mutex<Option<OnEnd>>,
     idle_timeout: Duration,
@@ -248,6 +257,7 @@ pub(crate) fn serve(
         threads_max: limits.threads,
         stack_bytes: limits.stack_bytes,
         thread_name: limits.thread_name,
+        splice_reads: limits.splice_reads,
         on_end: Mutex::new(Some(on_end)),
     });
     connection.run_thread();

@@ -10,7 +10,11 @@
 use std::io::IoSlice;
 use std::net::Shutdown;
 use std::sync::atomic::Ordering;
+use std::sync::MutexGuard;
 
+use rustix::net::SendFlags;
+
+use super::splice::{Pipe, SPLICE_MIN_BYTES};
 use super::{Connection, Job, Scratch};
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
 use crate::export::ZeroOptions;
@@ -20,7 +24,7 @@ use crate::protocol::{
     self, chunk, command, command_flags, encode_simple_reply, state, ChunkHeader, Descriptor,
     Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
 };
-use crate::stream::write_all_vectored;
+use crate::stream::{write_all_vectored, Stream};
 
 impl Connection {
     pub(super) fn run(&self, job: &Job, scratch: &mut Scratch) {
@@ -71,12 +75,59 @@ impl Connection {
 
     fn run_read(&self, request: &Request, scratch: &mut Scratch) {
         let length = usize::try_from(request.length).expect("read length checked");
+        if self.splice_reads
+            && length >= SPLICE_MIN_BYTES
+            && self.reply_spliced(request, length, &mut scratch.pipe)
+        {
+            return;
+        }
         let buffer = scratch.prepare(length);
         let export = self.export.as_ref();
         match call_export(request, || export.read_at(request.offset, buffer)) {
             Ok(()) => self.reply_data(request, buffer),
             Err(error) => self.reply_error(request, &error),
         }
+    }
+
+    /// Answers a READ from the export's file through `pipe` (see [`super::splice`]), if the
+    /// export says where the bytes are and the pipe takes them all; `false` if nothing was
+    /// sent and the READ is to be served by copy.
+    fn reply_spliced(&self, request: &Request, length: usize, pipe: &mut Pipe) -> bool {
+        let export = self.export.as_ref();
+        let source = call_export(request, || {
+            Ok(export.read_source(request.offset, request.length))
+        });
+        match source {
+            Ok(Some(source)) if pipe.fill(source, length) => {}
+            _ => return false,
+        }
+        let mut head = Vec::with_capacity(48);
+        match self.style {
+            ReplyStyle::Simple => head.extend_from_slice(&encode_simple_reply(0, request.cookie)),
+            ReplyStyle::Structured | ReplyStyle::Extended => {
+                let header = ChunkHeader {
+                    flags: REPLY_FLAG_DONE,
+                    chunk_type: chunk::OFFSET_DATA,
+                    cookie: request.cookie,
+                    offset: request.offset,
+                    payload_length: 8 + request.length,
+                }
+                .encode(self.header_style());
+                head.extend_from_slice(header.as_slice());
+                head.extend_from_slice(&protocol::encode_offset(request.offset));
+            }
+        }
+        let Some(writer) = self.lock_writer() else {
+            // Broken: nothing more is sent; the filled pipe must not feed a later reply.
+            pipe.discard();
+            return true;
+        };
+        let sent = send_more(&writer, &head).and_then(|()| pipe.drain_into(&writer, length));
+        if sent.is_err() {
+            self.broken.store(true, Ordering::SeqCst);
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+        true
     }
 
     /// Answers BLOCK_STATUS with one status chunk per selected context, the last flagged
@@ -158,23 +209,31 @@ impl Connection {
     /// Writes one reply with a single vectored write; a failure marks the connection broken
     /// and shuts the socket so the reader stops too.
     fn send(&self, buffers: &mut [IoSlice<'_>]) {
-        let mut writer = match self.writer.lock() {
+        let Some(mut writer) = self.lock_writer() else {
+            return;
+        };
+        if write_all_vectored(&mut *writer, buffers).is_err() {
+            self.broken.store(true, Ordering::SeqCst);
+            let _ = writer.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The writer, locked; `None` if the connection is broken and nothing more may be written.
+    fn lock_writer(&self) -> Option<MutexGuard<'_, Stream>> {
+        let writer = match self.writer.lock() {
             Ok(writer) => writer,
             Err(poisoned) => {
                 // A thread panicked mid-reply: the stream may hold half a reply, so nothing
                 // more can be framed on it (see [`crate::sync`]).
                 self.broken.store(true, Ordering::SeqCst);
                 let _ = poisoned.into_inner().shutdown(Shutdown::Both);
-                return;
+                return None;
             }
         };
         if self.broken.load(Ordering::SeqCst) {
-            return;
+            return None;
         }
-        if write_all_vectored(&mut *writer, buffers).is_err() {
-            self.broken.store(true, Ordering::SeqCst);
-            let _ = writer.shutdown(Shutdown::Both);
-        }
+        Some(writer)
     }
 
     fn reply_chunk(&self, request: &Request, chunk_type: u16, payload: &[&[u8]]) {
@@ -272,6 +331,19 @@ fn descriptors(
         ));
     }
     Ok(out)
+}
+
+/// Writes all of `bytes` with MSG_MORE: on TCP, the data spliced next may share a segment.
+fn send_more(socket: &Stream, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        match rustix::net::send(socket, bytes, SendFlags::MORE) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(count) => bytes = &bytes[count..],
+            Err(rustix::io::Errno::INTR) => {}
+            Err(error) => return Err(error.into()),
+        }
+    }
+    Ok(())
 }
 
 /// Calls the export for `request`, turning a panic in it into an I/O error for that request
