@@ -18,6 +18,7 @@ use e2e_support::*;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::time::Duration;
+use testkit::certificates::{make_ca, make_leaf};
 
 const TOOL_TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -33,85 +34,8 @@ struct Certificates {
     anonymous: PathBuf,
 }
 
-fn openssl(args: &[&str]) {
-    run_ok("openssl", args, TOOL_TIMEOUT);
-}
-
-/// A self-signed CA in `dir` (`ca-cert.pem`, `ca-key.pem`).
-fn make_ca(dir: &Path, name: &str) {
-    std::fs::create_dir_all(dir).unwrap();
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        &format!("/CN={name}"),
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign,cRLSign",
-        "-keyout",
-        dir.join("ca-key.pem").to_str().unwrap(),
-        "-out",
-        dir.join("ca-cert.pem").to_str().unwrap(),
-    ]);
-}
-
-/// `{prefix}-cert.pem` and `{prefix}-key.pem` in `dir`, signed by the CA in `ca`.
-/// qemu wants keyEncipherment in the key usage of the certificates it loads.
-fn make_leaf(ca: &Path, dir: &Path, prefix: &str, name: &str, extensions: &str) {
-    std::fs::create_dir_all(dir).unwrap();
-    let request = dir.join(format!("{prefix}.csr"));
-    let extension_file = dir.join(format!("{prefix}.ext"));
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-subj",
-        &format!("/CN={name}"),
-        "-keyout",
-        dir.join(format!("{prefix}-key.pem")).to_str().unwrap(),
-        "-out",
-        request.to_str().unwrap(),
-    ]);
-    std::fs::write(
-        &extension_file,
-        format!(
-            "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\n{extensions}\n"
-        ),
-    )
-    .unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-days",
-        "2",
-        "-in",
-        request.to_str().unwrap(),
-        "-CA",
-        ca.join("ca-cert.pem").to_str().unwrap(),
-        "-CAkey",
-        ca.join("ca-key.pem").to_str().unwrap(),
-        "-CAcreateserial",
-        "-extfile",
-        extension_file.to_str().unwrap(),
-        "-out",
-        dir.join(format!("{prefix}-cert.pem")).to_str().unwrap(),
-    ]);
-}
-
 impl Certificates {
     fn generate(root: &Path) -> Certificates {
-        require_tool("openssl", "openssl");
         let ca = root.join("ca");
         let other_ca = root.join("other-ca");
         make_ca(&ca, "thinpool test CA");

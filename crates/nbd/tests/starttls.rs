@@ -25,7 +25,8 @@ use nbd::{Config, Event, ExportMap, MemoryExport, Server, Tls, TlsMode};
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
-use testkit::{require_tool, run_ok, ScratchDir};
+use testkit::certificates::{make_ca, make_leaf};
+use testkit::ScratchDir;
 
 const IHAVEOPT: u64 = 0x4948_4156_454f_5054;
 const OPTION_REPLY_MAGIC: u64 = 0x0003_e889_0455_65a9;
@@ -41,95 +42,24 @@ const MIB: usize = 1 << 20;
 /// Longest wait for anything a test expects; far above what the server needs.
 const PATIENCE: Duration = Duration::from_secs(20);
 
-fn openssl(args: &[&str]) {
-    run_ok("openssl", args, Duration::from_secs(60));
-}
-
-/// A self-signed CA: `{prefix}-cert.pem` and `{prefix}-key.pem` in `dir`.
-fn make_ca(dir: &Path, prefix: &str, name: &str) {
-    let path = |suffix: &str| dir.join(format!("{prefix}-{suffix}.pem"));
-    openssl(&[
-        "req",
-        "-x509",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        &format!("/CN={name}"),
-        "-addext",
-        "basicConstraints=critical,CA:TRUE",
-        "-addext",
-        "keyUsage=critical,keyCertSign",
-        "-keyout",
-        path("key").to_str().unwrap(),
-        "-out",
-        path("cert").to_str().unwrap(),
-    ]);
-}
-
-/// `{prefix}-cert.pem` and `{prefix}-key.pem` in `dir`, signed by the CA `{ca}-*.pem`.
-fn make_leaf(dir: &Path, ca: &str, prefix: &str, name: &str, extensions: &str) {
-    let path = |name: String| dir.join(name).to_str().unwrap().to_string();
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-subj",
-        &format!("/CN={name}"),
-        "-keyout",
-        &path(format!("{prefix}-key.pem")),
-        "-out",
-        &path(format!("{prefix}.csr")),
-    ]);
-    std::fs::write(
-        path(format!("{prefix}.ext")),
-        format!("basicConstraints=CA:FALSE\n{extensions}\n"),
-    )
-    .unwrap();
-    openssl(&[
-        "x509",
-        "-req",
-        "-days",
-        "2",
-        "-in",
-        &path(format!("{prefix}.csr")),
-        "-CA",
-        &path(format!("{ca}-cert.pem")),
-        "-CAkey",
-        &path(format!("{ca}-key.pem")),
-        "-CAcreateserial",
-        "-extfile",
-        &path(format!("{prefix}.ext")),
-        "-out",
-        &path(format!("{prefix}-cert.pem")),
-    ]);
-}
-
 /// In `dir`, nbdkit's layout: the CA (`ca-*.pem`) and a server certificate for 127.0.0.1;
 /// besides, a client certificate the CA signed (`client-*.pem`) and one another CA signed
 /// (`intruder-*.pem`).
 fn make_certificates(dir: &Path) {
-    require_tool("openssl", "openssl");
-    make_ca(dir, "ca", "nbd test CA");
-    make_ca(dir, "other-ca", "another CA");
+    let other_ca = dir.join("other-ca");
+    make_ca(dir, "nbd test CA");
+    make_ca(&other_ca, "another CA");
     make_leaf(
         dir,
-        "ca",
+        dir,
         "server",
         "127.0.0.1",
         "extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1",
     );
-    make_leaf(dir, "ca", "client", "client", "extendedKeyUsage=clientAuth");
+    make_leaf(dir, dir, "client", "client", "extendedKeyUsage=clientAuth");
     make_leaf(
+        &other_ca,
         dir,
-        "other-ca",
         "intruder",
         "intruder",
         "extendedKeyUsage=clientAuth",

@@ -1,5 +1,6 @@
 //! Dev-only test kit shared by every crate's tests.
 //!
+//! - [`certificates`]: a CA and the certificates it signs, made with `openssl`, for TLS tests.
 //! - [`crash`]: a metadata device that separates durable writes from volatile ones and can
 //!   simulate a power cut (drop, reorder and tear unflushed writes).
 //! - [`fault`]: a wrapper that fails the Nth I/O, corrupts reads and misdirects writes.
@@ -18,6 +19,7 @@
 //! Nothing here is used outside `[dev-dependencies]`.
 #![forbid(unsafe_code)]
 
+pub mod certificates;
 pub mod crash;
 pub mod fault;
 pub mod fixtures;
