@@ -2,8 +2,8 @@
 //! counted, how the counts are summed, and the text a scrape returns.
 //!
 //! Counting stays off the shared path. Every export an NBD connection opens is wrapped in a
-//! [`CountedExport`] with the connection's own [`ConnectionCounters`] (relaxed atomics on
-//! cache lines of their own, touched only by that connection's threads): a request costs two
+//! [`CountedExport`] with the connection's own [`StripedCounters`] (relaxed atomics on
+//! cache lines of their own, one stripe per thread of that connection): a request costs two
 //! clock reads (`quanta`'s, cheap where `std`'s are not) and two or three uncontended atomic
 //! adds, and never a lock. The nbd crate
 //! knows nothing of this; [`CountingRegistry`] wraps the registry the servers look exports up
@@ -65,7 +65,7 @@ const MODES: [(PoolMode, &str); 5] = [
     (PoolMode::Fail, "fail"),
 ];
 
-/// What one connection counts. Aligned to 128 bytes (two cache lines, as adjacent-line
+/// What one stripe of a connection counts. Aligned to 128 bytes (two cache lines, as adjacent-line
 /// prefetch pairs them), so no other allocation's data shares its lines.
 #[repr(align(128))]
 #[derive(Debug, Default)]
@@ -74,6 +74,35 @@ pub struct ConnectionCounters {
     written_bytes: AtomicU64,
     /// Per [`Op`]: how long each request took; their counts are the request counts.
     durations: [DurationHistogram; OP_COUNT],
+}
+
+/// Stripes of counters per connection: a connection's worker threads (up to 4 by default)
+/// each count into the stripe their thread index picks, so two threads of one connection
+/// rarely write the same cache line; a scrape sums the stripes.
+const STRIPES: usize = 4;
+
+/// One connection's counters, striped by thread ([`STRIPES`]).
+#[derive(Debug, Default)]
+pub struct StripedCounters {
+    stripes: [ConnectionCounters; STRIPES],
+}
+
+impl StripedCounters {
+    /// The stripe the calling thread counts into.
+    #[inline]
+    fn mine(&self) -> &ConnectionCounters {
+        &self.stripes[thread_stripe()]
+    }
+}
+
+/// The calling thread's stripe: threads are numbered round robin on their first count.
+#[inline]
+fn thread_stripe() -> usize {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    thread_local! {
+        static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+    }
+    STRIPE.with(|stripe| *stripe)
 }
 
 /// Counts summed over connections (ended or live) of one volume.
@@ -88,11 +117,13 @@ pub struct VolumeTotals {
 }
 
 impl VolumeTotals {
-    fn add_counters(&mut self, counters: &ConnectionCounters) {
-        self.read_bytes += counters.read_bytes.load(Ordering::Relaxed);
-        self.written_bytes += counters.written_bytes.load(Ordering::Relaxed);
-        for (total, histogram) in self.durations.iter_mut().zip(&counters.durations) {
-            total.add(&histogram.snapshot());
+    fn add_counters(&mut self, counters: &StripedCounters) {
+        for stripe in &counters.stripes {
+            self.read_bytes += stripe.read_bytes.load(Ordering::Relaxed);
+            self.written_bytes += stripe.written_bytes.load(Ordering::Relaxed);
+            for (total, histogram) in self.durations.iter_mut().zip(&stripe.durations) {
+                total.add(&histogram.snapshot());
+            }
         }
     }
 
@@ -108,7 +139,7 @@ impl VolumeTotals {
 /// An export as one connection sees it, with that connection's counters.
 struct Live {
     volume: String,
-    counters: Arc<ConnectionCounters>,
+    counters: Arc<StripedCounters>,
 }
 
 /// Live counters and the totals of ended connections, per volume.
@@ -176,8 +207,8 @@ impl Metrics {
     }
 
     /// New counters for a connection that opened export `volume`.
-    fn register(&self, volume: &str) -> Arc<ConnectionCounters> {
-        let counters = Arc::new(ConnectionCounters::default());
+    fn register(&self, volume: &str) -> Arc<StripedCounters> {
+        let counters = Arc::new(StripedCounters::default());
         let mut table = nbd::sync::lock(&self.table);
         // Folding here too keeps the list as long as the live connections even if nobody
         // scrapes.
@@ -452,7 +483,7 @@ impl ExportRegistry for CountingRegistry {
 /// An export that counts the requests it serves in one connection's counters.
 pub struct CountedExport {
     inner: Arc<dyn Export>,
-    counters: Arc<ConnectionCounters>,
+    counters: Arc<StripedCounters>,
 }
 
 impl CountedExport {
@@ -464,7 +495,7 @@ impl CountedExport {
     fn timed<T>(&self, op: Op, call: impl FnOnce() -> T) -> T {
         let started = quanta::Instant::now();
         let result = call();
-        self.counters.durations[op as usize].record(started.elapsed());
+        self.counters.mine().durations[op as usize].record(started.elapsed());
         result
     }
 }
@@ -506,6 +537,7 @@ impl Export for CountedExport {
         let length = buffer.len() as u64;
         self.timed(Op::Read, || self.inner.read_at(offset, buffer))?;
         self.counters
+            .mine()
             .read_bytes
             .fetch_add(length, Ordering::Relaxed);
         Ok(())
@@ -514,6 +546,7 @@ impl Export for CountedExport {
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {
         self.timed(Op::Write, || self.inner.write_at(offset, data, fua))?;
         self.counters
+            .mine()
             .written_bytes
             .fetch_add(data.len() as u64, Ordering::Relaxed);
         Ok(())
