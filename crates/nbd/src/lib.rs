@@ -35,5 +35,5 @@ pub use export::{
     Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
     ReadSource, StatusExtent, ZeroOptions,
 };
-pub use server::{Config, Event, EventHandler, Server, ShutdownHandle};
+pub use server::{Config, Event, EventHandler, Server, ShutdownHandle, SpliceReads};
 pub use tls::{Tls, TlsMode};

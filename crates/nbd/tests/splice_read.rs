@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::Arc;
 
 use common::*;
-use nbd::{Config, Error, ErrorKind, Export, ExportMap, ReadSource, Server};
+use nbd::{Config, Error, ErrorKind, Export, ExportMap, ReadSource, Server, SpliceReads};
 
 const SIZE: u64 = 8 * MIB;
 
@@ -86,7 +86,12 @@ fn serve_file() -> Served {
     let map = Arc::new(ExportMap::new());
     map.insert(Arc::new(FileExport { file }));
     let socket = dir.join("nbd.sock");
-    let mut server = Server::new(map, Config::default());
+    // The test's client speaks over a Unix socket, where splicing is off by default.
+    let config = Config {
+        splice_reads: SpliceReads::Always,
+        ..Config::default()
+    };
+    let mut server = Server::new(map, config);
     server.listen_unix(&socket).unwrap();
     Served {
         server: Some(server),
