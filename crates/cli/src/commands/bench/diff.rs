@@ -27,9 +27,6 @@ use thin_pool::Pool;
 /// Blocks in one changed extent: 16 MiB of 64 KiB blocks.
 const EXTENT_BLOCKS: u64 = 256;
 
-/// Provisioning step between Ctrl-C checks: 1 GiB.
-const PROVISION_CHUNK_BYTES: u64 = 1 << 30;
-
 /// The 1% diff must take at most this share of the 10% one.
 const PROPORTION_MAX: f64 = 0.25;
 
@@ -47,7 +44,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     let pool = create_pool(dir, POOL, data_bytes, BLOCK_SIZE_BYTES)?;
     pool.create_volume("base", volume_bytes)?;
     progress(&format!("diff: provisioning {block_count} mappings"));
-    provision(dir, &pool, "base")?;
+    super::mappings::provision(dir, &pool, "base")?;
     let extents = block_count.div_ceil(EXTENT_BLOCKS);
     let mut slots: Vec<u64> = (0..extents).collect();
     slots.shuffle(&mut SmallRng::seed_from_u64(SEED));
@@ -153,23 +150,6 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "ms",
         ),
     ])
-}
-
-/// Map every block of volume `name` with whole-block zero writes that allocate.
-fn provision(dir: &BenchDir, pool: &Pool, name: &str) -> anyhow::Result<()> {
-    let volume = pool.volume(name)?;
-    let size = volume.size_bytes();
-    let mut offset = 0;
-    while offset < size {
-        dir.check_interrupted()?;
-        let n = PROVISION_CHUNK_BYTES.min(size - offset);
-        volume
-            .write_zeroes(offset, n, false, false)
-            .with_context(|| format!("provisioning {n} bytes at {offset}"))?;
-        offset += n;
-    }
-    volume.flush().context("flushing")?;
-    Ok(())
 }
 
 /// Rewrite `blocks` of snapshot `name` (breaking their sharing), in runs of consecutive

@@ -154,7 +154,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
 }
 
 /// Map every block of volume `name` with whole-block zero writes that allocate.
-fn provision(dir: &BenchDir, pool: &Pool, name: &str) -> anyhow::Result<()> {
+pub(super) fn provision(dir: &BenchDir, pool: &Pool, name: &str) -> anyhow::Result<()> {
     let volume = pool.volume(name)?;
     let size = volume.size_bytes();
     let mut offset = 0;
