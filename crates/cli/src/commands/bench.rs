@@ -15,6 +15,8 @@
 //! - [`mappings`]: snapshot, deletion and activation of a volume with 1M mappings.
 //! - [`diff`]: `Pool::diff` of snapshots of a 1M-mapping volume differing in 1% and 10% of
 //!   their blocks, against a full scan of both trees.
+//! - [`scale`]: how snapshot creation, activation, resident memory and `thinpool check`
+//!   (against `thin_check` 1.1.0) grow from 1K to 1M and 10M mappings.
 //!
 //! With `--metadata-device` and `--data-device` ([`devices`]) the pools are made on those
 //! block devices and only the read comparisons run (engine vs `pread` of the device).
@@ -32,6 +34,7 @@ mod dir;
 mod mappings;
 mod reads;
 mod report;
+mod scale;
 mod writes;
 
 use anyhow::Context;
@@ -54,7 +57,8 @@ pub struct Args {
     /// Print the rows as a JSON list instead of a table.
     #[arg(long)]
     json: bool,
-    /// Run only the sections whose name starts with this (reads, writes, mappings, diff).
+    /// Run only the sections whose name starts with this (reads, writes, mappings, diff,
+    /// scale).
     #[arg(long, value_name = "SECTION")]
     only: Option<String>,
     /// Run the read comparisons on a pool on this data block device (its contents are
@@ -67,11 +71,17 @@ pub struct Args {
     /// Open the data device with O_DIRECT (the pread baseline stays buffered).
     #[arg(long = "direct-io", requires = "data_device")]
     direct_io: bool,
+    /// Internal: open the pool in DIR and its volume, print the time and memory it took as
+    /// JSON, close it (the scale section runs this in a child process).
+    #[arg(long = "probe-activation", value_name = "DIR", hide = true)]
+    probe_activation: Option<PathBuf>,
 }
 
 /// How much work each section does.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Sizes {
+    /// `--quick`.
+    pub quick: bool,
     /// Repetitions of every measurement (medians are reported).
     pub repetition_count: usize,
     /// Virtual size of the volume read at random.
@@ -84,6 +94,8 @@ pub(crate) struct Sizes {
     pub write_volume_bytes: u64,
     /// Mappings of the volume snapshotted, deleted and activated.
     pub mapping_count: u64,
+    /// Mappings of the scale section's three volumes, smallest first.
+    pub scale_mapping_counts: [u64; 3],
 }
 
 impl Sizes {
@@ -92,21 +104,25 @@ impl Sizes {
             // Many small repetitions rather than a few large ones: the ratio is a median of
             // per-pair ratios, and its spread shrinks with the number of pairs.
             Sizes {
+                quick,
                 repetition_count: 15,
                 random_read_volume_bytes: 128 << 20,
                 random_read_count: 50_000,
                 sequential_read_volume_bytes: 128 << 20,
                 write_volume_bytes: 64 << 20,
                 mapping_count: 1 << 15,
+                scale_mapping_counts: [1 << 10, 1 << 14, 1 << 16],
             }
         } else {
             Sizes {
+                quick,
                 repetition_count: 5,
                 random_read_volume_bytes: 2 << 30,
                 random_read_count: 1_000_000,
                 sequential_read_volume_bytes: 2 << 30,
                 write_volume_bytes: 1 << 30,
                 mapping_count: 1 << 20,
+                scale_mapping_counts: [1 << 10, 1 << 20, 10 << 20],
             }
         }
     }
@@ -121,6 +137,10 @@ pub(crate) const SEED: u64 = 0x7468_696e_706f_6f6c;
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if let Some(pool_dir) = &args.probe_activation {
+        scale::probe_activation(pool_dir)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut dir = BenchDir::create(args.dir.as_deref())?;
     if let (Some(metadata), Some(data)) = (&args.metadata_device, &args.data_device) {
         dir.devices = Some(thin_pool::engine::block_device::DevicePaths::new(
@@ -162,6 +182,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
         if wanted("diff") {
             rows.extend(diff::run(&dir, &sizes).context("diffs")?);
+        }
+        if wanted("scale") {
+            rows.extend(scale::run(&dir, &sizes).context("scale")?);
         }
     }
     progress(&format!(

@@ -53,6 +53,7 @@ pub trait Value: Copy + Debug {
 
 impl Value for u64 {
     const SIZE: usize = 8;
+    #[inline]
     fn unpack(bytes: &[u8]) -> u64 {
         u64::from_le_bytes(bytes.try_into().expect("8 bytes"))
     }

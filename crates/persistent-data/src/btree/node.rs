@@ -38,6 +38,7 @@ fn read_u32(data: &Block, at: usize) -> u32 {
     u32::from_le_bytes(data[at..at + 4].try_into().expect("4 bytes"))
 }
 
+#[inline]
 fn read_u64(data: &Block, at: usize) -> u64 {
     u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes"))
 }
@@ -131,12 +132,14 @@ impl<'a> Node<'a> {
     }
 
     /// Key `i`.
+    #[inline]
     pub fn key(&self, i: usize) -> u64 {
         debug_assert!(i < self.nr_entries);
         read_u64(self.data, HEADER_SIZE + 8 * i)
     }
 
     /// Value `i` as bytes.
+    #[inline]
     pub fn value_bytes(&self, i: usize) -> &'a [u8] {
         debug_assert!(i < self.nr_entries);
         let at = HEADER_SIZE + 8 * self.max_entries + self.value_size * i;

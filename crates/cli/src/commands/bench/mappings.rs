@@ -171,7 +171,7 @@ pub(super) fn provision(dir: &BenchDir, pool: &Pool, name: &str) -> anyhow::Resu
 }
 
 /// "1M" for 2^20, "32K" for 2^15, else the number.
-fn mapping_label(count: u64) -> String {
+pub(super) fn mapping_label(count: u64) -> String {
     if count.is_multiple_of(1 << 20) {
         format!("{}M", count >> 20)
     } else if count.is_multiple_of(1 << 10) {

@@ -75,12 +75,120 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             direct[1][repetition]
         ));
     }
-    let rows = random_rows(engine, direct, added_ns);
+    let mut rows = random_rows(engine, direct, added_ns);
+    rows.extend(many_threads(dir, sizes, volume_bytes, through_engine, through_pread)?);
     drop(volume);
     pool.close()?;
     drop(pool);
     dir.remove_pool(POOL)?;
     Ok(rows)
+}
+
+/// Threads of the lock-convoy test, all on [`CONVOY_CPUS`] CPUs.
+const CONVOY_THREADS: usize = 16;
+/// CPUs the convoy test's threads are pinned to.
+const CONVOY_CPUS: usize = 2;
+
+/// Random reads with 16 threads against 2, all pinned to the same 2 CPUs, through the
+/// engine and through `pread`, the same total reads each time: with no lock on the read path
+/// the 16 threads only time-share the CPUs and keep the 2-thread rate; a lock held across a
+/// preemption would stall the other 15 (a convoy).
+fn many_threads<A, B>(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    volume_bytes: u64,
+    through_engine: A,
+    through_pread: B,
+) -> anyhow::Result<Vec<Row>>
+where
+    A: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+    B: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+{
+    let cpus = first_cpus(CONVOY_CPUS)?;
+    // The same total as the 1-thread case, split evenly.
+    let total = sizes.random_read_count;
+    let lists = |threads: usize| -> Vec<Vec<u64>> {
+        (0..threads)
+            .map(|thread| random_offsets(volume_bytes, total / threads, 100 + thread as u64))
+            .collect()
+    };
+    let (few_lists, many_lists) = (lists(CONVOY_CPUS), lists(CONVOY_THREADS));
+    let reads_of = |lists: &[Vec<u64>]| lists.iter().map(Vec::len).sum::<usize>() as f64;
+    let (few_reads, many_reads) = (reads_of(&few_lists), reads_of(&many_lists));
+    let few: Vec<&[u64]> = few_lists.iter().map(Vec::as_slice).collect();
+    let many: Vec<&[u64]> = many_lists.iter().map(Vec::as_slice).collect();
+    // kIOPS per repetition: [engine, pread] × [2 threads, 16 threads].
+    let mut samples = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+    run_reads_on(&few, &through_engine, Some(&cpus))?;
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        for turn in 0..4 {
+            // Alternate the thread count inside each path, and the path first each time.
+            let case = (turn + repetition) % 4;
+            let (path, many_first) = (case / 2, case % 2);
+            let seconds = |lists: &[&[u64]]| -> anyhow::Result<f64> {
+                if path == 0 {
+                    run_reads_on(lists, &through_engine, Some(&cpus))
+                } else {
+                    run_reads_on(lists, &through_pread, Some(&cpus))
+                }
+            };
+            if many_first == 1 {
+                samples[path][1].push(many_reads / seconds(&many)? / 1000.0);
+            } else {
+                samples[path][0].push(few_reads / seconds(&few)? / 1000.0);
+            }
+        }
+        progress(&format!(
+            "random reads on {CONVOY_CPUS} CPUs {}/{}: engine {:.0}/{:.0} kIOPS, pread {:.0}/{:.0} \
+             kIOPS ({CONVOY_CPUS}/{CONVOY_THREADS} threads)",
+            repetition + 1,
+            sizes.repetition_count,
+            samples[0][0][repetition],
+            samples[0][1][repetition],
+            samples[1][0][repetition],
+            samples[1][1][repetition],
+        ));
+    }
+    let [engine, direct] = &samples;
+    Ok(vec![
+        Row::new(
+            format!(
+                "random 4 KiB reads through the engine on {CONVOY_CPUS} CPUs: \
+                 {CONVOY_THREADS} threads vs {CONVOY_CPUS}"
+            ),
+            &engine[1],
+            &engine[0],
+            "kIOPS",
+        )
+        .target(Target::RatioAtLeast(0.9)),
+        Row::new(
+            format!(
+                "random 4 KiB reads through pread on {CONVOY_CPUS} CPUs: \
+                 {CONVOY_THREADS} threads vs {CONVOY_CPUS} (reference)"
+            ),
+            &direct[1],
+            &direct[0],
+            "kIOPS",
+        ),
+    ])
+}
+
+/// The first `count` CPUs this process may run on (fewer if it has fewer).
+fn first_cpus(count: usize) -> anyhow::Result<rustix::thread::CpuSet> {
+    let allowed = rustix::thread::sched_getaffinity(None).context("reading the CPU affinity")?;
+    let mut chosen = rustix::thread::CpuSet::new();
+    let mut taken = 0;
+    for cpu in 0..rustix::thread::CpuSet::MAX_CPU {
+        if taken == count {
+            break;
+        }
+        if allowed.is_set(cpu) {
+            chosen.set(cpu);
+            taken += 1;
+        }
+    }
+    Ok(chosen)
 }
 
 /// The random-read rows from the samples: IOPS of the engine and of pread at 1 and 2
@@ -261,6 +369,18 @@ fn run_reads<F>(offsets: &[&[u64]], read: &F) -> anyhow::Result<f64>
 where
     F: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
 {
+    run_reads_on(offsets, read, None)
+}
+
+/// [`run_reads`], every thread pinned to `cpus` if given.
+fn run_reads_on<F>(
+    offsets: &[&[u64]],
+    read: &F,
+    cpus: Option<&rustix::thread::CpuSet>,
+) -> anyhow::Result<f64>
+where
+    F: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
+{
     let start = Barrier::new(offsets.len() + 1);
     std::thread::scope(|scope| {
         let workers: Vec<_> = offsets
@@ -269,7 +389,11 @@ where
                 let start = &start;
                 scope.spawn(move || -> anyhow::Result<()> {
                     let mut buf = vec![0u8; IO_SIZE_BYTES];
+                    let pinned = cpus.map(|cpus| rustix::thread::sched_setaffinity(None, cpus));
                     start.wait();
+                    pinned
+                        .transpose()
+                        .context("pinning a reader thread")?;
                     for &offset in list {
                         read(offset, &mut buf)
                             .with_context(|| format!("reading 4 KiB at {offset}"))?;

@@ -44,6 +44,7 @@ impl Counts {
     }
 
     /// Add one reference to `block` (ignored at or beyond `len()`: callers refuse those).
+    #[inline]
     pub(super) fn inc(&mut self, block: u64) {
         if block >= self.len {
             return;
@@ -66,6 +67,7 @@ impl Counts {
         }
     }
 
+    #[inline]
     pub(super) fn get(&self, block: u64) -> u32 {
         let small = match &self.small {
             Small::Dense(v) => v.get(block as usize).copied().unwrap_or(0),
@@ -75,6 +77,18 @@ impl Counts {
             u8::MAX => self.big.get(&block).copied().unwrap_or(u32::from(u8::MAX)),
             small => u32::from(small),
         }
+    }
+}
+
+impl Counts {
+    /// The one-byte counts of blocks `block..block + n` when stored densely (a byte of 255
+    /// means "look in the map": callers treat counts above 2 one by one).
+    pub(super) fn dense(&self, block: u64, n: usize) -> Option<&[u8]> {
+        let Small::Dense(v) = &self.small else {
+            return None;
+        };
+        let start = usize::try_from(block).ok()?;
+        v.get(start..start.checked_add(n)?)
     }
 }
 
@@ -95,6 +109,12 @@ mod tests {
             assert_eq!(counts.get(999), 1);
             assert_eq!(counts.get(1000), 0);
             assert_eq!(counts.get(3), 0);
+            if dense_max > 0 {
+                assert_eq!(counts.dense(6, 2), Some(&[0, u8::MAX][..]));
+                assert_eq!(counts.dense(999, 2), None);
+            } else {
+                assert_eq!(counts.dense(6, 2), None);
+            }
         }
     }
 

@@ -8,7 +8,9 @@ use super::Phase;
 use crate::format::superblock::Superblock;
 use persistent_data::btree::Value;
 use persistent_data::checksum::BlockKind;
-use persistent_data::space_map::core::{bitmap_count, decode_field, ENTRIES_PER_BITMAP};
+use persistent_data::space_map::core::{
+    bitmap_count, decode_field, encode_field, ENTRIES_PER_BITMAP,
+};
 use persistent_data::space_map::disk::decode_index_block;
 use persistent_data::space_map::{IndexEntry, SpaceMapRoot};
 use persistent_data::{Block, MetadataBlock};
@@ -218,7 +220,18 @@ pub(super) fn compare_counts(
             continue;
         };
         let first = index as u64 * ENTRIES_PER_BITMAP;
-        for entry in 0..ENTRIES_PER_BITMAP {
+        let mut next = 0;
+        while next < ENTRIES_PER_BITMAP {
+            // Most words of 32 entries hold exactly the expected small counts: compare them
+            // whole, and look at each entry only where they differ.
+            if next % WORD_ENTRIES == 0
+                && word_matches(&data, next, first + next, stored.block_count, expected)
+            {
+                next += WORD_ENTRIES;
+                continue;
+            }
+            let entry = next;
+            next += 1;
             let block = first + entry;
             let field = bitmap_entry(&data, entry);
             if block >= stored.block_count {
@@ -347,6 +360,31 @@ fn report_overflow_orphans(walker: &mut Walker<'_>, structure: Structure, stored
         }
     }
     debug_assert!(reported > 0 || walker.report.fatal_count > 0);
+}
+
+/// Entries in one 64-bit word of a bitmap.
+const WORD_ENTRIES: u64 = 32;
+
+/// Whether the word of 32 entries starting at `entry` (a multiple of 32), for blocks from
+/// `block`, is exactly what the expected counts give, each under 3 (no overflow entry), all
+/// blocks inside both the stored map and the counts.
+fn word_matches(data: &Block, entry: u64, block: u64, block_count: u64, expected: &Counts) -> bool {
+    let end = block + WORD_ENTRIES;
+    if end > block_count || end > expected.len() {
+        return false;
+    }
+    let Some(counts) = expected.dense(block, WORD_ENTRIES as usize) else {
+        return false;
+    };
+    let mut word = 0u64;
+    for (i, &count) in counts.iter().enumerate() {
+        if count > 2 {
+            return false;
+        }
+        word |= encode_field(u32::from(count)) << (2 * i);
+    }
+    let at = 16 + (entry / WORD_ENTRIES) as usize * 8;
+    u64::from_le_bytes(data[at..at + 8].try_into().expect("8 bytes")) == word
 }
 
 /// The 2-bit field of entry `entry` of a bitmap block (after its 16-byte header).

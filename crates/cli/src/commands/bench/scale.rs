@@ -1,0 +1,489 @@
+//! How costs grow with the number of mappings: three pools, each holding one volume of 64 KiB
+//! blocks with 1K, 1M and 10M mappings (`--quick`: 1K, 16K and 64K), provisioned like the
+//! [`super::mappings`] volume (`write_zeroes` without unmapping: real mappings, sparse data).
+//! The 10M-mapping volume is 640 GiB virtual; its pool's metadata takes a few hundred MiB of
+//! the scratch directory (`/dev/shm` by default) for the length of the section.
+//!
+//! - **Snapshot creation** of each volume, in turns (the order rotating every repetition),
+//!   each snapshot deleted again untimed; rows: the larger volumes against the 1K one.
+//! - **Activation and resident memory**, in a child process per sample (`thinpool bench
+//!   --probe-activation DIR`, [`probe_activation`]): `Pool::open` (which runs the metadata
+//!   check before a read-write open, then loads every volume's index) and `Pool::volume`,
+//!   timed, with `VmRSS` and `VmHWM` from `/proc/self/status` before and after. A fresh
+//!   process holds nothing freed by earlier work, so the growth of `VmRSS` is what the open
+//!   pool keeps. Rows: time against the 1K pool; the resident growth per mapped block
+//!   against ARCHITECTURE.md's "Index memory" formula ([`index_formula_bytes`]).
+//! - **`thinpool check` against `thin_check` 1.1.0** (`$THINPOOL_TOOLS_DIR/thin_check`) on
+//!   the closed pools' metadata files, both as child processes under `/usr/bin/time` (for
+//!   their peak RSS, `%M`), wall time measured here, which one goes first alternating. Both
+//!   must exit 0. Skipped, with a note on stderr, without `THINPOOL_TOOLS_DIR` or
+//!   `/usr/bin/time`.
+
+use super::dir::BenchDir;
+use super::mappings::{mapping_label, provision};
+use super::report::{Row, Target};
+use super::{create_pool, progress, time, Sizes, BLOCK_SIZE_BYTES};
+use anyhow::{bail, ensure, Context};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+use thin_pool::engine::pool::METADATA_FILE;
+use thin_pool::{Pool, PoolOptions};
+
+/// The volume in each pool.
+const VOLUME: &str = "v";
+
+/// Snapshot creation of the largest volume against the smallest: "flat" within this factor.
+/// A snapshot's metadata work is O(1) (a new reference to the shared tree root, a commit);
+/// what may grow is the copy of the in-memory index, and that must stay small beside the
+/// commit every snapshot pays.
+const SNAPSHOT_GROWTH_MAX: f64 = 2.0;
+
+/// Activation of the 1M-mapping pool: well under a second (as the mappings section).
+const ACTIVATION_1M_MAX_MS: f64 = 500.0;
+/// Activation of the 10M-mapping pool: a linear cost may take ten times that, no more.
+const ACTIVATION_10M_MAX_MS: f64 = 5000.0;
+
+/// The resident growth of an activation may exceed the index formula by this factor (the
+/// rest of the open pool: space maps, caches, threads).
+const RSS_OVER_FORMULA_MAX: f64 = 1.25;
+
+/// `thinpool check` must take at most this share of `thin_check`'s time.
+const CHECK_TIME_SHARE_MAX: f64 = 0.5;
+
+/// The rows of the scale section.
+pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
+    let counts = sizes.scale_mapping_counts;
+    let names: Vec<String> = counts
+        .iter()
+        .map(|&count| format!("scale-{}", mapping_label(count)))
+        .collect();
+    let mut pools = Vec::new();
+    for (&count, name) in counts.iter().zip(&names) {
+        pools.push(provisioned_pool(dir, name, count)?);
+    }
+
+    // Snapshot creation, rotating the order.
+    let mut snapshot_ms: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        for turn in 0..counts.len() {
+            let which = (turn + repetition) % counts.len();
+            let pool = &pools[which];
+            let name = format!("snap-{repetition}");
+            let (seconds, _) = time(|| Ok(pool.snapshot(VOLUME, &name, false)?))?;
+            snapshot_ms[which].push(seconds * 1e3);
+            pool.delete_volume(&name)?;
+        }
+        progress(&format!(
+            "scale {}/{}: snapshot {}",
+            repetition + 1,
+            sizes.repetition_count,
+            per_count(&counts, |i| format!("{:.2} ms", snapshot_ms[i][repetition]))
+        ));
+    }
+    for pool in pools {
+        pool.close()?;
+    }
+
+    // Activation, each in a fresh process.
+    let mut activation: Vec<Vec<Activation>> = vec![Vec::new(); counts.len()];
+    for repetition in 0..sizes.repetition_count {
+        dir.check_interrupted()?;
+        for turn in 0..counts.len() {
+            let which = (turn + repetition) % counts.len();
+            activation[which].push(spawn_activation(&dir.pool_path(&names[which]))?);
+        }
+        progress(&format!(
+            "scale {}/{}: activation {}",
+            repetition + 1,
+            sizes.repetition_count,
+            per_count(&counts, |i| {
+                let a = &activation[i][repetition];
+                format!(
+                    "{:.1} ms, +{:.1} MiB resident (peak +{:.1})",
+                    a.ms,
+                    a.rss_growth_bytes() as f64 / (1 << 20) as f64,
+                    a.peak_growth_bytes() as f64 / (1 << 20) as f64
+                )
+            })
+        ));
+    }
+
+    // With --quick, only the largest pool and a few pairs: thin_check takes half a second
+    // even on a small pool.
+    let checked = if sizes.quick { counts.len() - 1 } else { 1 };
+    let checks = match check_tools() {
+        Some(tools) => Some(compare_checks(
+            dir,
+            sizes,
+            &names[checked..],
+            &counts[checked..],
+            &tools,
+        )?),
+        None => None,
+    };
+
+    for name in &names {
+        dir.remove_pool(name)?;
+    }
+
+    let mut rows = Vec::new();
+    let label = |i: usize| mapping_label(counts[i]);
+    for i in 1..counts.len() {
+        let row = Row::new(
+            format!(
+                "snapshot creation: {}-mapping volume vs {}-mapping volume",
+                label(i),
+                label(0)
+            ),
+            &snapshot_ms[i],
+            &snapshot_ms[0],
+            "ms",
+        );
+        // The target is on the largest volume: flat from the smallest to the largest.
+        rows.push(if i == counts.len() - 1 {
+            row.target(Target::RatioAtMost(SNAPSHOT_GROWTH_MAX))
+        } else {
+            row
+        });
+    }
+    for i in 1..counts.len() {
+        let ms = |i: usize| -> Vec<f64> { activation[i].iter().map(|a| a.ms).collect() };
+        let max_ms = if i == counts.len() - 1 {
+            ACTIVATION_10M_MAX_MS
+        } else {
+            ACTIVATION_1M_MAX_MS
+        };
+        rows.push(
+            Row::new(
+                format!(
+                    "activation in a new process (Pool::open + volume): {}-mapping pool vs {}",
+                    label(i),
+                    label(0)
+                ),
+                &ms(i),
+                &ms(0),
+                "ms",
+            )
+            .target(Target::ABelow(max_ms)),
+        );
+    }
+    // Memory per mapped block beyond the smallest pool: what the fixed part of an open pool
+    // (threads, caches, the catalog) costs cancels out, leaving the cost per mapping.
+    for i in 1..counts.len() {
+        let extra_blocks = (counts[i] - counts[0]) as f64;
+        let per_block = |grown: &dyn Fn(&Activation) -> u64| -> Vec<f64> {
+            activation[i]
+                .iter()
+                .zip(&activation[0])
+                .map(|(large, small)| {
+                    (grown(large) as f64 - grown(small) as f64).max(0.0) / extra_blocks
+                })
+                .collect()
+        };
+        let measured = per_block(&Activation::rss_growth_bytes);
+        let peak = per_block(&Activation::peak_growth_bytes);
+        let formula_bytes =
+            (index_formula_bytes(counts[i]) - index_formula_bytes(counts[0])) as f64;
+        let formula = vec![formula_bytes / extra_blocks; measured.len()];
+        rows.push(
+            Row::new(
+                format!(
+                    "resident memory kept after activation, per mapped block: {}-mapping pool \
+                     (beyond the {} one) vs the index formula",
+                    label(i),
+                    label(0)
+                ),
+                &measured,
+                &formula,
+                "bytes/block",
+            )
+            .target(Target::RatioAtMost(RSS_OVER_FORMULA_MAX)),
+        );
+        rows.push(Row::new(
+            format!(
+                "peak resident memory during activation, per mapped block: {}-mapping pool \
+                 (beyond the {} one) vs the index formula",
+                label(i),
+                label(0)
+            ),
+            &peak,
+            &formula,
+            "bytes/block",
+        ));
+    }
+    if let Some(checks) = checks {
+        for (i, check) in checks.iter().enumerate() {
+            let label = label(checked + i);
+            rows.push(
+                Row::new(
+                    format!("thinpool check vs thin_check 1.1.0: {label} mappings, wall time"),
+                    &check.thinpool_ms,
+                    &check.thin_check_ms,
+                    "ms",
+                )
+                .target(Target::RatioAtMost(CHECK_TIME_SHARE_MAX)),
+            );
+            rows.push(Row::new(
+                format!("thinpool check vs thin_check 1.1.0: {label} mappings, peak RSS"),
+                &check.thinpool_mib,
+                &check.thin_check_mib,
+                "MiB",
+            ));
+        }
+    }
+    Ok(rows)
+}
+
+/// A fresh pool `name` with one volume of `count` mapped blocks.
+fn provisioned_pool(dir: &BenchDir, name: &str, count: u64) -> anyhow::Result<Pool> {
+    let volume_bytes = count * BLOCK_SIZE_BYTES;
+    // Room for the volume and for a few blocks more.
+    let pool = create_pool(
+        dir,
+        name,
+        volume_bytes + 16 * BLOCK_SIZE_BYTES,
+        BLOCK_SIZE_BYTES,
+    )?;
+    pool.create_volume(VOLUME, volume_bytes)?;
+    progress(&format!("scale: provisioning {count} mappings"));
+    let (seconds, ()) = time(|| provision(dir, &pool, VOLUME))?;
+    let mapped = pool.info(VOLUME)?.mapped_blocks;
+    ensure!(
+        mapped == count,
+        "the volume maps {mapped} blocks, expected {count}"
+    );
+    progress(&format!(
+        "scale: {count} mappings in {seconds:.1} s ({:.0} provisions/s)",
+        count as f64 / seconds
+    ));
+    Ok(pool)
+}
+
+/// "1K: x, 1M: y, 10M: z".
+fn per_count(counts: &[u64], figure: impl Fn(usize) -> String) -> String {
+    (0..counts.len())
+        .map(|i| format!("{}: {}", mapping_label(counts[i]), figure(i)))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// RAM of the index of a volume whose blocks `0..count` are mapped, by ARCHITECTURE.md's
+/// formula: `4096 × leaves + 8192 × nodes + 16 × root slots`. The leaves hold 512 blocks
+/// each; each of the three node levels 512 children; one root slot per 2^36 blocks.
+pub(crate) fn index_formula_bytes(count: u64) -> u64 {
+    let leaves = count.div_ceil(512);
+    let node1 = leaves.div_ceil(512);
+    let node2 = node1.div_ceil(512);
+    let node3 = node2.div_ceil(512);
+    let roots = count.div_ceil(1 << 36);
+    4096 * leaves + 8192 * (node1 + node2 + node3) + 16 * roots
+}
+
+/// One activation measured in a child process.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Activation {
+    /// Milliseconds for `Pool::open` and `Pool::volume`.
+    ms: f64,
+    /// `VmRSS` before and after, in KiB.
+    rss_before_kib: u64,
+    rss_after_kib: u64,
+    /// `VmHWM` (peak resident) before and after, in KiB.
+    hwm_before_kib: u64,
+    hwm_after_kib: u64,
+}
+
+impl Activation {
+    fn rss_growth_bytes(&self) -> u64 {
+        self.rss_after_kib.saturating_sub(self.rss_before_kib) << 10
+    }
+
+    fn peak_growth_bytes(&self) -> u64 {
+        self.hwm_after_kib.saturating_sub(self.rss_before_kib) << 10
+    }
+}
+
+/// `thinpool bench --probe-activation DIR`: open the pool in `dir` and its volume, print one
+/// [`Activation`] as JSON on stdout, close the pool.
+pub(crate) fn probe_activation(dir: &Path) -> anyhow::Result<()> {
+    let (rss_before_kib, hwm_before_kib) = memory_status()?;
+    let started = Instant::now();
+    let pool = Pool::open(dir, PoolOptions::default())
+        .with_context(|| format!("opening {}", dir.display()))?;
+    let volume = pool.volume(VOLUME)?;
+    let ms = started.elapsed().as_secs_f64() * 1e3;
+    let (rss_after_kib, hwm_after_kib) = memory_status()?;
+    drop(volume);
+    pool.close()?;
+    let activation = Activation {
+        ms,
+        rss_before_kib,
+        rss_after_kib,
+        hwm_before_kib,
+        hwm_after_kib,
+    };
+    println!("{}", serde_json::to_string(&activation)?);
+    Ok(())
+}
+
+/// `VmRSS` and `VmHWM` of this process, in KiB.
+fn memory_status() -> anyhow::Result<(u64, u64)> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        let line = status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .with_context(|| format!("no {name} in /proc/self/status"))?;
+        let kib = line[name.len()..]
+            .split_whitespace()
+            .next()
+            .with_context(|| format!("no figure in {line:?}"))?;
+        Ok(kib.parse()?)
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// Run [`probe_activation`] in a child process on the pool in `pool_dir`.
+fn spawn_activation(pool_dir: &Path) -> anyhow::Result<Activation> {
+    let exe = std::env::current_exe().context("finding the thinpool binary")?;
+    let output = Command::new(exe)
+        .arg("bench")
+        .arg("--probe-activation")
+        .arg(pool_dir)
+        .output()
+        .context("running the activation probe")?;
+    if !output.status.success() {
+        bail!(
+            "the activation probe failed ({}): {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    serde_json::from_slice(&output.stdout).context("reading the activation probe's output")
+}
+
+/// The two checkers: `thin_check` from `$THINPOOL_TOOLS_DIR`, and this binary.
+struct CheckTools {
+    thin_check: PathBuf,
+    thinpool: PathBuf,
+}
+
+fn check_tools() -> Option<CheckTools> {
+    let skip = |why: &str| {
+        progress(&format!("scale: no check comparison: {why}"));
+        None
+    };
+    let Some(tools) = std::env::var_os("THINPOOL_TOOLS_DIR") else {
+        return skip("THINPOOL_TOOLS_DIR (thin-provisioning-tools 1.1.0's sbin) is not set");
+    };
+    let thin_check = Path::new(&tools).join("thin_check");
+    if !thin_check.is_file() {
+        return skip(&format!("no {}", thin_check.display()));
+    }
+    if !Path::new(TIME).is_file() {
+        return skip(&format!("no {TIME} (Debian package time)"));
+    }
+    let thinpool = std::env::current_exe().ok()?;
+    Some(CheckTools {
+        thin_check,
+        thinpool,
+    })
+}
+
+/// Check pairs with `--quick`.
+const QUICK_CHECK_REPETITIONS: usize = 5;
+
+/// GNU time: runs a command and reports its peak RSS.
+const TIME: &str = "/usr/bin/time";
+
+/// Paired samples of both checkers on one metadata file.
+struct CheckSamples {
+    thinpool_ms: Vec<f64>,
+    thin_check_ms: Vec<f64>,
+    thinpool_mib: Vec<f64>,
+    thin_check_mib: Vec<f64>,
+}
+
+fn compare_checks(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    names: &[String],
+    counts: &[u64],
+    tools: &CheckTools,
+) -> anyhow::Result<Vec<CheckSamples>> {
+    let mut all = Vec::new();
+    for (name, &count) in names.iter().zip(counts) {
+        let metadata = dir.pool_path(name).join(METADATA_FILE);
+        let rss_file = dir.path().join("check-rss");
+        let mut samples = CheckSamples {
+            thinpool_ms: Vec::new(),
+            thin_check_ms: Vec::new(),
+            thinpool_mib: Vec::new(),
+            thin_check_mib: Vec::new(),
+        };
+        let repetition_count = if sizes.quick {
+            QUICK_CHECK_REPETITIONS
+        } else {
+            sizes.repetition_count
+        };
+        for repetition in 0..repetition_count {
+            dir.check_interrupted()?;
+            for turn in 0..2 {
+                let ours = (turn + repetition) % 2 == 0;
+                let mut command = Command::new(TIME);
+                command.arg("-f").arg("%M").arg("-o").arg(&rss_file);
+                if ours {
+                    command.arg(&tools.thinpool).arg("check");
+                } else {
+                    command.arg(&tools.thin_check);
+                }
+                command.arg("-q").arg(&metadata);
+                let started = Instant::now();
+                let status = command
+                    .status()
+                    .with_context(|| format!("running {command:?}"))?;
+                let ms = started.elapsed().as_secs_f64() * 1e3;
+                ensure!(status.success(), "{command:?} failed: {status}");
+                let kib: f64 = std::fs::read_to_string(&rss_file)?
+                    .trim()
+                    .parse()
+                    .with_context(|| format!("reading the peak RSS in {}", rss_file.display()))?;
+                let (times, mibs) = if ours {
+                    (&mut samples.thinpool_ms, &mut samples.thinpool_mib)
+                } else {
+                    (&mut samples.thin_check_ms, &mut samples.thin_check_mib)
+                };
+                times.push(ms);
+                mibs.push(kib / 1024.0);
+            }
+            progress(&format!(
+                "scale {}/{}: check of {} mappings: thinpool {:.0} ms, {:.0} MiB; thin_check {:.0} ms, {:.0} MiB",
+                repetition + 1,
+                repetition_count,
+                mapping_label(count),
+                samples.thinpool_ms[repetition],
+                samples.thinpool_mib[repetition],
+                samples.thin_check_ms[repetition],
+                samples.thin_check_mib[repetition],
+            ));
+        }
+        std::fs::remove_file(&rss_file).ok();
+        all.push(samples);
+    }
+    Ok(all)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_formula_matches_architecture_md() {
+        // 1M mappings: 2048 leaves, 4 node1, 1 node2, 1 node3, one root slot.
+        assert_eq!(index_formula_bytes(1 << 20), 2048 * 4096 + 6 * 8192 + 16);
+        // About 8.03 bytes per block when full.
+        let per_block = index_formula_bytes(10 << 20) as f64 / (10 << 20) as f64;
+        assert!((8.0..8.1).contains(&per_block), "{per_block}");
+    }
+}
