@@ -1,5 +1,6 @@
 //! Goal: `thinpool bench --quick --json` runs end to end, prints its rows in the documented
-//! JSON shape (with each row's `spread`), and removes every pool it built.
+//! JSON shape (with each row's `spread`), with a row from every section (the scale section's
+//! check comparison only with `THINPOOL_TOOLS_DIR`), and removes every pool it built.
 //! Method: run the built binary with `--dir` in a scratch directory, parse stdout, check each
 //! row's keys and types, and that the directory is left empty. Timings and `met` depend on
 //! the machine, so nothing asserts on them.
@@ -55,10 +56,21 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         "activation",
         "diff of",
         "with metrics",
+        "16 threads vs 2",
+        "snapshot creation: 64K-mapping volume vs 1K",
+        "activation in a new process",
+        "resident memory kept after activation",
     ] {
         assert!(
             names.iter().any(|n| n.contains(wanted)),
             "no row about {wanted:?} in {names:?}"
+        );
+    }
+
+    if std::env::var_os("THINPOOL_TOOLS_DIR").is_some() && std::path::Path::new("/usr/bin/time").is_file() {
+        assert!(
+            names.iter().any(|n| n.contains("vs thin_check 1.1.0")),
+            "no check comparison in {names:?}"
         );
     }
 
