@@ -67,7 +67,9 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         );
     }
 
-    if std::env::var_os("THINPOOL_TOOLS_DIR").is_some() && std::path::Path::new("/usr/bin/time").is_file() {
+    if std::env::var_os("THINPOOL_TOOLS_DIR").is_some()
+        && std::path::Path::new("/usr/bin/time").is_file()
+    {
         assert!(
             names.iter().any(|n| n.contains("vs thin_check 1.1.0")),
             "no check comparison in {names:?}"

@@ -30,6 +30,7 @@ pub fn decode_field(field: u64) -> u32 {
 }
 
 /// Encode a count of 0..=3 into the stored 2-bit field.
+#[inline]
 pub fn encode_field(count: u32) -> u64 {
     let c = u64::from(count.min(3));
     ((c & 1) << 1) | (c >> 1)

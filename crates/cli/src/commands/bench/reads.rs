@@ -76,7 +76,13 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         ));
     }
     let mut rows = random_rows(engine, direct, added_ns);
-    rows.extend(many_threads(dir, sizes, volume_bytes, through_engine, through_pread)?);
+    rows.extend(many_threads(
+        dir,
+        sizes,
+        volume_bytes,
+        through_engine,
+        through_pread,
+    )?);
     drop(volume);
     pool.close()?;
     drop(pool);
@@ -391,9 +397,7 @@ where
                     let mut buf = vec![0u8; IO_SIZE_BYTES];
                     let pinned = cpus.map(|cpus| rustix::thread::sched_setaffinity(None, cpus));
                     start.wait();
-                    pinned
-                        .transpose()
-                        .context("pinning a reader thread")?;
+                    pinned.transpose().context("pinning a reader thread")?;
                     for &offset in list {
                         read(offset, &mut buf)
                             .with_context(|| format!("reading 4 KiB at {offset}"))?;

@@ -48,7 +48,8 @@ const ACTIVATION_1M_MAX_MS: f64 = 500.0;
 const ACTIVATION_10M_MAX_MS: f64 = 5000.0;
 
 /// The metadata block cache of an open pool, at most: its blocks are 4 KiB.
-const METADATA_CACHE_BYTES: u64 = persistent_data::block_manager::CACHE_BLOCKS_DEFAULT as u64 * 4096;
+const METADATA_CACHE_BYTES: u64 =
+    persistent_data::block_manager::CACHE_BLOCKS_DEFAULT as u64 * 4096;
 
 /// The resident growth of the largest pool's activation may exceed its index (the formula)
 /// plus a full metadata cache by this factor (the rest of the open pool: threads, the
@@ -345,7 +346,8 @@ pub(crate) fn probe_activation(dir: &Path) -> anyhow::Result<()> {
 
 /// `VmRSS` and `VmHWM` of this process, in KiB.
 fn memory_status() -> anyhow::Result<(u64, u64)> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let status =
+        std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
     let field = |name: &str| -> anyhow::Result<u64> {
         let line = status
             .lines()
