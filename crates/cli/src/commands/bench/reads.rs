@@ -111,8 +111,13 @@ where
     B: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
 {
     let cpus = first_cpus(CONVOY_CPUS)?;
-    // The same total as the 1-thread case, split evenly.
-    let total = sizes.random_read_count;
+    // The same total as the 1-thread case, split evenly (half of it with --quick, which must
+    // stay within 30 s).
+    let total = if sizes.quick {
+        sizes.random_read_count / 2
+    } else {
+        sizes.random_read_count
+    };
     let lists = |threads: usize| -> Vec<Vec<u64>> {
         (0..threads)
             .map(|thread| random_offsets(volume_bytes, total / threads, 100 + thread as u64))
