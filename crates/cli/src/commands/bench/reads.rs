@@ -94,6 +94,8 @@ pub fn random(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
 const CONVOY_THREADS: usize = 16;
 /// CPUs the convoy test's threads are pinned to.
 const CONVOY_CPUS: usize = 2;
+/// Pairs of the convoy test with `--quick` (which must stay within 30 s).
+const QUICK_CONVOY_REPETITIONS: usize = 7;
 
 /// Random reads with 16 threads against 2, all pinned to the same 2 CPUs, through the
 /// engine and through `pread`, the same total reads each time: with no lock on the read path
@@ -131,7 +133,12 @@ where
     // kIOPS per repetition: [engine, pread] × [2 threads, 16 threads].
     let mut samples = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
     run_reads_on(&few, &through_engine, Some(&cpus))?;
-    for repetition in 0..sizes.repetition_count {
+    let repetition_count = if sizes.quick {
+        QUICK_CONVOY_REPETITIONS
+    } else {
+        sizes.repetition_count
+    };
+    for repetition in 0..repetition_count {
         dir.check_interrupted()?;
         for turn in 0..4 {
             // Alternate the thread count inside each path, and the path first each time.
@@ -154,7 +161,7 @@ where
             "random reads on {CONVOY_CPUS} CPUs {}/{}: engine {:.0}/{:.0} kIOPS, pread {:.0}/{:.0} \
              kIOPS ({CONVOY_CPUS}/{CONVOY_THREADS} threads)",
             repetition + 1,
-            sizes.repetition_count,
+            repetition_count,
             samples[0][0][repetition],
             samples[0][1][repetition],
             samples[1][0][repetition],
