@@ -30,7 +30,18 @@ const ROWS: &[(&str, &[&str])] = &[
         "4 KiB copy-on-write writes after a snapshot (64 KiB blocks), QD16",
         &["thin", "qemu-qcow2", "raw"],
     ),
+    ("4 KiB random reads, QD2, 1 connection", CONNECTION_TARGETS),
+    (
+        "4 KiB random reads, QD2, 16 connections",
+        CONNECTION_TARGETS,
+    ),
+    (
+        "4 KiB random reads, QD2, 256 connections",
+        CONNECTION_TARGETS,
+    ),
 ];
+/// Targets of the connection-count rows, which also get a table of their own (256 vs 16).
+const CONNECTION_TARGETS: &[&str] = &["thin", "raw", "nbdkit"];
 const READ_TARGETS: &[&str] = &["thin", "snap", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
 const WRITE_TARGETS: &[&str] = &["thin", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
 const DD: &str = "dd bs=4k of the whole device, nbdfuse + losetup";
@@ -95,7 +106,23 @@ fn quick_run_prints_every_row_with_figures() {
     if dd {
         expected.extend(["thin", "raw", "nbdkit"].map(|t| (DD, t)));
     }
-    let lines: Vec<&str> = stdout
+    // The main table, then the connections table (256 vs 16 connections, one line a target).
+    let (main, connections) = stdout
+        .split_once("\nConnections (")
+        .unwrap_or_else(|| panic!("no connections table in {stdout}"));
+    for target in CONNECTION_TARGETS {
+        let prefix = format!("| {target} | ");
+        let line = connections
+            .lines()
+            .find(|l| l.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no connections row for {target} in {connections}"));
+        let cells: Vec<&str> = line.trim_matches('|').split('|').map(str::trim).collect();
+        assert_eq!(cells.len(), 6, "{line}");
+        for cell in &cells[1..4] {
+            assert!(number(cell, line) > 0.0, "{line}");
+        }
+    }
+    let lines: Vec<&str> = main
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| workload") && !l.contains("---"))
         .collect();
