@@ -25,7 +25,7 @@
 //! Pools keep the engine's periodic commit thread at its default 1 s period, as dm-thin's
 //! pool does. Timed writes end with a flush (a commit), so provisioning is measured up to
 //! the point where its mappings are durable. `--quick` shrinks every size but takes 15 pairs
-//! per row (the full run 5 larger ones), so the whole run takes 10 to 20 s and its ratios are
+//! per row (the full run 5 larger ones), so the whole run aims at under 30 s and its ratios are
 //! stable enough to compare between runs on an idle machine: check the `spread` column. Results go to stdout as a table, or as
 //! JSON with `--json`; progress goes to stderr.
 
@@ -52,7 +52,8 @@ pub struct Args {
     /// Build the pools inside this directory (default: a fresh folder under /dev/shm).
     #[arg(long, value_name = "DIR")]
     dir: Option<PathBuf>,
-    /// Small sizes, many pairs: the whole run takes 10-20 s (medians of 15 pairs per row).
+    /// Small sizes, many pairs: the whole run aims at under 30 s (medians of 15 pairs per
+    /// row on an idle machine).
     #[arg(long)]
     quick: bool,
     /// Print the rows as a JSON list instead of a table.
