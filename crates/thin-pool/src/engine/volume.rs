@@ -10,6 +10,9 @@
 //!                            └ otherwise, under the block's lock, look again:
 //!                                unmapped → allocate, zero the rest, pwrite, queue Insert
 //!                                shared   → allocate, copy the rest, pwrite, queue Insert
+//!               whole blocks in a row, none writable in place → one run: their block
+//!                 locks, alloc_many, one pwrite per stretch of consecutive data blocks,
+//!                 map_many
 //!   discard     whole blocks: unmap (queue Remove); partial: zero if mapped and unshared
 //! ```
 //!
