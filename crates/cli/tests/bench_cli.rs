@@ -98,7 +98,7 @@ fn only_cow_with_a_write_size_runs_that_section_alone() {
         .iter()
         .filter_map(|r| r["name"].as_str())
         .collect();
-    assert_eq!(names.len(), 2, "{names:?}");
+    assert_eq!(names.len(), 3, "{names:?}");
     assert!(
         names.iter().all(|n| n.contains("copy-on-write")),
         "{names:?}"
