@@ -60,6 +60,7 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         "snapshot creation: 64K-mapping volume vs 1K",
         "activation in a new process",
         "resident memory kept after activation",
+        "copy-on-write",
     ] {
         assert!(
             names.iter().any(|n| n.contains(wanted)),
@@ -76,6 +77,50 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         );
     }
 
+    let left: Vec<_> = std::fs::read_dir(scratch.path())
+        .expect("read the scratch directory")
+        .collect();
+    assert!(left.is_empty(), "bench left {left:?} behind");
+}
+
+#[test]
+fn only_cow_with_a_write_size_runs_that_section_alone() {
+    let scratch = ScratchDir::new("bench-cli-cow");
+    let run = |size: &str| {
+        Command::new(env!("CARGO_BIN_EXE_thinpool"))
+            .args([
+                "bench",
+                "--only",
+                "cow",
+                "--json",
+                "--write-size",
+                size,
+                "--dir",
+            ])
+            .arg(scratch.path())
+            .output()
+            .expect("run thinpool bench")
+    };
+    let output = run("1M");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "bench failed: {stderr}");
+    assert!(stderr.contains("filling a 1 MiB volume"), "{stderr}");
+    let rows: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
+    let names: Vec<&str> = rows
+        .as_array()
+        .expect("a JSON list")
+        .iter()
+        .filter_map(|r| r["name"].as_str())
+        .collect();
+    assert_eq!(names.len(), 3, "{names:?}");
+    assert!(
+        names.iter().all(|n| n.contains("copy-on-write")),
+        "{names:?}"
+    );
+    // Not a whole number of 64 KiB blocks: refused before anything runs.
+    let output = run("100K");
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("multiple of 64 KiB"));
     let left: Vec<_> = std::fs::read_dir(scratch.path())
         .expect("read the scratch directory")
         .collect();

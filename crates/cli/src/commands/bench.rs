@@ -12,6 +12,8 @@
 //!   the NBD export with the request counting of `serve --metrics` and without.
 //! - [`writes`]: first writes vs overwrites, bytes written per client byte, writes that break
 //!   sharing after a snapshot.
+//! - [`cow`]: the copy-on-write pattern of `scripts/bench-compare` (a 4 KiB write at the start
+//!   of each 64 KiB block after a snapshot, in order), 1 and 2 threads.
 //! - [`mappings`]: snapshot, deletion and activation of a volume with 1M mappings.
 //! - [`diff`]: `Pool::diff` of snapshots of a 1M-mapping volume differing in 1% and 10% of
 //!   their blocks, against a full scan of both trees.
@@ -29,6 +31,7 @@
 //! stable enough to compare between runs on an idle machine: check the `spread` column. Results go to stdout as a table, or as
 //! JSON with `--json`; progress goes to stderr.
 
+mod cow;
 mod devices;
 mod diff;
 mod dir;
@@ -59,10 +62,14 @@ pub struct Args {
     /// Print the rows as a JSON list instead of a table.
     #[arg(long)]
     json: bool,
-    /// Run only the sections whose name starts with this (reads, writes, mappings, diff,
-    /// scale; the full run includes scale only when named).
+    /// Run only the sections whose name starts with this (reads, writes, cow, mappings,
+    /// diff, scale; the full run includes scale only when named).
     #[arg(long, value_name = "SECTION")]
     only: Option<String>,
+    /// Size of the volumes the write sections (writes, cow) write (default 1G, 64M with
+    /// --quick; a multiple of 64 KiB).
+    #[arg(long = "write-size", value_name = "SIZE")]
+    write_size: Option<String>,
     /// Run the read comparisons on a pool on this data block device (its contents are
     /// overwritten; --quick needs 160 MiB, else 2.1 GiB).
     #[arg(long = "data-device", value_name = "DEV", requires = "metadata_device")]
@@ -151,7 +158,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             args.direct_io,
         ));
     }
-    let sizes = Sizes::new(args.quick);
+    let mut sizes = Sizes::new(args.quick);
+    if let Some(text) = &args.write_size {
+        let bytes = crate::pool_dir::parse_size(text)?;
+        if bytes == 0 || !bytes.is_multiple_of(BLOCK_SIZE_BYTES) {
+            anyhow::bail!("--write-size {text}: a multiple of 64 KiB is needed");
+        }
+        sizes.write_volume_bytes = bytes;
+    }
     let started = Instant::now();
     progress(&format!(
         "pools in {}, {} repetitions each; load average {}",
@@ -178,6 +192,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         if wanted("writes") {
             rows.extend(writes::first_and_over(&dir, &sizes).context("first writes")?);
             rows.extend(writes::sharing(&dir, &sizes).context("writes breaking sharing")?);
+        }
+        if wanted("cow") {
+            rows.extend(cow::run(&dir, &sizes).context("copy-on-write writes")?);
         }
         if wanted("mappings") {
             rows.extend(mappings::run(&dir, &sizes).context("large volumes")?);

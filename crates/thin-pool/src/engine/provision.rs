@@ -6,7 +6,9 @@
 //! ```text
 //!   alloc(volume)             reserve a data block in the metadata (short metadata lock);
 //!                             out of space: commit once, then fail or wait per the policy
+//!   alloc_many(count)         reserve several under one metadata lock hold (None: too few)
 //!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
+//!   map_many(volume, [..])    the same for several blocks under one metadata lock hold
 //!   unmap(volume, block)      clear the index entry, queue Op::Remove
 //! ```
 //!
@@ -180,6 +182,55 @@ impl Provisioner {
         }
     }
 
+    /// Reserve `count` data blocks under one hold of the metadata lock, for a write that
+    /// provisions that many whole blocks. None when the pool has fewer free blocks (nothing
+    /// stays reserved): the caller then provisions block by block through [`Provisioner::alloc`],
+    /// which applies the no-space policy.
+    pub(crate) fn alloc_many(&self, count: usize) -> Result<Option<Vec<Reservation<'_>>>> {
+        let shared = &*self.shared;
+        shared.check_changes_allowed()?;
+        let mut meta = shared.lock_meta();
+        let generation = meta.generation;
+        let md = meta.md()?;
+        let mut blocks = Vec::with_capacity(count);
+        let failure = loop {
+            if blocks.len() == count {
+                break None;
+            }
+            match md.alloc_data_block() {
+                Ok(block) if block.get() <= INDEX_DATA_BLOCK_MAX => blocks.push(block),
+                Ok(block) => {
+                    blocks.push(block);
+                    break Some(Err(Error::Invalid(format!(
+                        "data block {block} beyond the engine's range"
+                    ))));
+                }
+                Err(Error::OutOfDataSpace { .. }) => break Some(Ok(None)),
+                Err(e) => break Some(Err(e)),
+            }
+        };
+        if let Some(result) = failure {
+            for &block in &blocks {
+                md.release_data_block(block);
+            }
+            return result;
+        }
+        let usage = md.usage();
+        drop(meta);
+        self.reserved(usage.data_used_blocks, usage.data_total_blocks);
+        Ok(Some(
+            blocks
+                .into_iter()
+                .map(|block| Reservation {
+                    provisioner: self,
+                    block,
+                    generation,
+                    mapped: false,
+                })
+                .collect(),
+        ))
+    }
+
     /// After a reservation: the low-water event and the autoextend request (`autoextend`),
     /// and leaving out-of-data-space mode.
     fn reserved(&self, used_blocks: u64, total_blocks: u64) {
@@ -199,46 +250,71 @@ impl Provisioner {
         &self,
         volume: &VolumeState,
         block: VirtualBlock,
-        mut reservation: Reservation<'_>,
+        reservation: Reservation<'_>,
     ) -> Result<()> {
-        let mapping = BlockTime::new(reservation.block, self.shared.time());
-        if let Some(old) = volume.index.lookup(block) {
-            assert!(
-                volume.is_shared(old),
-                "volume {:?} block {block}: provisioning over an unshared mapping",
-                volume.name
-            );
-            assert_ne!(old.data_block(), mapping.data_block(), "a block maps once");
-        }
-        {
-            let mut meta = self.shared.lock_meta();
-            if meta.generation != reservation.generation {
-                // The metadata was abandoned since the block was reserved: the reservation
-                // went with it, and the write cannot be recorded.
-                reservation.mapped = true;
-                return Err(Error::ReadOnly { needs_check: true });
-            }
-            // The volume's size only changes under this lock (and with its writers
-            // paused); a write beyond it is refused, never queued.
-            let block_count = volume.index.block_count();
-            if block.get() >= block_count {
-                drop(meta);
-                return Err(Error::Invalid(format!(
-                    "volume {:?}: block {block} is beyond its {block_count} blocks",
+        self.map_many(volume, vec![(block, reservation)])
+    }
+
+    /// [`Provisioner::map`] for several blocks under one hold of the metadata lock, in
+    /// order. The caller holds the block locks of every block. On an error nothing of
+    /// `mappings` is queued or published (the reservations go back).
+    pub(crate) fn map_many(
+        &self,
+        volume: &VolumeState,
+        mut mappings: Vec<(VirtualBlock, Reservation<'_>)>,
+    ) -> Result<()> {
+        let time = self.shared.time();
+        for (block, reservation) in &mappings {
+            if let Some(old) = volume.index.lookup(*block) {
+                assert!(
+                    volume.is_shared(old),
+                    "volume {:?} block {block}: provisioning over an unshared mapping",
                     volume.name
-                )));
+                );
+                assert_ne!(old.data_block(), reservation.block, "a block maps once");
             }
+        }
+        let mut meta = self.shared.lock_meta();
+        if let Some((_, stale)) = mappings
+            .iter()
+            .find(|(_, r)| r.generation != meta.generation)
+        {
+            // The metadata was abandoned since the block was reserved: the reservation
+            // went with it, and the write cannot be recorded.
+            let generation = stale.generation;
+            for (_, reservation) in &mut mappings {
+                if reservation.generation == generation {
+                    reservation.mapped = true;
+                }
+            }
+            drop(meta);
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        // The volume's size only changes under this lock (and with its writers paused); a
+        // write beyond it is refused, never queued.
+        let block_count = volume.index.block_count();
+        if let Some((block, _)) = mappings.iter().find(|(b, _)| b.get() >= block_count) {
+            let block = *block;
+            drop(meta);
+            return Err(Error::Invalid(format!(
+                "volume {:?}: block {block} is beyond its {block_count} blocks",
+                volume.name
+            )));
+        }
+        for (block, reservation) in &mut mappings {
+            let mapping = BlockTime::new(reservation.block, time);
             meta.push(Op::Insert {
                 volume: volume.id,
-                block,
+                block: *block,
                 mapping,
             });
             reservation.mapped = true;
             self.shared.fault_point(FaultPoint::Map);
             // Published under the metadata lock, so a metadata failure (which drops the
             // queued ops and reloads the index under that lock) never misses it.
-            volume.index.set(block, mapping);
+            volume.index.set(*block, mapping);
         }
+        drop(meta);
         Ok(())
     }
 

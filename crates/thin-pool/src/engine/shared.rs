@@ -249,10 +249,29 @@ impl VolumeState {
 
     /// The lock ordering provisioning of `block` (hashed: one of [`BLOCK_LOCKS`]).
     pub(crate) fn block_lock(&self, block: VirtualBlock) -> MutexGuard<'_, ()> {
-        let i = (block.get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % BLOCK_LOCKS;
-        self.block_locks[i]
+        self.block_locks[block_lock_index(block)]
             .lock()
             .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The locks of every block in `blocks`, each taken once, in the order of their
+    /// indexes: two threads locking overlapping sets take their common locks in the same
+    /// order, so they cannot deadlock (a thread holding one block lock never takes another).
+    pub(crate) fn block_locks(
+        &self,
+        blocks: impl Iterator<Item = VirtualBlock>,
+    ) -> Vec<MutexGuard<'_, ()>> {
+        let mut indexes: Vec<usize> = blocks.map(block_lock_index).collect();
+        indexes.sort_unstable();
+        indexes.dedup();
+        indexes
+            .into_iter()
+            .map(|i| {
+                self.block_locks[i]
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+            })
+            .collect()
     }
 
     /// Whether a mapping may be shared with a snapshot (made before the volume's last
@@ -260,6 +279,11 @@ impl VolumeState {
     pub(crate) fn is_shared(&self, mapping: BlockTime) -> bool {
         self.snapshotted_time.load(Ordering::Acquire) > mapping.time().get()
     }
+}
+
+/// Which of a volume's [`BLOCK_LOCKS`] orders provisioning of `block`.
+fn block_lock_index(block: VirtualBlock) -> usize {
+    (block.get().wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize % BLOCK_LOCKS
 }
 
 /// Everything the pool's threads share.

@@ -10,6 +10,9 @@
 //!                            └ otherwise, under the block's lock, look again:
 //!                                unmapped → allocate, zero the rest, pwrite, queue Insert
 //!                                shared   → allocate, copy the rest, pwrite, queue Insert
+//!               whole blocks in a row, none writable in place → one run: their block
+//!                 locks, alloc_many, one pwrite per stretch of consecutive data blocks,
+//!                 map_many
 //!   discard     whole blocks: unmap (queue Remove); partial: zero if mapped and unshared
 //! ```
 //!
@@ -43,6 +46,18 @@ pub struct Extent {
     pub length_bytes: u64,
     /// Whether the range is mapped (allocated); unmapped ranges read as zeros.
     pub mapped: bool,
+}
+
+/// Most whole blocks one write provisions together (one hold of the metadata lock to
+/// reserve them, one to map them).
+const RUN_BLOCKS_MAX: u64 = 64;
+
+/// Consecutive whole blocks of one write, none of them writable in place.
+struct Run {
+    first: VirtualBlock,
+    count: u64,
+    /// Where the first block's bytes start in the write's data.
+    data_start: usize,
 }
 
 /// What a write piece carries.
@@ -216,11 +231,45 @@ impl Volume {
         {
             let _pass = self.volume.gate.enter();
             self.check_range(offset, data.len() as u64)?;
+            let block_size = self.pool.block_size_bytes();
+            // Whole blocks to provision, consecutive in the volume and in `data`, are
+            // provisioned together (`provision_run`) when the run ends.
+            let mut run: Option<Run> = None;
             let mut done = 0usize;
             for (block, in_block, n) in self.pieces(offset, data.len() as u64) {
-                let piece = &data[done..done + n as usize];
-                self.write_piece(block, in_block, Payload::Data(piece), true)?;
+                let payload = Payload::Data(&data[done..done + n as usize]);
+                let written = if n == block_size {
+                    self.write_in_place(block, in_block, payload, true)
+                } else {
+                    None
+                };
+                match (written, run.as_mut()) {
+                    (None, Some(run)) if n == block_size && run.count < RUN_BLOCKS_MAX => {
+                        run.count += 1;
+                    }
+                    (None, _) if n == block_size => {
+                        if let Some(ended) = run.replace(Run {
+                            first: block,
+                            count: 1,
+                            data_start: done,
+                        }) {
+                            self.provision_run(ended, data)?;
+                        }
+                    }
+                    (written, _) => {
+                        if let Some(ended) = run.take() {
+                            self.provision_run(ended, data)?;
+                        }
+                        match written {
+                            Some(result) => result?,
+                            None => self.write_piece(block, in_block, payload, true)?,
+                        }
+                    }
+                }
                 done += n as usize;
+            }
+            if let Some(ended) = run {
+                self.provision_run(ended, data)?;
             }
         }
         if fua {
@@ -360,6 +409,66 @@ impl Volume {
         self.write_payload(base + in_block, payload)?;
         drop(pin);
         self.pool.map(&self.volume, block, reservation)
+    }
+
+    /// Provision a run of whole blocks of a write: under their block locks, reserve a data
+    /// block for each under one metadata lock hold, write the data with one `write_at` per
+    /// stretch of consecutive data blocks (nothing to zero or copy: the write covers every
+    /// block), map them all under one metadata lock hold. A block that became writable in
+    /// place meanwhile is written in place; if the pool has too few free blocks for the run,
+    /// its blocks are provisioned one by one (`write_piece`, which applies the no-space
+    /// policy).
+    fn provision_run(&self, run: Run, data: &[u8]) -> Result<()> {
+        let block_size = self.pool.block_size_bytes() as usize;
+        let blocks = (0..run.count).map(|i| VirtualBlock::new(run.first.get() + i));
+        let start_of = |block: VirtualBlock| {
+            run.data_start + (block.get() - run.first.get()) as usize * block_size
+        };
+        let piece = |block: VirtualBlock| &data[start_of(block)..start_of(block) + block_size];
+        if run.count == 1 {
+            return self.write_piece(run.first, 0, Payload::Data(piece(run.first)), true);
+        }
+        let locks = self.volume.block_locks(blocks.clone());
+        let mut wanted = Vec::with_capacity(run.count as usize);
+        for block in blocks.clone() {
+            match self.write_in_place(block, 0, Payload::Data(piece(block)), true) {
+                Some(result) => result?,
+                None => wanted.push(block),
+            }
+        }
+        if wanted.is_empty() {
+            return Ok(());
+        }
+        // No pin while reserving (it may wait for space, and space may wait for pinned
+        // threads); none needed after: only the reserved blocks are written.
+        let Some(reservations) = self.pool.alloc_many(wanted.len())? else {
+            drop(locks);
+            for block in wanted {
+                self.write_piece(block, 0, Payload::Data(piece(block)), true)?;
+            }
+            return Ok(());
+        };
+        let mut start = 0;
+        for end in 1..=wanted.len() {
+            let continues = end < wanted.len()
+                && wanted[end].get() == wanted[end - 1].get() + 1
+                && reservations[end].data_block().get()
+                    == reservations[end - 1].data_block().get() + 1;
+            if continues {
+                continue;
+            }
+            let at = reservations[start]
+                .data_block()
+                .offset_bytes(block_size as u64);
+            let first = start_of(wanted[start]);
+            let bytes = &data[first..first + (end - start) * block_size];
+            self.write_payload(at, Payload::Data(bytes))?;
+            start = end;
+        }
+        self.pool
+            .map_many(&self.volume, wanted.into_iter().zip(reservations).collect())?;
+        drop(locks);
+        Ok(())
     }
 
     /// The piece's write if it needs no new block: in place (mapped and unshared, looked
