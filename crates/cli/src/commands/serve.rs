@@ -107,7 +107,11 @@ pub struct Args {
     /// Also serve export NAME of SIZE bytes (K, M, G, T) with nothing behind it: READs give
     /// zeroes, WRITEs are accepted and dropped (repeatable). For measuring the NBD front end
     /// without I/O, like `nbdkit null`. Example: `--null-export null=1G`.
-    #[arg(long = "null-export", value_name = "NAME=SIZE", conflicts_with = "read_only")]
+    #[arg(
+        long = "null-export",
+        value_name = "NAME=SIZE",
+        conflicts_with = "read_only"
+    )]
     null_export: Vec<String>,
     /// Log only warnings and errors on stderr (the log's level is info otherwise; `RUST_LOG`,
     /// when set, replaces -v and -q). Example: `thinpool serve -q`.
@@ -149,6 +153,12 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    /// Longest time an NBD connection's thread spins, after answering the only request in
+    /// flight, for the next one before it sleeps: saves a wake-up per request at queue depth
+    /// 1. Adaptive (no spin while requests come later than this), at most half the CPUs spin
+    /// at once; 0 turns it off. Example: `--spin-us 0`.
+    #[arg(long = "spin-us", value_name = "MICROSECONDS", default_value_t = nbd::Config::default().spin_max.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    spin_us: u64,
     #[command(flatten)]
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
@@ -274,6 +284,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
+        spin_max: Duration::from_micros(args.spin_us),
         tls,
         ..nbd::Config::default()
     };
