@@ -38,10 +38,10 @@ use std::time::Duration;
 const WINDOW_MIN: Duration = Duration::from_micros(2);
 
 /// Requests per epoch of one mode.
-const EPOCH_REQUESTS: u32 = 64;
+const EPOCH_REQUESTS: u32 = 256;
 
 /// Every this many epochs, the mode that is not preferred runs one epoch.
-const PROBE_EVERY: u32 = 8;
+const PROBE_EVERY: u32 = 16;
 
 /// Spinning is preferred only if its mean wait is at least this much shorter.
 const SPIN_GAIN_PERCENT: u32 = 10;
@@ -160,6 +160,12 @@ impl Spin {
             // A probe, or spinning won: give it a window to show what it does.
             self.window = self.max;
         }
+        tracing::trace!(
+            spinning = self.spinning,
+            mean_spinning_us = self.mean_spinning.map(|mean| mean.as_secs_f64() * 1e6),
+            mean_sleeping_us = self.mean_sleeping.map(|mean| mean.as_secs_f64() * 1e6),
+            "spin epoch"
+        );
     }
 }
 
