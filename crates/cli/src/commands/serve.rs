@@ -155,7 +155,7 @@ pub struct Args {
     idle_timeout_seconds: u64,
     /// Longest time an NBD connection's thread spins, after answering the only request in
     /// flight, for the next one before it sleeps: saves a wake-up per request at queue depth
-    /// 1. A connection spins only while that measurably brings its requests sooner than
+    /// one. A connection spins only while that measurably brings its requests sooner than
     /// sleeping does (compared every few thousand requests), never while they come later
     /// than this; at most half the CPUs spin at once; 0 turns it off. Example: `--spin-us 0`.
     #[arg(long = "spin-us", value_name = "MICROSECONDS", default_value_t = nbd::Config::default().spin_max.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
