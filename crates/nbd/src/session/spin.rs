@@ -12,10 +12,13 @@
 //! it makes requests come later. So [`Spin`] measures rather than guesses. The wait of a
 //! request is the time from the thread starting to wait for it to having its first bytes
 //! (spin, sleep and wake-up included). Requests are counted in epochs of
-//! [`EPOCH_REQUESTS`], each run spinning or sleeping; a smoothed mean wait is kept for
-//! each mode, the next epoch uses the mode with the shorter one (spinning must save
-//! [`SPIN_GAIN_PERCENT`]), and every [`PROBE_EVERY`]th epoch tries the other mode, so a
-//! change of load is noticed.
+//! [`EPOCH_REQUESTS`], each run spinning or sleeping, and every [`PROBE_EVERY`]th epoch runs
+//! the mode not preferred. Two adjacent epochs of different modes saw nearly the same load,
+//! so each such pair gives the fraction of the wait that spinning saved (negative if it
+//! cost); a smoothed mean of these fractions decides, and spinning is preferred only while
+//! it saves at least [`SPIN_GAIN_PERCENT`]. (Comparing each mode's own mean instead let the
+//! load's swings between epochs decide: on a busy machine, a quarter of the epochs spun
+//! although spinning lengthened the wait.)
 //!
 //! Within spinning epochs the window adapts to each request:
 //! - a request caught by the spin keeps the window (and widens it to twice the wait, if
@@ -51,7 +54,7 @@ const WAIT_COUNTED_MAX: Duration = Duration::from_millis(1);
 
 /// The spin window of one connection's input, and the measurement that decides whether to
 /// spin at all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(super) struct Spin {
     /// Longest window; zero turns spinning off.
     max: Duration,
@@ -64,10 +67,11 @@ pub(super) struct Spin {
     epoch_wait: Duration,
     /// Epochs completed.
     epochs: u32,
-    /// Smoothed mean wait of the epochs that spun, and of those that slept; `None` until
-    /// one has run.
-    mean_spinning: Option<Duration>,
-    mean_sleeping: Option<Duration>,
+    /// The last epoch: whether it spun, and its mean wait.
+    previous: Option<(bool, Duration)>,
+    /// Smoothed fraction of the wait that spinning saved, over pairs of adjacent epochs of
+    /// different modes; `None` until the first pair.
+    gain: Option<f64>,
 }
 
 impl Spin {
@@ -81,8 +85,8 @@ impl Spin {
             epoch_requests: 0,
             epoch_wait: Duration::ZERO,
             epochs: 0,
-            mean_spinning: None,
-            mean_sleeping: None,
+            previous: None,
+            gain: None,
         }
     }
 
@@ -135,35 +139,40 @@ impl Spin {
             return;
         }
         let mean = self.epoch_wait / self.epoch_requests;
-        let smoothed = if self.spinning {
-            &mut self.mean_spinning
-        } else {
-            &mut self.mean_sleeping
-        };
-        *smoothed = Some(smoothed.map_or(mean, |old| (old + mean) / 2));
+        if let Some((previous_spun, previous_mean)) = self.previous {
+            if previous_spun != self.spinning {
+                let (spinning, sleeping) = if self.spinning {
+                    (mean, previous_mean)
+                } else {
+                    (previous_mean, mean)
+                };
+                let sleeping_s = sleeping.as_secs_f64().max(1e-9);
+                let gain = (sleeping_s - spinning.as_secs_f64()) / sleeping_s;
+                self.gain = Some(self.gain.map_or(gain, |old| 0.75 * old + 0.25 * gain));
+            }
+        }
+        self.previous = Some((self.spinning, mean));
         self.epoch_requests = 0;
         self.epoch_wait = Duration::ZERO;
         self.epochs = self.epochs.wrapping_add(1);
-        self.spinning = match (self.mean_spinning, self.mean_sleeping) {
-            (None, _) => true,
-            (_, None) => false,
-            (Some(spinning), Some(sleeping)) => {
-                let preferred = spinning * 100 < sleeping * (100 - SPIN_GAIN_PERCENT);
-                if self.epochs.is_multiple_of(PROBE_EVERY) {
-                    !preferred
-                } else {
-                    preferred
-                }
-            }
+        let preferred = match self.gain {
+            // Not compared yet: run the other mode.
+            None => !self.spinning,
+            Some(gain) => gain * 100.0 >= f64::from(SPIN_GAIN_PERCENT),
+        };
+        self.spinning = if self.epochs.is_multiple_of(PROBE_EVERY) {
+            !preferred
+        } else {
+            preferred
         };
         if self.spinning && self.window.is_zero() {
             // A probe, or spinning won: give it a window to show what it does.
             self.window = self.max;
         }
         tracing::trace!(
-            spinning = self.spinning,
-            mean_spinning_us = self.mean_spinning.map(|mean| mean.as_secs_f64() * 1e6),
-            mean_sleeping_us = self.mean_sleeping.map(|mean| mean.as_secs_f64() * 1e6),
+            mean_wait_us = mean.as_secs_f64() * 1e6,
+            gain_percent = self.gain.map(|gain| gain * 100.0),
+            spinning_next = self.spinning,
             "spin epoch"
         );
     }
@@ -275,10 +284,9 @@ mod tests {
         epoch(&mut spin, us(40));
         assert!(spin.window() > Duration::ZERO, "spinning won");
         // The load changes: spinning now makes requests come after 45 µs, sleeping after
-        // 30 µs. The smoothed means follow within a few epochs (sleeping is measured on a
-        // probe) and sleeping wins.
+        // 30 µs. The probes (sleeping epochs) show it, and within a few sleeping wins.
         let mut sleeping_epochs = 0;
-        for _ in 0..4 * PROBE_EVERY {
+        for _ in 0..6 * PROBE_EVERY {
             if spin.window() > Duration::ZERO {
                 epoch(&mut spin, us(45));
             } else {
@@ -287,7 +295,7 @@ mod tests {
             }
         }
         assert!(spin.window().is_zero(), "sleeping did not win");
-        assert!(sleeping_epochs > 2 * PROBE_EVERY, "{sleeping_epochs}");
+        assert!(sleeping_epochs > PROBE_EVERY, "{sleeping_epochs}");
         // While sleeping wins, spinning is still tried now and then.
         let mut spinning_epochs = 0;
         for _ in 0..2 * PROBE_EVERY {
