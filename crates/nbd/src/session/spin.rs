@@ -12,8 +12,10 @@
 //! it makes requests come later. So [`Spin`] measures rather than guesses. The wait of a
 //! request is the time from the thread starting to wait for it to having its first bytes
 //! (spin, sleep and wake-up included). Requests are counted in epochs of
-//! [`EPOCH_REQUESTS`], each run spinning or sleeping, and every [`PROBE_EVERY`]th epoch runs
-//! the mode not preferred. Two adjacent epochs of different modes saw nearly the same load,
+//! [`EPOCH_REQUESTS`], each run spinning or sleeping, and now and then an epoch (a probe)
+//! runs the mode not preferred: after [`PROBE_EVERY`] epochs, then after twice as many each
+//! time the preference holds, up to [`PROBE_EVERY_MAX`], and again after [`PROBE_EVERY`]
+//! once it changes, so a steady state pays for few probes. Two adjacent epochs of different modes saw nearly the same load,
 //! so each such pair gives the fraction of the wait that spinning saved (negative if it
 //! cost); a smoothed mean of these fractions decides, and spinning is preferred only while
 //! it saves at least [`SPIN_GAIN_PERCENT`]. (Comparing each mode's own mean instead let the
@@ -43,8 +45,10 @@ const WINDOW_MIN: Duration = Duration::from_micros(2);
 /// Requests per epoch of one mode.
 const EPOCH_REQUESTS: u32 = 256;
 
-/// Every this many epochs, the mode that is not preferred runs one epoch.
+/// Epochs between probes of the mode that is not preferred, after the preference changed...
 const PROBE_EVERY: u32 = 16;
+/// ...and at most, while it holds.
+const PROBE_EVERY_MAX: u32 = 256;
 
 /// Spinning is preferred only if its mean wait is at least this much shorter.
 const SPIN_GAIN_PERCENT: u32 = 10;
@@ -65,8 +69,11 @@ pub(super) struct Spin {
     /// Requests counted in this epoch, and the sum of their waits.
     epoch_requests: u32,
     epoch_wait: Duration,
-    /// Epochs completed.
-    epochs: u32,
+    /// Epochs since the last probe, and how many to run before the next.
+    since_probe: u32,
+    probe_every: u32,
+    /// The mode preferred at the end of the last epoch.
+    preferred: Option<bool>,
     /// The last epoch: whether it spun, and its mean wait.
     previous: Option<(bool, Duration)>,
     /// Smoothed fraction of the wait that spinning saved, over pairs of adjacent epochs of
@@ -84,7 +91,9 @@ impl Spin {
             spinning: !max.is_zero(),
             epoch_requests: 0,
             epoch_wait: Duration::ZERO,
-            epochs: 0,
+            since_probe: 0,
+            probe_every: PROBE_EVERY,
+            preferred: None,
             previous: None,
             gain: None,
         }
@@ -154,13 +163,20 @@ impl Spin {
         self.previous = Some((self.spinning, mean));
         self.epoch_requests = 0;
         self.epoch_wait = Duration::ZERO;
-        self.epochs = self.epochs.wrapping_add(1);
         let preferred = match self.gain {
             // Not compared yet: run the other mode.
             None => !self.spinning,
             Some(gain) => gain * 100.0 >= f64::from(SPIN_GAIN_PERCENT),
         };
-        self.spinning = if self.epochs.is_multiple_of(PROBE_EVERY) {
+        if self.gain.is_some() && self.preferred.is_some_and(|before| before != preferred) {
+            self.probe_every = PROBE_EVERY;
+            self.since_probe = 0;
+        }
+        self.preferred = Some(preferred);
+        self.since_probe += 1;
+        self.spinning = if self.since_probe >= self.probe_every {
+            self.since_probe = 0;
+            self.probe_every = (self.probe_every * 2).min(PROBE_EVERY_MAX);
             !preferred
         } else {
             preferred
@@ -296,9 +312,9 @@ mod tests {
         }
         assert!(spin.window().is_zero(), "sleeping did not win");
         assert!(sleeping_epochs > PROBE_EVERY, "{sleeping_epochs}");
-        // While sleeping wins, spinning is still tried now and then.
+        // While sleeping wins, spinning is still tried now and then, less and less often.
         let mut spinning_epochs = 0;
-        for _ in 0..2 * PROBE_EVERY {
+        for _ in 0..PROBE_EVERY_MAX + PROBE_EVERY {
             if spin.window() > Duration::ZERO {
                 spinning_epochs += 1;
                 epoch(&mut spin, us(45));
@@ -306,7 +322,7 @@ mod tests {
                 epoch(&mut spin, us(30));
             }
         }
-        assert!((1..=3).contains(&spinning_epochs), "{spinning_epochs}");
+        assert!((1..=5).contains(&spinning_epochs), "{spinning_epochs}");
     }
 
     #[test]
