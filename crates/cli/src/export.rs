@@ -1,6 +1,7 @@
 //! What `thinpool serve` hands the NBD server: [`VolumeExport`] (a thin volume as an
 //! [`nbd::Export`]), [`RawFileExport`] (a plain file with no thin mapping, the control for
-//! benchmarks measuring what mapping costs through the same front end) and [`PoolRegistry`]
+//! benchmarks measuring what mapping costs through the same front end), [`NullExport`] (zeroes
+//! with no file behind them, the control for measuring the front end alone) and [`PoolRegistry`]
 //! (the [`nbd::ExportRegistry`] that looks volumes up in the pool at every open, so volumes
 //! created or deleted while serving appear and disappear at once).
 //!
@@ -27,8 +28,10 @@ use nbd::{
 use thin_pool::{Pool, Volume};
 
 pub mod diff_context;
+pub mod null;
 
 pub use diff_context::DiffContext;
+pub use null::NullExport;
 
 /// Name of the volume created with a new default pool; the empty export name opens it.
 pub const DEFAULT_VOLUME: &str = "disk";
@@ -308,33 +311,47 @@ impl Export for RawFileExport {
 }
 
 /// The exports of a served pool: every volume under its own name, live (looked up in the
-/// pool at each open), plus fixed raw-file exports. The empty name opens [`DEFAULT_VOLUME`]
-/// if it exists, else the only export if there is exactly one.
+/// pool at each open), plus fixed raw-file and null exports. The empty name opens
+/// [`DEFAULT_VOLUME`] if it exists, else the only export if there is exactly one.
 pub struct PoolRegistry {
     pool: Pool,
-    raw: BTreeMap<String, Arc<RawFileExport>>,
+    /// The fixed exports, raw-file and null alike.
+    raw: BTreeMap<String, Arc<dyn Export>>,
 }
 
 impl PoolRegistry {
     /// A registry over `pool` and `raw` exports; fails if a raw export's name is a volume's.
     pub fn new(pool: Pool, raw: Vec<RawFileExport>) -> anyhow::Result<Self> {
-        let mut map = BTreeMap::new();
+        let mut registry = PoolRegistry {
+            pool,
+            raw: BTreeMap::new(),
+        };
         for export in raw {
-            if pool.volume(export.name()).is_ok() {
-                bail!(
-                    "raw export {:?} has the name of a volume in the pool",
-                    export.name()
-                );
-            }
-            let name = export.name().to_string();
-            if map.insert(name.clone(), Arc::new(export)).is_some() {
-                bail!("raw export {name:?} is given twice");
-            }
+            registry.add_fixed(Arc::new(export))?;
         }
-        Ok(PoolRegistry { pool, raw: map })
+        Ok(registry)
     }
 
-    /// Names taken by raw exports (volumes may not be created with them).
+    /// Adds `null` exports; fails if a name is a volume's or another fixed export's.
+    pub fn with_null_exports(mut self, null: Vec<NullExport>) -> anyhow::Result<Self> {
+        for export in null {
+            self.add_fixed(Arc::new(export))?;
+        }
+        Ok(self)
+    }
+
+    fn add_fixed(&mut self, export: Arc<dyn Export>) -> anyhow::Result<()> {
+        let name = export.name().to_string();
+        if self.pool.volume(&name).is_ok() {
+            bail!("export {name:?} has the name of a volume in the pool");
+        }
+        if self.raw.insert(name.clone(), export).is_some() {
+            bail!("export {name:?} is given twice");
+        }
+        Ok(())
+    }
+
+    /// Names taken by raw and null exports (volumes may not be created with them).
     pub fn raw_names(&self) -> Vec<String> {
         self.raw.keys().cloned().collect()
     }

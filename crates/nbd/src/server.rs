@@ -121,6 +121,12 @@ pub struct Config {
     /// Which plaintext connections send large READ replies of exports that offer
     /// `Export::read_source` by `splice` instead of a copy (never with TLS configured).
     pub splice_reads: SpliceReads,
+    /// Widest window a connection's thread spins (non-blocking receives) for the next
+    /// request before it sleeps in `recv`, when nothing is in flight on the connection; it
+    /// adapts to how soon the last requests came, is 0 while they come later, and at most
+    /// half the CPUs spin at once. Saves one wake-up per request at queue depth 1 when the
+    /// client answers quickly; `Duration::ZERO` never spins.
+    pub spin_max: Duration,
 }
 
 /// Where zero-copy READ replies are used. Measured with fio's nbd engine (1 MiB reads, QD8,
@@ -155,6 +161,7 @@ impl Default for Config {
             on_event: None,
             tls: None,
             splice_reads: SpliceReads::default(),
+            spin_max: Duration::from_micros(50),
         }
     }
 }
@@ -179,6 +186,7 @@ impl fmt::Debug for Config {
             .field("shutdown_grace", &self.shutdown_grace)
             .field("on_event", &self.on_event.is_some())
             .field("tls", &self.tls)
+            .field("spin_max", &self.spin_max)
             .finish()
     }
 }
@@ -676,6 +684,7 @@ impl Shared {
                     thread_name: format!("nbd-conn-{id}"),
                     // A TLS session's socket leads to the pump, which copies anyway.
                     splice_reads,
+                    spin_max: self.config.spin_max,
                 };
                 session::serve(negotiated, reader, writer, limits, Box::new(end));
             }

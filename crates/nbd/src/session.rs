@@ -49,6 +49,7 @@
 mod budget;
 mod dispatch;
 mod input;
+mod spin;
 mod splice;
 
 use std::io;
@@ -93,6 +94,9 @@ pub(crate) struct Limits {
     /// Large READs of an export that offers [`Export::read_source`] are spliced from its file
     /// to the socket (plaintext sockets only).
     pub(crate) splice_reads: bool,
+    /// Widest window a thread spins for the next request before it sleeps in `recv`
+    /// (see `spin`); zero never spins.
+    pub(crate) spin_max: Duration,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -243,7 +247,7 @@ pub(crate) fn serve(
         export: negotiated.export,
         style: negotiated.style,
         contexts: negotiated.contexts,
-        input: Mutex::new(Input::new(reader, idle_ticks_max)),
+        input: Mutex::new(Input::new(reader, idle_ticks_max, limits.spin_max)),
         idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),

@@ -2,7 +2,8 @@
 //! socket (default `nbd.sock` in the pool directory, mode 0600) and, only when asked, on TCP
 //! (127.0.0.1 unless an address is given), with the control socket beside it for management
 //! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
-//! mapping. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well (`serve/metrics.rs`,
+//! mapping, and null exports (`--null-export NAME=SIZE`: zeroes, writes dropped) for
+//! measuring the front end alone. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well (`serve/metrics.rs`,
 //! counted as `crate::metrics` describes).
 //!
 //! The space options (`--low-water`, `--autoextend-*`, `--no-space-timeout`) override those
@@ -52,7 +53,7 @@ use thin_pool::Pool;
 
 use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
-use crate::export::{PoolRegistry, RawFileExport, DEFAULT_VOLUME};
+use crate::export::{NullExport, PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use nbd::ExportRegistry;
 
@@ -103,6 +104,15 @@ pub struct Args {
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
     #[arg(long = "raw-export", value_name = "NAME=FILE")]
     raw_export: Vec<String>,
+    /// Also serve export NAME of SIZE bytes (K, M, G, T) with nothing behind it: READs give
+    /// zeroes, WRITEs are accepted and dropped (repeatable). For measuring the NBD front end
+    /// without I/O, like `nbdkit null`. Example: `--null-export null=1G`.
+    #[arg(
+        long = "null-export",
+        value_name = "NAME=SIZE",
+        conflicts_with = "read_only"
+    )]
+    null_export: Vec<String>,
     /// Log only warnings and errors on stderr (the log's level is info otherwise; `RUST_LOG`,
     /// when set, replaces -v and -q). Example: `thinpool serve -q`.
     #[arg(short = 'q', long = "quiet", conflicts_with = "verbose")]
@@ -143,6 +153,13 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    /// Longest time an NBD connection's thread spins, after answering the only request in
+    /// flight, for the next one before it sleeps: saves a wake-up per request at queue depth
+    /// one. A connection spins only while that measurably brings its requests sooner than
+    /// sleeping does (compared every few thousand requests), never while they come later
+    /// than this; at most half the CPUs spin at once; 0 turns it off. Example: `--spin-us 0`.
+    #[arg(long = "spin-us", value_name = "MICROSECONDS", default_value_t = nbd::Config::default().spin_max.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
+    spin_us: u64,
     #[command(flatten)]
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
@@ -211,6 +228,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             RawFileExport::open(name, Path::new(file))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let null = args
+        .null_export
+        .iter()
+        .map(|spec| NullExport::parse(spec))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     // Checked before anything is bound: a refused address is never opened.
     let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
     if tcp.is_some() && !activated.tcp.is_empty() {
@@ -252,7 +274,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     remove_stale_socket(&control_socket)?;
 
-    let registry = Arc::new(PoolRegistry::new(pool.clone(), raw)?);
+    let registry = Arc::new(PoolRegistry::new(pool.clone(), raw)?.with_null_exports(null)?);
     let target = Arc::new(Target {
         pool: pool.clone(),
         options,
@@ -263,6 +285,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
+        spin_max: Duration::from_micros(args.spin_us),
         tls,
         ..nbd::Config::default()
     };

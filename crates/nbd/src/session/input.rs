@@ -8,10 +8,17 @@
 //! flags) and its budget is reserved, and the budget is released again if its payload cannot
 //! be read. A refused request's payload is discarded and an error reply is written before the
 //! next request is read.
+//!
+//! Between requests, with nothing in flight and nothing buffered, the thread spins for a
+//! short adaptive window in non-blocking receives before it sleeps in `recv` ([`spin`]).
 
 use std::io::{self, Read};
 use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
+use rustix::net::RecvFlags;
+
+use super::spin::{self, Spin};
 use super::{Connection, Job, Next, Scratch};
 use crate::error::{Error, ErrorKind, Result};
 use crate::handshake::ReplyStyle;
@@ -39,10 +46,13 @@ pub(super) struct Input {
     idle_ticks_max: u32,
     /// Requests read so far (DISC not counted), for the connection's closing log line.
     pub(super) requests: u64,
+    /// The spin before sleeping between requests.
+    spin: Spin,
 }
 
 impl Input {
-    pub(super) fn new(stream: Stream, idle_ticks_max: u32) -> Self {
+    /// An input on `stream`; `spin_max` is the widest spin window (zero: never spin).
+    pub(super) fn new(stream: Stream, idle_ticks_max: u32, spin_max: Duration) -> Self {
         Input {
             stream,
             buffer: vec![0u8; INPUT_BUFFER_BYTES].into_boxed_slice(),
@@ -53,6 +63,7 @@ impl Input {
             quiet_ticks: 0,
             idle_ticks_max,
             requests: 0,
+            spin: Spin::new(spin_max),
         }
     }
 
@@ -71,7 +82,9 @@ impl Input {
     /// Buffers at least `length` bytes, reading as much as the socket has; `Ok(false)` if the
     /// peer closed with nothing buffered. A read timeout comes back as an error (see
     /// [`is_timeout`]) with what arrived so far kept, so the caller can decide to wait on.
-    fn fill(&mut self, length: usize) -> io::Result<bool> {
+    /// With `may_spin` and nothing buffered, the first read spins before it sleeps.
+    fn fill(&mut self, length: usize, may_spin: bool) -> io::Result<bool> {
+        let spin_first = may_spin && self.spin.enabled() && self.buffered() == 0;
         assert!(length <= self.buffer.len(), "fill beyond the input buffer");
         if self.buffered() == 0 {
             self.start = 0;
@@ -81,8 +94,15 @@ impl Input {
             self.end -= self.start;
             self.start = 0;
         }
+        let mut first = true;
         while self.buffered() < length {
-            match self.stream.read(&mut self.buffer[self.end..]) {
+            let result = if first && spin_first {
+                self.receive_spinning()
+            } else {
+                self.stream.read(&mut self.buffer[self.end..])
+            };
+            first = false;
+            match result {
                 Ok(0) if self.buffered() == 0 => return Ok(false),
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
                 Ok(count) => {
@@ -94,6 +114,27 @@ impl Input {
             }
         }
         Ok(true)
+    }
+
+    /// One read into the free part of the buffer: non-blocking receives for the spin window
+    /// (if a spin slot is free), then a blocking read; adapts the window to when the bytes
+    /// came (see [`spin`]). End of stream, errors and timeouts come back as from a read.
+    fn receive_spinning(&mut self) -> io::Result<usize> {
+        let start = Instant::now();
+        let window = self.spin.window();
+        if let Some(result) = spin_receive(&self.stream, &mut self.buffer[self.end..], window) {
+            if result.is_ok() {
+                self.spin.caught(start.elapsed());
+            }
+            return result;
+        }
+        let result = self.stream.read(&mut self.buffer[self.end..]);
+        match &result {
+            Ok(_) => self.spin.slept(start.elapsed()),
+            Err(error) if is_timeout(error) => self.spin.quiet(),
+            Err(_) => {}
+        }
+        result
     }
 
     /// Counts one quiet tick; an error once the connection has been quiet for too long.
@@ -139,14 +180,22 @@ impl Input {
         bytes
     }
 
-    /// Fills `payload` from the buffer, then straight from the socket.
+    /// Fills `payload` from the buffer, then straight from the socket. While the spin is on,
+    /// the rest of a payload whose header came alone is waited for by spinning too (it is
+    /// on its way: the client sends it right behind the header), so a WRITE does not cost a
+    /// second wake-up.
     fn read_payload(&mut self, payload: &mut [u8]) -> io::Result<()> {
         let from_buffer = self.buffered().min(payload.len());
         payload[..from_buffer].copy_from_slice(&self.buffer[self.start..self.start + from_buffer]);
         self.start += from_buffer;
         let mut filled = from_buffer;
         while filled < payload.len() {
-            filled += self.read_patiently(Some(&mut payload[filled..]))?;
+            let window = self.spin.window();
+            filled += match spin_receive(&self.stream, &mut payload[filled..], window) {
+                Some(Ok(0)) => return Err(io::ErrorKind::UnexpectedEof.into()),
+                Some(result) => result?,
+                None => self.read_patiently(Some(&mut payload[filled..]))?,
+            };
         }
         Ok(())
     }
@@ -202,7 +251,10 @@ impl Connection {
     /// hang-up.
     fn fill_header(&self, input: &mut Input, size: usize) -> Result<Option<bool>> {
         loop {
-            match input.fill(size) {
+            // Spinning only while nothing is in flight: the other threads' requests need
+            // the CPU more than this one's next.
+            let may_spin = self.in_flight.load(Ordering::SeqCst) == 0;
+            match input.fill(size, may_spin) {
                 Ok(open) => return Ok(Some(open)),
                 Err(error) if is_timeout(&error) => {
                     if self.in_flight.load(Ordering::SeqCst) > 0 {
@@ -404,6 +456,28 @@ impl Connection {
             }
         }
         Verdict::Run
+    }
+}
+
+/// Non-blocking receives into `target` for up to `window`, if a spin slot is free: the
+/// result of the first that gets bytes, end of stream or an error; `None` if nothing came
+/// (or `window` is zero, or no slot was free) and the caller is to block.
+fn spin_receive(stream: &Stream, target: &mut [u8], window: Duration) -> Option<io::Result<usize>> {
+    if window.is_zero() {
+        return None;
+    }
+    let _slot = spin::Slot::take()?;
+    let start = Instant::now();
+    loop {
+        match rustix::net::recv(stream, &mut *target, RecvFlags::DONTWAIT) {
+            Ok((count, _)) => return Some(Ok(count)),
+            Err(rustix::io::Errno::AGAIN | rustix::io::Errno::INTR) => {}
+            Err(error) => return Some(Err(error.into())),
+        }
+        if start.elapsed() >= window {
+            return None;
+        }
+        std::hint::spin_loop();
     }
 }
 
