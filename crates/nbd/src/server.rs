@@ -82,12 +82,12 @@ pub type EventHandler = Arc<dyn Fn(&Event) + Send + Sync>;
 /// Server limits and hooks.
 #[derive(Clone)]
 pub struct Config {
-    /// Most threads per connection; each reads a request, runs it against the export and
-    /// writes the reply, so this also bounds the requests in flight per connection. A
-    /// connection starts with one and adds more only while requests queue up.
+    /// Most threads per connection. The thread reading requests serves quick ones itself
+    /// (see `batch_replies`) and hands slow ones (FLUSH, FUA, TRIM, large payloads) to the
+    /// others. A connection starts with one and adds more as requests are handed off.
     pub workers_per_connection: usize,
-    /// Requests in flight per connection (header read, reply not yet written); also never
-    /// more than `workers_per_connection`, since each thread serves one request at a time.
+    /// Requests in flight per connection (header read, reply not yet written), counting the
+    /// requests whose replies wait in a thread's batch.
     pub requests_in_flight_max: usize,
     /// READ/WRITE payload bytes in flight per connection (a single larger request still
     /// runs); a connection that does not read its replies stops being read at this limit.
@@ -121,6 +121,14 @@ pub struct Config {
     /// Which plaintext connections send large READ replies of exports that offer
     /// `Export::read_source` by `splice` instead of a copy (never with TLS configured).
     pub splice_reads: SpliceReads,
+    /// The thread reading a connection's requests serves the small quick ones it finds
+    /// queued (READs and non-FUA WRITEs up to 32 KiB, BLOCK_STATUS) itself and sends their
+    /// replies together, with no thread wake-up per request; `false` hands every request off
+    /// to another thread unless it is alone on the connection. Measured with fio (4 KiB random
+    /// reads, Unix socket, 2 vCPUs, busy machine): server CPU per read at QD64 over one
+    /// connection 0.4 of the hand-off model's and 1.5 times its IOPS, but at QD32 over two
+    /// connections about half its IOPS for the same CPU per read.
+    pub batch_replies: bool,
 }
 
 /// Where zero-copy READ replies are used. Measured with fio's nbd engine (1 MiB reads, QD8,
@@ -155,6 +163,7 @@ impl Default for Config {
             on_event: None,
             tls: None,
             splice_reads: SpliceReads::default(),
+            batch_replies: true,
         }
     }
 }
@@ -179,6 +188,8 @@ impl fmt::Debug for Config {
             .field("shutdown_grace", &self.shutdown_grace)
             .field("on_event", &self.on_event.is_some())
             .field("tls", &self.tls)
+            .field("splice_reads", &self.splice_reads)
+            .field("batch_replies", &self.batch_replies)
             .finish()
     }
 }
@@ -676,6 +687,7 @@ impl Shared {
                     thread_name: format!("nbd-conn-{id}"),
                     // A TLS session's socket leads to the pump, which copies anyway.
                     splice_reads,
+                    batch_replies: self.config.batch_replies,
                 };
                 session::serve(negotiated, reader, writer, limits, Box::new(end));
             }

@@ -119,6 +119,8 @@ pub(crate) struct Limits {
     /// Large READs of an export that offers [`Export::read_source`] are spliced from its file
     /// to the socket (plaintext sockets only).
     pub(crate) splice_reads: bool,
+    /// The reading thread serves small quick requests itself, into its batch.
+    pub(crate) batch_replies: bool,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -268,6 +270,7 @@ struct Connection {
     stack_bytes: usize,
     thread_name: String,
     splice_reads: bool,
+    batch_replies: bool,
     /// Taken by the last thread to leave.
     on_end: Mutex<Option<OnEnd>>,
     idle_timeout: Duration,
@@ -332,6 +335,7 @@ pub(crate) fn serve(
         stack_bytes: limits.stack_bytes,
         thread_name: limits.thread_name,
         splice_reads: limits.splice_reads,
+        batch_replies: limits.batch_replies,
         on_end: Mutex::new(Some(on_end)),
     });
     connection.run_thread(Start::Read);
@@ -527,7 +531,7 @@ impl Connection {
             };
             let alone = input.buffered() == 0
                 && self.in_flight.load(Ordering::SeqCst) == scratch.batch.requests() + 1;
-            let batched = job.is_quick() && (alone || job.is_small());
+            let batched = job.is_quick() && (alone || (self.batch_replies && job.is_small()));
             if !batched {
                 self.flush(&mut scratch.batch);
                 self.hand_off(input);

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use nbd::MemoryExport;
+use nbd::{Config, MemoryExport};
 use rand::{Rng, SeedableRng};
 
 const SIZE: u64 = 16 * MIB;
@@ -71,8 +71,17 @@ fn check_replies(client: &mut Client, expected: &mut HashMap<u64, Expect>, mode:
 fn pipelined_mixes_are_answered_once_each_by_cookie() {
     let report = seed_report();
     let mut rng = rand::rngs::SmallRng::seed_from_u64(report.seed());
-    for mode in [Mode::Simple, Mode::Structured, Mode::Extended] {
-        let server = TestServer::start(vec![Arc::new(MemoryExport::new("disk", SIZE))]);
+    // With batches, and with every request handed off (`Config::batch_replies` off).
+    let settings = [Mode::Simple, Mode::Structured, Mode::Extended]
+        .into_iter()
+        .flat_map(|mode| [(mode, true), (mode, false)]);
+    for (mode, batch_replies) in settings {
+        let config = Config {
+            batch_replies,
+            ..Config::default()
+        };
+        let disk = Arc::new(MemoryExport::new("disk", SIZE));
+        let server = TestServer::start_with(vec![disk], config);
         let meta = mode != Mode::Simple;
         let (mut client, _, _, _) = Client::negotiate(&server.socket, "disk", mode, meta);
         let mut model = vec![0u8; SIZE as usize];
