@@ -143,6 +143,10 @@ pub struct Args {
     /// Close an NBD connection after this many seconds without a request.
     #[arg(long = "idle-timeout", value_name = "SECONDS", default_value_t = nbd::Config::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_seconds: u64,
+    /// Hand every NBD request but a lone one to another thread instead of serving queued
+    /// small ones in batches (`nbd::Config::batch_replies`; for measuring both).
+    #[arg(long = "no-batch-replies", hide = true)]
+    no_batch_replies: bool,
     #[command(flatten)]
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
@@ -263,6 +267,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
+        batch_replies: !args.no_batch_replies,
         tls,
         ..nbd::Config::default()
     };
