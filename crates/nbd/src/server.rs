@@ -82,12 +82,12 @@ pub type EventHandler = Arc<dyn Fn(&Event) + Send + Sync>;
 /// Server limits and hooks.
 #[derive(Clone)]
 pub struct Config {
-    /// Most threads per connection; each reads a request, runs it against the export and
-    /// writes the reply, so this also bounds the requests in flight per connection. A
-    /// connection starts with one and adds more only while requests queue up.
+    /// Most threads per connection. The thread reading requests serves quick ones itself
+    /// (see `batch_replies`) and hands slow ones (FLUSH, FUA, TRIM, large payloads) to the
+    /// others. A connection starts with one and adds more as requests are handed off.
     pub workers_per_connection: usize,
-    /// Requests in flight per connection (header read, reply not yet written); also never
-    /// more than `workers_per_connection`, since each thread serves one request at a time.
+    /// Requests in flight per connection (header read, reply not yet written), counting the
+    /// requests whose replies wait in a thread's batch.
     pub requests_in_flight_max: usize,
     /// READ/WRITE payload bytes in flight per connection (a single larger request still
     /// runs); a connection that does not read its replies stops being read at this limit.
@@ -127,6 +127,14 @@ pub struct Config {
     /// half the CPUs spin at once. Saves one wake-up per request at queue depth 1 when the
     /// client answers quickly; `Duration::ZERO` never spins.
     pub spin_max: Duration,
+    /// The thread reading a connection's requests serves the small quick ones it finds
+    /// queued (READs and non-FUA WRITEs up to 32 KiB, BLOCK_STATUS) itself and sends their
+    /// replies together, with no thread wake-up per request; `false` hands every request off
+    /// to another thread unless it is alone on the connection. Measured with fio (4 KiB random
+    /// reads of the raw export, Unix socket, 2 vCPUs, load average 1.6–2.9), against the
+    /// hand-off model it replaced: QD64 over one connection 1.26× the IOPS at 0.53 of the
+    /// server CPU per read, QD32 over two connections 1.40× at 0.54.
+    pub batch_replies: bool,
 }
 
 /// Where zero-copy READ replies are used. Measured with fio's nbd engine (1 MiB reads, QD8,
@@ -162,6 +170,7 @@ impl Default for Config {
             tls: None,
             splice_reads: SpliceReads::default(),
             spin_max: Duration::from_micros(50),
+            batch_replies: true,
         }
     }
 }
@@ -187,6 +196,8 @@ impl fmt::Debug for Config {
             .field("on_event", &self.on_event.is_some())
             .field("tls", &self.tls)
             .field("spin_max", &self.spin_max)
+            .field("splice_reads", &self.splice_reads)
+            .field("batch_replies", &self.batch_replies)
             .finish()
     }
 }
@@ -685,6 +696,7 @@ impl Shared {
                     // A TLS session's socket leads to the pump, which copies anyway.
                     splice_reads,
                     spin_max: self.config.spin_max,
+                    batch_replies: self.config.batch_replies,
                 };
                 session::serve(negotiated, reader, writer, limits, Box::new(end));
             }

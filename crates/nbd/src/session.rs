@@ -1,51 +1,66 @@
 //! The transmission phase of one connection: reading requests, running them on a few
 //! threads, and writing replies in any order.
 //!
-//! Threading (nbdkit's model, plus inline serving): each thread loops on "take the input
-//! lock, read one request, serve it, write its reply". The input lock guards the socket's read
-//! side and a buffer ([`Input`]), so one `recv` picks up every request header already queued
-//! and the next thread parses the following request from memory; a WRITE payload is copied
-//! from what the buffer already holds and the rest is read straight into the thread's payload
-//! buffer. A thread normally gives the input lock up before serving, so another thread reads
-//! the next request meanwhile and many requests are in flight. It keeps the lock while serving
-//! (and reads the next request itself afterwards) when nothing else is in flight on the
-//! connection, nothing is buffered, and the request is a READ, a WRITE without FUA or a
-//! BLOCK_STATUS, which on a page-cached export do not block long: at queue depth 1 one thread
-//! then does everything, with no wake-up of another thread per request. Each thread reuses
-//! one payload buffer for READ data and WRITE payloads up to [`RETAINED_BUFFER_BYTES`] (larger
-//! ones are allocated per request and freed after it).
+//! Threading: one thread at a time holds the input lock, which guards the socket's read
+//! side and a buffer ([`Input`]), so one `recv` picks up every request header already queued.
+//! That thread, the reader, serves the quick requests it takes itself (READs and WRITEs up to
+//! [`BATCH_REQUEST_BYTES_MAX`] without FUA, BLOCK_STATUS; or any READ, WRITE without FUA or
+//! BLOCK_STATUS when it is alone on the connection) and puts their replies in its [`Batch`],
+//! which goes out in one write when the next request is not buffered whole, after
+//! [`batch::BATCH_REQUESTS_MAX`] replies, or before anything that may block; so at queue
+//! depth 64 one `recv`, a `pread` per request and one `send` per batch serve many requests,
+//! with no wake-up of another thread. The reader gives the input lock up during each export
+//! call (nobody waits on the lock itself, so that costs two atomic operations) and takes it
+//! back after. A slow request (FLUSH, FUA, TRIM, WRITE_ZEROES, CACHE, larger READs and
+//! WRITEs) is handed off: the reader sends its batch, wakes a standby thread (or starts one)
+//! to read on, serves the request and writes its reply by itself, and becomes a standby.
+//! WRITE payloads are copied from what the buffer already holds and the rest is read
+//! straight into the thread's payload buffer. Each thread reuses one payload buffer up to
+//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it) and
+//! one batch buffer of [`batch::BATCH_BYTES_MAX`].
 //!
-//! Thread count: a session starts on the connection's thread alone. A thread that gives the
-//! input up to serve starts another if no thread is waiting for the input and the limit
-//! (`threads`) allows. The socket's read timeout is a tick (at most [`IDLE_TICK_MAX`]): a
-//! reader that wakes on it with nothing in flight marks the connection quiet and leaves
-//! unless it is the last thread, and every other thread leaves as it takes the input; so a
-//! quiet connection costs one thread within a tick. Ticks in a row with nothing received and
-//! nothing in flight add up to the idle timeout, which closes the connection. The last thread
-//! to leave reports the session's end (`OnEnd`), so nothing waits for a join.
+//! Standby threads wait on a condition variable, not on the input lock. A reader serving
+//! into its batch keeps one standby ready (started if there is none); a standby takes the
+//! input when woken by a hand-off, when no reader is in an export call and the input is
+//! free, or when a reader has been in the same export call for a whole [`STALL_TICK`]: a
+//! READ stuck on a disk or a gate holds up the replies already in its thread's batch, but
+//! not the requests sent after it.
 //!
-//! Invariants: at most `requests_in_flight_max` requests (and never more than `threads`) and
-//! about `bytes_in_flight_max` payload bytes are between "header read" and "reply written" at
-//! once; payloads over [`RETAINED_BUFFER_BYTES`] also draw on the server-wide budget
-//! ([`Budget::acquire_fair`]), where a connection past its fair share waits once the budget
-//! is half used. A connection whose client does not read replies blocks in its own reply
-//! write, then in its own budget while holding its own input lock: it stops reading requests,
-//! and of the server's budget it holds at most its own byte limit, and only while the budget
-//! is under half used. A request reaches the export only with a range inside the export,
-//! aligned to [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN), and a payload of at most
-//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX); every reply is written whole
-//! while holding the writer lock, so replies never interleave byte-wise. Out-of-range,
-//! misaligned, unknown or badly flagged requests get an error reply and the connection goes
-//! on; a bad magic, an oversize WRITE payload or a socket error ends the connection after
-//! in-flight requests are answered.
+//! Thread count: a session starts on the connection's thread alone, and grows (up to
+//! `threads`) by hand-offs and standbys. The socket's read timeout is a tick (at most
+//! [`IDLE_TICK_MAX`]): a reader that wakes on it with nothing in flight marks the connection
+//! quiet and leaves unless it is the last thread; a standby leaves after
+//! [`STANDBY_QUIET_TICKS_MAX`] stall ticks with nothing in flight; so a quiet connection costs
+//! one thread. Ticks in a row with nothing received and nothing in flight add up to the idle
+//! timeout, which closes the connection. The last thread to leave reports the session's end
+//! (`OnEnd`), so nothing waits for a join.
+//!
+//! Invariants: at most `requests_in_flight_max` requests and about `bytes_in_flight_max`
+//! payload bytes are between "header read" and "reply written" at once (a batch holds the
+//! slots of its requests until it is sent, and a reader sends its batch before it waits for
+//! a slot, which may be one of its own); payloads over [`RETAINED_BUFFER_BYTES`] also draw on
+//! the server-wide budget ([`Budget::acquire_fair`]), where a connection past its fair share
+//! waits once the budget is half used. A connection whose client does not read replies
+//! blocks in its own reply write, then in its own budget while holding its own input lock:
+//! it stops reading requests, and of the server's budget it holds at most its own byte
+//! limit, and only while the budget is under half used. A request reaches the export only
+//! with a range inside the export, aligned to
+//! [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN), and a payload of at most
+//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX); every reply is written whole,
+//! alone or in a batch of whole replies, while holding the writer lock, so replies never
+//! interleave byte-wise. Out-of-range, misaligned, unknown or badly flagged requests get an
+//! error reply and the connection goes on; a bad magic, an oversize WRITE payload or a
+//! socket error ends the connection after in-flight requests are answered.
 //!
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading and checking of
-//! requests; `dispatch` serving a checked request on the export and writing its reply;
-//! `splice` sending large READ replies from the export's file without a copy (plaintext
-//! connections, exports that give [`Export::read_source`]).
+//! requests; `dispatch` serving a checked request on the export and making its reply;
+//! `batch` a thread's replies not yet sent; `splice` sending large READ replies from the
+//! export's file without a copy (plaintext connections, exports that give
+//! [`Export::read_source`]).
 
+mod batch;
 mod budget;
 mod dispatch;
 mod input;
@@ -54,7 +69,7 @@ mod splice;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -62,7 +77,9 @@ use crate::export::Export;
 use crate::handshake::{Negotiated, ReplyStyle, SelectedContext};
 use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
+use crate::sync;
 
+use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
 use input::Input;
 
@@ -74,6 +91,15 @@ const IDLE_TICK_MAX: Duration = Duration::from_secs(30);
 /// Largest payload buffer a thread keeps between requests; bigger READs and WRITEs get a
 /// buffer of their own, freed after the reply, so idle connections hold little memory.
 pub(crate) const RETAINED_BUFFER_BYTES: usize = 256 * 1024;
+
+/// How often a standby thread checks that the reading thread still makes progress: a thread
+/// stuck this long in an export call with the input free is overtaken by a standby, which
+/// reads on. The only wake-ups a busy connection pays that no request asked for.
+const STALL_TICK: Duration = Duration::from_millis(2);
+
+/// Stall ticks in a row with nothing in flight after which a standby thread leaves (unless
+/// it is the last thread), so a quiet connection stops paying for its standby's ticks.
+const STANDBY_QUIET_TICKS_MAX: u32 = 50;
 
 /// Limits of one connection's transmission phase.
 #[derive(Clone)]
@@ -97,6 +123,8 @@ pub(crate) struct Limits {
     /// Widest window a thread spins for the next request before it sleeps in `recv`
     /// (see `spin`); zero never spins.
     pub(crate) spin_max: Duration,
+    /// The reading thread serves small quick requests itself, into its batch.
+    pub(crate) batch_replies: bool,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -111,17 +139,40 @@ struct Job {
 }
 
 impl Job {
-    /// Served while the thread keeps the input lock, if nothing else is going on: commands
-    /// that, on a page-cached export, finish in microseconds. FLUSH, FUA writes, TRIM,
-    /// WRITE_ZEROES and CACHE may wait for the disk or a commit, so they always let another
-    /// thread read on.
-    fn may_run_inline(&self) -> bool {
+    /// Commands that, on a page-cached export, finish in microseconds: the reading thread
+    /// may serve them itself, into its batch. FLUSH, FUA writes, TRIM, WRITE_ZEROES and
+    /// CACHE may wait for the disk or a commit, so they always let another thread read on.
+    fn is_quick(&self) -> bool {
         match self.request.command {
             command::READ | command::BLOCK_STATUS => true,
             command::WRITE => self.request.flags & command_flags::FUA == 0,
             _ => false,
         }
     }
+
+    /// Small enough to batch: its reply (a READ's data) fits in a batch beside others.
+    fn is_small(&self) -> bool {
+        self.request.command == command::BLOCK_STATUS
+            || self.request.length <= BATCH_REQUEST_BYTES_MAX
+    }
+}
+
+/// How a new thread of a session begins.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Start {
+    /// Take the input at once if it is free (a hand-off: a request waits to be read).
+    Read,
+    /// Wait as a standby first (started in case the reading thread gets stuck).
+    Standby,
+}
+
+/// How a thread stopped reading.
+enum Led {
+    /// It gave the input up (to serve a slow request, or another thread took it over while
+    /// it was in an export call): it waits for the input again.
+    GaveUp,
+    /// It leaves the session.
+    Left,
 }
 
 /// What a thread got from the input.
@@ -136,19 +187,28 @@ enum Next {
     Leave,
 }
 
-/// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
+/// A thread's buffers, reused between requests.
 #[derive(Default)]
 struct Scratch {
+    /// READ data (larger than a batch takes) and WRITE payloads.
+    payload: Payload,
+    /// The pipe spliced READ replies go through.
+    pipe: splice::Pipe,
+    /// Replies not yet sent.
+    batch: Batch,
+}
+
+/// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
+#[derive(Default)]
+struct Payload {
     /// Grows to the largest payload up to [`RETAINED_BUFFER_BYTES`] and stays; never zeroed
     /// again (READs are filled completely by the export, WRITEs by the socket).
     retained: Vec<u8>,
     /// A larger payload's buffer, for one request only.
     large: Vec<u8>,
-    /// The pipe spliced READ replies go through.
-    pipe: splice::Pipe,
 }
 
-impl Scratch {
+impl Payload {
     /// A buffer of `length` bytes; its contents are left over from earlier requests.
     fn prepare(&mut self, length: usize) -> &mut [u8] {
         if length <= RETAINED_BUFFER_BYTES {
@@ -162,7 +222,7 @@ impl Scratch {
         }
     }
 
-    /// The buffer [`Scratch::prepare`] gave out last, for `length` bytes.
+    /// The buffer [`Payload::prepare`] gave out last, for `length` bytes.
     fn current(&self, length: usize) -> &[u8] {
         if length <= RETAINED_BUFFER_BYTES {
             &self.retained[..length]
@@ -197,12 +257,24 @@ struct Connection {
     server_share_bytes: u64,
     /// Threads running this session; from 1 to `threads_max`.
     threads: AtomicUsize,
-    /// Threads blocked on the input lock, ready to read the next request.
-    waiting: AtomicUsize,
+    /// Standby threads: waiting on `standby_wake` to take the input when it is handed off
+    /// or the reading thread is stuck in an export call.
+    standby: Mutex<()>,
+    standby_wake: Condvar,
+    standby_waiters: AtomicUsize,
+    /// A thread started as a standby has not registered in `standby_waiters` yet: no
+    /// other is started meanwhile.
+    standby_starting: AtomicBool,
+    /// Export calls finished by reading threads serving into their batch, and whether one is
+    /// in such a call now (input free): a standby that sees the count unchanged over a
+    /// [`STALL_TICK`] takes the input over.
+    leader_calls: AtomicU64,
+    leader_in_call: AtomicBool,
     threads_max: usize,
     stack_bytes: usize,
     thread_name: String,
     splice_reads: bool,
+    batch_replies: bool,
     /// Taken by the last thread to leave.
     on_end: Mutex<Option<OnEnd>>,
     idle_timeout: Duration,
@@ -257,14 +329,20 @@ pub(crate) fn serve(
         server_bytes_held: AtomicU64::new(0),
         server_share_bytes,
         threads: AtomicUsize::new(1),
-        waiting: AtomicUsize::new(0),
+        standby: Mutex::new(()),
+        standby_wake: Condvar::new(),
+        standby_waiters: AtomicUsize::new(0),
+        standby_starting: AtomicBool::new(false),
+        leader_calls: AtomicU64::new(0),
+        leader_in_call: AtomicBool::new(false),
         threads_max: limits.threads,
         stack_bytes: limits.stack_bytes,
         thread_name: limits.thread_name,
         splice_reads: limits.splice_reads,
+        batch_replies: limits.batch_replies,
         on_end: Mutex::new(Some(on_end)),
     });
-    connection.run_thread();
+    connection.run_thread(Start::Read);
 }
 
 impl Drop for Connection {
@@ -300,10 +378,16 @@ impl Connection {
 
     /// Takes a request slot and `bytes` from this connection's budget, then (for payloads
     /// too large for the threads' retained buffers) `bytes` from the server's; always in this
-    /// order, and released together, so waits cannot form a cycle.
-    fn acquire(&self, bytes: u64) {
-        self.budget.acquire(bytes);
-        if bytes > RETAINED_BUFFER_BYTES as u64 {
+    /// order, and released together, so waits cannot form a cycle. A thread holding a batch
+    /// sends it before it waits, since the slots it waits for may be its own.
+    fn acquire(&self, bytes: u64, batch: &mut Batch) {
+        let large = bytes > RETAINED_BUFFER_BYTES as u64;
+        let taken = !batch.is_empty() && !large && self.budget.try_acquire(bytes);
+        if !taken {
+            self.flush(batch);
+            self.budget.acquire(bytes);
+        }
+        if large {
             self.server_bytes
                 .acquire_fair(bytes, &self.server_bytes_held, self.server_share_bytes);
         }
@@ -320,19 +404,25 @@ impl Connection {
         self.budget.release(bytes);
     }
 
-    /// Starts one more thread if none is waiting to read and the limit allows: called by a
-    /// thread that gives the input up to serve a request.
-    fn add_reader(self: &Arc<Self>) {
-        if self.waiting.load(Ordering::SeqCst) > 0 {
-            return;
-        }
+    /// Releases the requests of a sent batch (none of them drew on the server's budget).
+    fn release_many(&self, requests: usize, bytes: u64) {
+        let before = self.in_flight.fetch_sub(requests, Ordering::SeqCst);
+        assert!(
+            before >= requests,
+            "released requests that were not in flight"
+        );
+        self.budget.release_many(requests, bytes);
+    }
+
+    /// Starts one more thread if the limit allows; `false` if none was started.
+    fn add_thread(self: &Arc<Self>, start: Start) -> bool {
         let grown = self
             .threads
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
                 (threads < self.threads_max).then_some(threads + 1)
             });
         if grown.is_err() {
-            return;
+            return false;
         }
         let connection = Arc::clone(self);
         // The connection's span (its number and peer) goes with its threads.
@@ -340,11 +430,34 @@ impl Connection {
         let spawned = std::thread::Builder::new()
             .name(self.thread_name.clone())
             .stack_size(self.stack_bytes)
-            .spawn(move || span.in_scope(|| connection.run_thread()));
+            .spawn(move || span.in_scope(|| connection.run_thread(start)));
         if spawned.is_err() {
             // Serve with the threads there are.
             self.threads.fetch_sub(1, Ordering::SeqCst);
+            return false;
         }
+        true
+    }
+
+    /// Gives the input up so that another thread reads on: wakes a standby, or starts a
+    /// thread if none waits.
+    fn hand_off(self: &Arc<Self>, input: MutexGuard<'_, Input>) {
+        drop(input);
+        if !self.wake_standby() {
+            self.add_thread(Start::Read);
+        }
+    }
+
+    /// Wakes one standby thread, if any waits; a thread that gives the input up calls it
+    /// after unlocking the input. A standby registers before it last tries the input, so
+    /// either it sees the input free or this sees it registered.
+    fn wake_standby(&self) -> bool {
+        if self.standby_waiters.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let _standby = sync::lock(&self.standby);
+        self.standby_wake.notify_one();
+        true
     }
 
     /// Lets this thread leave if it is not the last one; the others still read.
@@ -356,71 +469,182 @@ impl Connection {
             .is_ok()
     }
 
-    /// One thread's loop: take the input, read a request, serve it, answer; until reading
-    /// stops or the connection is quiet and other threads remain. See the module docs for
-    /// when the input lock is kept while serving.
-    fn run_thread(self: Arc<Self>) {
+    /// One thread's life: wait for the input, read and serve requests while holding it
+    /// ([`Connection::lead`]), and again, until the session ends or the thread is not needed.
+    fn run_thread(self: Arc<Self>, start: Start) {
         let mut scratch = Scratch::default();
-        let mut kept: Option<MutexGuard<'_, Input>> = None;
+        // Only a thread started for a hand-off takes the input regardless of a reading
+        // thread in an export call; otherwise two threads would take it from each other
+        // at every call.
+        let mut take_now = start == Start::Read;
         loop {
-            let mut input = match kept.take() {
-                Some(input) => input,
-                None => {
-                    self.waiting.fetch_add(1, Ordering::SeqCst);
-                    let input = self.lock_input();
-                    self.waiting.fetch_sub(1, Ordering::SeqCst);
-                    input
-                }
+            let Some(input) = self.wait_for_input(take_now) else {
+                return;
             };
+            take_now = false;
+            match self.lead(input, &mut scratch) {
+                Led::GaveUp => {}
+                Led::Left => return,
+            }
+        }
+    }
+
+    /// Reads requests and serves the quick ones into the thread's batch, giving the input
+    /// lock up only for the export call itself (no other thread waits on it, so that costs
+    /// no wake-up); a slow request is handed off: the batch is sent, another thread gets
+    /// the input, and this one serves the request and answers it by itself. The batch goes
+    /// out whenever the thread would otherwise block (see [`batch`]).
+    fn lead<'a>(
+        self: &'a Arc<Self>,
+        mut input: MutexGuard<'a, Input>,
+        scratch: &mut Scratch,
+    ) -> Led {
+        loop {
             // A quiet connection needs one reader; the others leave as they get here.
             if input.quiet_ticks > 0
                 && input.buffered() == 0
                 && self.in_flight.load(Ordering::SeqCst) == 0
                 && self.leave_if_not_last()
             {
-                return;
+                drop(input);
+                self.wake_standby();
+                return Led::Left;
             }
-            let job = match self.next(&mut input, &mut scratch) {
+            if !scratch.batch.is_empty()
+                && (scratch.batch.is_full() || !self.holds_whole_request(&input))
+            {
+                self.flush(&mut scratch.batch);
+            }
+            let job = match self.next(&mut input, scratch) {
                 Next::Run(job) => job,
-                Next::Answered => {
-                    kept = Some(input);
-                    continue;
-                }
+                Next::Answered => continue,
                 Next::End => {
+                    self.flush(&mut scratch.batch);
                     // Whoever leaves last reports, in `drop`.
                     self.threads.fetch_sub(1, Ordering::SeqCst);
-                    return;
+                    drop(input);
+                    self.wake_standby();
+                    return Led::Left;
                 }
-                Next::Leave => return,
+                Next::Leave => {
+                    self.flush(&mut scratch.batch);
+                    drop(input);
+                    self.wake_standby();
+                    return Led::Left;
+                }
             };
-            let inline = job.may_run_inline()
-                && input.buffered() == 0
-                && self.in_flight.load(Ordering::SeqCst) == 1;
-            if inline {
-                kept = Some(input);
+            let alone = input.buffered() == 0
+                && self.in_flight.load(Ordering::SeqCst) == scratch.batch.requests() + 1;
+            let batched = job.is_quick() && (alone || (self.batch_replies && job.is_small()));
+            if !batched {
+                self.flush(&mut scratch.batch);
+                self.hand_off(input);
+                self.serve(&job, scratch);
+                self.flush(&mut scratch.batch);
+                self.release(job.reserved_bytes);
+                scratch.payload.shrink();
+                return Led::GaveUp;
+            }
+            if self.standby_waiters.load(Ordering::SeqCst) == 0
+                && !self.standby_starting.swap(true, Ordering::SeqCst)
+            {
+                // Requests sent after this one must not wait if this call gets stuck: keep a
+                // thread ready to take over.
+                if !self.add_thread(Start::Standby) {
+                    self.standby_starting.store(false, Ordering::SeqCst);
+                }
+            }
+            self.leader_in_call.store(true, Ordering::SeqCst);
+            drop(input);
+            self.serve(&job, scratch);
+            self.leader_calls.fetch_add(1, Ordering::SeqCst);
+            if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
+                // A lone large request also holds some of the server's budget.
+                self.flush(&mut scratch.batch);
+                self.release(job.reserved_bytes);
+                scratch.payload.shrink();
             } else {
-                drop(input);
-                self.add_reader();
+                scratch.batch.add_request(job.reserved_bytes);
             }
-            if !self.broken.load(Ordering::SeqCst) {
-                self.run(&job, &mut scratch);
+            match self.try_lock_input() {
+                Some(again) => {
+                    self.leader_in_call.store(false, Ordering::SeqCst);
+                    input = again;
+                }
+                None => {
+                    // A standby took over while this thread was in the export.
+                    self.flush(&mut scratch.batch);
+                    return Led::GaveUp;
+                }
             }
-            self.release(job.reserved_bytes);
-            scratch.shrink();
         }
     }
 
-    /// The input, locked. A thread that panicked holding it may have left a request half-read,
-    /// so the stream is no longer framed: reading stops for every thread (see [`crate::sync`]).
-    fn lock_input(&self) -> MutexGuard<'_, Input> {
-        match self.input.lock() {
-            Ok(input) => input,
-            Err(poisoned) => {
+    /// Runs `job`, unless the connection is broken.
+    fn serve(&self, job: &Job, scratch: &mut Scratch) {
+        if !self.broken.load(Ordering::SeqCst) {
+            self.run(job, scratch);
+        }
+    }
+
+    /// Waits for the input: takes it if it is free and either `take_now`, or no reading
+    /// thread is in an export call (the input is free because nobody reads); otherwise waits
+    /// as a standby, until a thread hands the input off (a wake-up), or until a
+    /// [`STALL_TICK`] passes in which no reading thread finished an export call while one is
+    /// in such a call (it is stuck, and the requests behind it wait: take the input over).
+    /// `None` if the thread should leave: [`STANDBY_QUIET_TICKS_MAX`] ticks with nothing in
+    /// flight.
+    fn wait_for_input(&self, take_now: bool) -> Option<MutexGuard<'_, Input>> {
+        let mut notified = take_now;
+        let mut seen_calls = None;
+        let mut quiet_ticks = 0;
+        let mut standby = sync::lock(&self.standby);
+        loop {
+            self.standby_waiters.fetch_add(1, Ordering::SeqCst);
+            // A thread started as a standby counts as one from here on.
+            self.standby_starting.store(false, Ordering::SeqCst);
+            let calls = self.leader_calls.load(Ordering::SeqCst);
+            let stalled = seen_calls == Some(calls);
+            seen_calls = Some(calls);
+            if notified || stalled || !self.leader_in_call.load(Ordering::SeqCst) {
+                if let Some(input) = self.try_lock_input() {
+                    self.standby_waiters.fetch_sub(1, Ordering::SeqCst);
+                    // This thread reads now, and is in no export call.
+                    self.leader_in_call.store(false, Ordering::SeqCst);
+                    return Some(input);
+                }
+            }
+            let (guard, wait) = sync::wait_timeout(&self.standby_wake, standby, STALL_TICK);
+            standby = guard;
+            self.standby_waiters.fetch_sub(1, Ordering::SeqCst);
+            notified = !wait.timed_out();
+            if notified {
+                continue;
+            }
+            if self.in_flight.load(Ordering::SeqCst) > 0 {
+                quiet_ticks = 0;
+                continue;
+            }
+            quiet_ticks += 1;
+            if quiet_ticks >= STANDBY_QUIET_TICKS_MAX && self.leave_if_not_last() {
+                return None;
+            }
+        }
+    }
+
+    /// The input, if no other thread holds it. A thread that panicked holding it may have
+    /// left a request half-read, so the stream is no longer framed: reading stops for every
+    /// thread (see [`crate::sync`]).
+    fn try_lock_input(&self) -> Option<MutexGuard<'_, Input>> {
+        match self.input.try_lock() {
+            Ok(input) => Some(input),
+            Err(TryLockError::WouldBlock) => None,
+            Err(TryLockError::Poisoned(poisoned)) => {
                 let mut input = poisoned.into_inner();
                 input.stop(Err(Error::Internal(
                     "a thread serving this connection panicked while reading".to_string(),
                 )));
-                input
+                Some(input)
             }
         }
     }

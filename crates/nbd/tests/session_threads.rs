@@ -158,6 +158,45 @@ fn pipelined_behind_a_stuck_read_in_one_send() {
 }
 
 #[test]
+fn a_read_stuck_in_the_middle_of_a_batch_is_overtaken_by_the_requests_after_it() {
+    let (server, export) = serve_gated();
+    let (mut client, _, _, _) = Client::negotiate(&server.socket, "gated", Mode::Extended, false);
+    client.write(0, &pattern(4, 16 * 4096));
+    // Quick requests queued around a READ that gets stuck: the thread serving the queue
+    // gets stuck with it, and another thread takes the input over and serves the rest.
+    for index in 0..4u64 {
+        client.send_request(CMD_READ, 0, index * 4096, 4096, &[]);
+    }
+    let slow_read = client.send_request(CMD_READ, 0, SLOW_OFFSET, 4096, &[]);
+    let mut after = Vec::new();
+    for index in 4..16u64 {
+        after.push(client.send_request(CMD_READ, 0, index * 4096, 4096, &[]));
+    }
+    export.wait_for_waiters(1);
+    let mut answered = Vec::new();
+    while !after.is_empty() {
+        let reply = client.read_completed();
+        assert_ne!(reply.cookie, slow_read, "the stuck READ was answered");
+        assert_eq!(reply.error, 0);
+        after.retain(|&cookie| cookie != reply.cookie);
+        answered.push(reply.cookie);
+    }
+    export.open();
+    // What is left: the stuck READ, and replies of requests served before it that wait in
+    // the stuck thread's batch.
+    let mut left = 17 - answered.len();
+    let mut saw_slow = false;
+    while left > 0 {
+        let reply = client.read_completed();
+        assert_eq!(reply.error, 0);
+        saw_slow |= reply.cookie == slow_read;
+        left -= 1;
+    }
+    assert!(saw_slow);
+    client.disconnect();
+}
+
+#[test]
 fn pipelined_writes_of_every_size_arrive_intact() {
     let report = seed_report();
     let seed = report.seed();

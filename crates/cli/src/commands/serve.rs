@@ -160,6 +160,10 @@ pub struct Args {
     /// than this; at most half the CPUs spin at once; 0 turns it off. Example: `--spin-us 0`.
     #[arg(long = "spin-us", value_name = "MICROSECONDS", default_value_t = nbd::Config::default().spin_max.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=10_000))]
     spin_us: u64,
+    /// Hand every NBD request but a lone one to another thread instead of serving queued
+    /// small ones in batches (`nbd::Config::batch_replies`; for measuring both).
+    #[arg(long = "no-batch-replies", hide = true)]
+    no_batch_replies: bool,
     #[command(flatten)]
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
@@ -286,6 +290,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         connections_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
         spin_max: Duration::from_micros(args.spin_us),
+        batch_replies: !args.no_batch_replies,
         tls,
         ..nbd::Config::default()
     };

@@ -55,18 +55,35 @@ impl Budget {
         self.bytes_max / FAIR_SHARE_DIVISOR
     }
 
+    /// True if one more request of `bytes` fits now (a request alone always fits).
+    fn fits(&self, used: &Used, bytes: u64) -> bool {
+        // A single request larger than the byte budget still runs, alone.
+        used.requests < self.requests_max
+            && (used.requests == 0 || used.bytes + bytes <= self.bytes_max)
+    }
+
     pub(super) fn acquire(&self, bytes: u64) {
         let mut used = sync::lock(&self.used);
-        // A single request larger than the byte budget still runs, alone.
-        while used.requests >= self.requests_max
-            || (used.requests > 0 && used.bytes + bytes > self.bytes_max)
-        {
+        while !self.fits(&used, bytes) {
             used.waiters += 1;
             used = sync::wait(&self.released, used);
             used.waiters -= 1;
         }
         used.requests += 1;
         used.bytes += bytes;
+    }
+
+    /// Takes a request slot and `bytes` if they are free now; `false` (nothing taken)
+    /// otherwise. For a thread that holds replies not yet sent, which must not wait for
+    /// slots it holds itself.
+    pub(super) fn try_acquire(&self, bytes: u64) -> bool {
+        let mut used = sync::lock(&self.used);
+        if !self.fits(&used, bytes) {
+            return false;
+        }
+        used.requests += 1;
+        used.bytes += bytes;
+        true
     }
 
     /// Takes `bytes` from the server's budget for a connection that holds `held` bytes of it
@@ -91,16 +108,21 @@ impl Budget {
     }
 
     pub(super) fn release(&self, bytes: u64) {
+        self.release_many(1, bytes);
+    }
+
+    /// Releases `requests` requests holding `bytes` in all (a batch of replies sent at once).
+    pub(super) fn release_many(&self, requests: usize, bytes: u64) {
         let mut used = sync::lock(&self.used);
         assert!(
-            used.requests > 0,
+            used.requests >= requests,
             "budget released more requests than acquired"
         );
         assert!(
             used.bytes >= bytes,
             "budget released more bytes than acquired"
         );
-        used.requests -= 1;
+        used.requests -= requests;
         used.bytes -= bytes;
         if used.waiters > 0 {
             self.released.notify_all();

@@ -3,9 +3,12 @@
 //!
 //! Invariants: every request that reaches [`Connection::run`] gets exactly one reply; a panic
 //! in the export becomes an I/O error reply for that request alone ([`call_export`]); every
-//! reply goes out whole in one vectored write under the writer lock, so replies never
-//! interleave byte-wise, and once a write fails (or a thread panicked mid-reply) the
-//! connection is marked broken, its socket shut, and nothing more is written.
+//! reply goes whole into the thread's [`Batch`] or, if it does not fit there, out by itself
+//! in one vectored write under the writer lock (see [`Connection::send`]), so replies never
+//! interleave byte-wise; once a write fails (or a thread panicked mid-reply) the connection
+//! is marked broken, its socket shut, and nothing more is written. A READ of at most
+//! [`BATCH_REQUEST_BYTES_MAX`] is read by the export straight into the batch, behind the
+//! room left for its reply header.
 
 use std::io::IoSlice;
 use std::net::Shutdown;
@@ -14,6 +17,7 @@ use std::sync::MutexGuard;
 
 use rustix::net::SendFlags;
 
+use super::batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 use super::splice::{Pipe, SPLICE_MIN_BYTES};
 use super::{Connection, Job, Scratch};
 use crate::error::{nbd_error_code, Error, ErrorKind, Result};
@@ -24,7 +28,7 @@ use crate::protocol::{
     self, chunk, command, command_flags, encode_simple_reply, state, ChunkHeader, Descriptor,
     Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
 };
-use crate::stream::{write_all_vectored, Stream};
+use crate::stream::Stream;
 
 impl Connection {
     pub(super) fn run(&self, job: &Job, scratch: &mut Scratch) {
@@ -33,9 +37,13 @@ impl Connection {
         let export = self.export.as_ref();
         let result = match request.command {
             command::READ => return self.run_read(request, scratch),
-            command::BLOCK_STATUS => return self.run_block_status(request),
+            command::BLOCK_STATUS => return self.run_block_status(request, &mut scratch.batch),
             command::WRITE => call_export(request, || {
-                export.write_at(request.offset, scratch.current(job.payload_length), fua)
+                export.write_at(
+                    request.offset,
+                    scratch.payload.current(job.payload_length),
+                    fua,
+                )
             }),
             command::FLUSH => call_export(request, || export.flush()),
             command::TRIM => {
@@ -68,24 +76,76 @@ impl Connection {
             other => unreachable!("command {other} passed the checks"),
         };
         match result {
-            Ok(()) => self.reply_done(request),
-            Err(error) => self.reply_error(request, &error),
+            Ok(()) => self.reply_done(request, &mut scratch.batch),
+            Err(error) => self.reply_error(request, &error, &mut scratch.batch),
         }
     }
 
     fn run_read(&self, request: &Request, scratch: &mut Scratch) {
         let length = usize::try_from(request.length).expect("read length checked");
+        if length > 0 && request.length <= BATCH_REQUEST_BYTES_MAX {
+            return self.run_read_into_batch(request, length, &mut scratch.batch);
+        }
         if self.splice_reads
             && length >= SPLICE_MIN_BYTES
             && self.reply_spliced(request, length, &mut scratch.pipe)
         {
             return;
         }
-        let buffer = scratch.prepare(length);
+        let buffer = scratch.payload.prepare(length);
         let export = self.export.as_ref();
         match call_export(request, || export.read_at(request.offset, buffer)) {
-            Ok(()) => self.reply_data(request, buffer),
-            Err(error) => self.reply_error(request, &error),
+            Ok(()) => self.reply_data(request, buffer, &mut scratch.batch),
+            Err(error) => self.reply_error(request, &error, &mut scratch.batch),
+        }
+    }
+
+    /// Reads the data of a small READ straight into `batch`, after room for its reply
+    /// header, which is filled once the read succeeded; on failure the room is given back
+    /// and the error is answered instead.
+    fn run_read_into_batch(&self, request: &Request, length: usize, batch: &mut Batch) {
+        let mut header = [0u8; 40];
+        let header_length = self.encode_data_header(request, &mut header);
+        let total = header_length + length;
+        if !batch.fits(total) {
+            self.flush(batch);
+        }
+        let room = batch.room(total);
+        let (head, data) = room.split_at_mut(header_length);
+        let export = self.export.as_ref();
+        match call_export(request, || export.read_at(request.offset, data)) {
+            Ok(()) => {
+                head.copy_from_slice(&header[..header_length]);
+                batch.commit(total);
+            }
+            Err(error) => self.reply_error(request, &error, batch),
+        }
+    }
+
+    /// Encodes into `out` the header of a successful READ reply carrying data (simple reply,
+    /// or an OFFSET_DATA chunk and its offset), returning its length.
+    fn encode_data_header(&self, request: &Request, out: &mut [u8; 40]) -> usize {
+        match self.style {
+            ReplyStyle::Simple => {
+                let header = encode_simple_reply(0, request.cookie);
+                out[..header.len()].copy_from_slice(&header);
+                header.len()
+            }
+            ReplyStyle::Structured | ReplyStyle::Extended => {
+                let header = ChunkHeader {
+                    flags: REPLY_FLAG_DONE,
+                    chunk_type: chunk::OFFSET_DATA,
+                    cookie: request.cookie,
+                    offset: request.offset,
+                    payload_length: 8 + request.length,
+                }
+                .encode(self.header_style());
+                let header = header.as_slice();
+                let offset = protocol::encode_offset(request.offset);
+                out[..header.len()].copy_from_slice(header);
+                out[header.len()..header.len() + offset.len()].copy_from_slice(&offset);
+                header.len() + offset.len()
+            }
         }
     }
 
@@ -132,7 +192,7 @@ impl Connection {
 
     /// Answers BLOCK_STATUS with one status chunk per selected context, the last flagged
     /// DONE, all in one write; if any context fails, the request gets that error instead.
-    fn run_block_status(&self, request: &Request) {
+    fn run_block_status(&self, request: &Request, batch: &mut Batch) {
         assert!(
             !self.contexts.is_empty(),
             "checked before dispatch: context selected"
@@ -147,7 +207,7 @@ impl Connection {
                     context.id,
                     &descriptors,
                 )),
-                Err(error) => return self.reply_error(request, &error),
+                Err(error) => return self.reply_error(request, &error, batch),
             }
         }
         let chunk_type = match self.style {
@@ -174,7 +234,7 @@ impl Connection {
             buffers.push(IoSlice::new(header.as_slice()));
             buffers.push(IoSlice::new(payload));
         }
-        self.send(&mut buffers);
+        self.send(batch, &mut buffers);
     }
 
     /// The descriptors of one context for a BLOCK_STATUS request.
@@ -206,20 +266,8 @@ impl Connection {
         descriptors(&extents, request.length, extents_max, export.name())
     }
 
-    /// Writes one reply with a single vectored write; a failure marks the connection broken
-    /// and shuts the socket so the reader stops too.
-    fn send(&self, buffers: &mut [IoSlice<'_>]) {
-        let Some(mut writer) = self.lock_writer() else {
-            return;
-        };
-        if write_all_vectored(&mut *writer, buffers).is_err() {
-            self.broken.store(true, Ordering::SeqCst);
-            let _ = writer.shutdown(Shutdown::Both);
-        }
-    }
-
     /// The writer, locked; `None` if the connection is broken and nothing more may be written.
-    fn lock_writer(&self) -> Option<MutexGuard<'_, Stream>> {
+    pub(super) fn lock_writer(&self) -> Option<MutexGuard<'_, Stream>> {
         let writer = match self.writer.lock() {
             Ok(writer) => writer,
             Err(poisoned) => {
@@ -236,7 +284,13 @@ impl Connection {
         Some(writer)
     }
 
-    fn reply_chunk(&self, request: &Request, chunk_type: u16, payload: &[&[u8]]) {
+    fn reply_chunk(
+        &self,
+        request: &Request,
+        chunk_type: u16,
+        payload: &[&[u8]],
+        batch: &mut Batch,
+    ) {
         let header = ChunkHeader {
             flags: REPLY_FLAG_DONE,
             chunk_type,
@@ -251,44 +305,44 @@ impl Connection {
         for (slot, part) in buffers[1..].iter_mut().zip(payload) {
             *slot = IoSlice::new(part);
         }
-        self.send(&mut buffers[..1 + payload.len()]);
+        self.send(batch, &mut buffers[..1 + payload.len()]);
     }
 
     /// Success without data.
-    fn reply_done(&self, request: &Request) {
+    fn reply_done(&self, request: &Request, batch: &mut Batch) {
         match self.style {
             ReplyStyle::Simple | ReplyStyle::Structured => {
                 let header = encode_simple_reply(0, request.cookie);
-                self.send(&mut [IoSlice::new(&header)]);
+                self.send(batch, &mut [IoSlice::new(&header)]);
             }
-            ReplyStyle::Extended => self.reply_chunk(request, chunk::NONE, &[]),
+            ReplyStyle::Extended => self.reply_chunk(request, chunk::NONE, &[], batch),
         }
     }
 
-    fn reply_data(&self, request: &Request, data: &[u8]) {
+    fn reply_data(&self, request: &Request, data: &[u8], batch: &mut Batch) {
         match self.style {
             ReplyStyle::Simple => {
                 let header = encode_simple_reply(0, request.cookie);
-                self.send(&mut [IoSlice::new(&header), IoSlice::new(data)]);
+                self.send(batch, &mut [IoSlice::new(&header), IoSlice::new(data)]);
             }
-            _ if data.is_empty() => self.reply_chunk(request, chunk::NONE, &[]),
+            _ if data.is_empty() => self.reply_chunk(request, chunk::NONE, &[], batch),
             _ => {
                 let offset = protocol::encode_offset(request.offset);
-                self.reply_chunk(request, chunk::OFFSET_DATA, &[&offset, data]);
+                self.reply_chunk(request, chunk::OFFSET_DATA, &[&offset, data], batch);
             }
         }
     }
 
-    pub(super) fn reply_error(&self, request: &Request, error: &Error) {
+    pub(super) fn reply_error(&self, request: &Request, error: &Error, batch: &mut Batch) {
         let code = nbd_error_code(error);
         match self.style {
             ReplyStyle::Simple => {
                 let header = encode_simple_reply(code, request.cookie);
-                self.send(&mut [IoSlice::new(&header)]);
+                self.send(batch, &mut [IoSlice::new(&header)]);
             }
             ReplyStyle::Structured | ReplyStyle::Extended => {
                 let payload = protocol::encode_error_payload(code, &error.to_string());
-                self.reply_chunk(request, chunk::ERROR, &[&payload]);
+                self.reply_chunk(request, chunk::ERROR, &[&payload], batch);
             }
         }
     }

@@ -137,6 +137,11 @@ impl Input {
         result
     }
 
+    /// The next `length` buffered bytes, not consumed; `None` if fewer are buffered.
+    fn peek(&self, length: usize) -> Option<&[u8]> {
+        (self.buffered() >= length).then(|| &self.buffer[self.start..self.start + length])
+    }
+
     /// Counts one quiet tick; an error once the connection has been quiet for too long.
     fn count_quiet_tick(&mut self) -> io::Result<()> {
         self.quiet_ticks += 1;
@@ -307,7 +312,7 @@ impl Connection {
                 length: payload_length,
                 maximum: u64::from(PAYLOAD_LENGTH_MAX),
             };
-            self.reply_error(&request, &error);
+            self.reply_error(&request, &error, &mut scratch.batch);
             return Err(error);
         }
         match self.check(&request, payload_length) {
@@ -317,7 +322,7 @@ impl Connection {
                 input
                     .discard(payload_length)
                     .map_err(|e| Error::io("discard payload", e))?;
-                self.reply_error(&request, &error);
+                self.reply_error(&request, &error, &mut scratch.batch);
                 Ok(Next::Answered)
             }
             Verdict::Run => {
@@ -325,13 +330,14 @@ impl Connection {
                     command::READ | command::WRITE => request.length,
                     _ => 0,
                 };
-                self.acquire(reserved_bytes);
+                self.acquire(reserved_bytes, &mut scratch.batch);
                 let payload_length =
                     usize::try_from(payload_length).expect("payload length checked above");
                 if payload_length > 0 {
-                    if let Err(error) = input.read_payload(scratch.prepare(payload_length)) {
+                    if let Err(error) = input.read_payload(scratch.payload.prepare(payload_length))
+                    {
                         self.release(reserved_bytes);
-                        scratch.shrink();
+                        scratch.payload.shrink();
                         return Err(Error::io("read write payload", error));
                     }
                 }
@@ -342,6 +348,21 @@ impl Connection {
                 }))
             }
         }
+    }
+
+    /// True if the next request, header and payload, is buffered whole (or is unreadable,
+    /// which ends the connection), so taking it does not wait for the socket.
+    pub(super) fn holds_whole_request(&self, input: &Input) -> bool {
+        let style = self.header_style();
+        let size = style.request_size();
+        let Some(header) = input.peek(size) else {
+            return false;
+        };
+        let Ok(request) = Request::parse(style, header) else {
+            return true;
+        };
+        let whole = (size as u64).saturating_add(self.payload_length(&request));
+        input.buffered() as u64 >= whole
     }
 
     /// Bytes of payload that follow the header of `request`.
