@@ -161,28 +161,15 @@ impl Connection {
             Ok(Some(source)) if pipe.fill(source, length) => {}
             _ => return false,
         }
-        let mut head = Vec::with_capacity(48);
-        match self.style {
-            ReplyStyle::Simple => head.extend_from_slice(&encode_simple_reply(0, request.cookie)),
-            ReplyStyle::Structured | ReplyStyle::Extended => {
-                let header = ChunkHeader {
-                    flags: REPLY_FLAG_DONE,
-                    chunk_type: chunk::OFFSET_DATA,
-                    cookie: request.cookie,
-                    offset: request.offset,
-                    payload_length: 8 + request.length,
-                }
-                .encode(self.header_style());
-                head.extend_from_slice(header.as_slice());
-                head.extend_from_slice(&protocol::encode_offset(request.offset));
-            }
-        }
+        let mut header = [0; 40];
+        let header_length = self.encode_data_header(request, &mut header);
+        let head = &header[..header_length];
         let Some(writer) = self.lock_writer() else {
             // Broken: nothing more is sent; the filled pipe must not feed a later reply.
             pipe.discard();
             return true;
         };
-        let sent = send_more(&writer, &head).and_then(|()| pipe.drain_into(&writer, length));
+        let sent = send_more(&writer, head).and_then(|()| pipe.drain_into(&writer, length));
         if sent.is_err() {
             self.broken.store(true, Ordering::SeqCst);
             let _ = writer.shutdown(Shutdown::Both);
