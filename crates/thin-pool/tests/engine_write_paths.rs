@@ -12,7 +12,7 @@
 
 mod engine_kit;
 
-use engine_kit::check_metadata;
+use engine_kit::{check_metadata, MemoryParts};
 use persistent_data::MemoryDevice;
 use rand::{Rng, RngCore};
 use std::collections::BTreeMap;
@@ -85,17 +85,8 @@ fn multi_block_and_partial_writes_over_shared_unshared_and_unprovisioned_blocks_
     // At most 5 volumes of 48 blocks live, on 600 data blocks: the allocator wraps around
     // and reuses blocks freed by deletes and broken sharing, so the blocks one write
     // reserves are often not consecutive.
-    let metadata = Arc::new(MemoryDevice::new(2048));
-    let data = Arc::new(MemoryDataDevice::new(600 * BLOCK));
-    let catalog = Arc::new(MemoryCatalog::default());
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let parts = MemoryParts::new(2048, 600 * BLOCK);
+    let pool = parts.format(BLOCK, options());
     let size = 48 * BLOCK;
     let mut model: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     pool.create_volume("origin", size).unwrap();
@@ -133,8 +124,8 @@ fn multi_block_and_partial_writes_over_shared_unshared_and_unprovisioned_blocks_
     assert_matches(&pool, &model, "at the end");
     pool.verify_index().unwrap();
     drop(pool);
-    check_metadata(metadata.clone(), None).unwrap();
-    let pool = Pool::open_parts(metadata, data, Box::new(catalog), options(), None).unwrap();
+    check_metadata(parts.metadata.clone(), None).unwrap();
+    let pool = parts.reopen(options());
     assert_matches(&pool, &model, "after a reopen");
     pool.verify_index().unwrap();
 }
@@ -144,17 +135,8 @@ fn concurrent_writers_breaking_sharing_of_different_blocks_keep_every_byte() {
     let (_report, mut rng) = testkit::seed::seeded_rng();
     const THREADS: u64 = 4;
     const BLOCKS: u64 = 64;
-    let metadata = Arc::new(MemoryDevice::new(2048));
-    let data = Arc::new(MemoryDataDevice::new(1024 * BLOCK));
-    let catalog = Arc::new(MemoryCatalog::default());
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let parts = MemoryParts::new(2048, 1024 * BLOCK);
+    let pool = parts.format(BLOCK, options());
     let size = BLOCKS * BLOCK;
     pool.create_volume("origin", size).unwrap();
     let mut origin = vec![0; size as usize];
@@ -215,8 +197,8 @@ fn concurrent_writers_breaking_sharing_of_different_blocks_keep_every_byte() {
     }
     drop(volume);
     drop(pool);
-    check_metadata(metadata.clone(), None).unwrap();
-    let pool = Pool::open_parts(metadata, data, Box::new(catalog), options(), None).unwrap();
+    check_metadata(parts.metadata.clone(), None).unwrap();
+    let pool = parts.reopen(options());
     assert_eq!(read_whole(&pool, "origin", size as usize), origin);
 }
 

@@ -799,3 +799,46 @@ pub fn deterministic_options() -> thin_pool::PoolOptions {
         ..thin_pool::PoolOptions::default()
     }
 }
+
+/// A pool's parts in memory (metadata device, data device, catalog), kept so the test can
+/// check the metadata and reopen the pool on the same parts.
+pub struct MemoryParts {
+    pub metadata: Arc<MemoryDevice>,
+    pub data: Arc<MemoryDataDevice>,
+    pub catalog: Arc<thin_pool::engine::catalog::MemoryCatalog>,
+}
+
+impl MemoryParts {
+    /// `metadata_blocks` of metadata and `data_bytes` of data, nothing formatted yet.
+    pub fn new(metadata_blocks: u64, data_bytes: u64) -> MemoryParts {
+        MemoryParts {
+            metadata: Arc::new(MemoryDevice::new(metadata_blocks)),
+            data: Arc::new(MemoryDataDevice::new(data_bytes)),
+            catalog: Arc::new(Default::default()),
+        }
+    }
+
+    /// A new pool of `block_size` data blocks on these parts.
+    pub fn format(&self, block_size: u64, options: thin_pool::PoolOptions) -> thin_pool::Pool {
+        thin_pool::Pool::format_parts(
+            self.metadata.clone(),
+            self.data.clone(),
+            Box::new(self.catalog.clone()),
+            block_size,
+            options,
+        )
+        .unwrap()
+    }
+
+    /// Opens the pool these parts hold again (after the last handle was dropped).
+    pub fn reopen(&self, options: thin_pool::PoolOptions) -> thin_pool::Pool {
+        thin_pool::Pool::open_parts(
+            self.metadata.clone(),
+            self.data.clone(),
+            Box::new(self.catalog.clone()),
+            options,
+            None,
+        )
+        .unwrap()
+    }
+}
