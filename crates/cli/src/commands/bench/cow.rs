@@ -10,8 +10,10 @@
 //! how much of a CPU the thread got); and the same writes from two threads, each
 //! taking every other block, against one thread: writes breaking sharing of different blocks
 //! run in parallel (no pool-wide lock across the copy). Every repetition takes a new snapshot
-//! of the same origin, so every block is shared again; the mappings the writes queue are
-//! committed after the timing, with the snapshot of the next repetition.
+//! of the same origin, so every block is shared again, and deletes the one before, committing
+//! both before the timing: the mappings the writes queue are committed with the next
+//! snapshot, and the blocks the deletion frees are passed down (punched) outside any timed
+//! pass.
 
 use super::dir::BenchDir;
 use super::report::Row;
@@ -101,6 +103,13 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         if snapshot > 1 {
             pool.delete_volume(&format!("snap-{}", snapshot - 1))?;
         }
+        // Commit now, untimed: the deletion frees the blocks the last pass copied away from,
+        // and passing them down (holes punched in the data file) inside the next timed pass
+        // would contend with its copies for the file's lock, which no NBD run of this
+        // pattern does.
+        pool.volume("origin")?
+            .flush()
+            .context("committing the deletion")?;
         Ok(())
     };
     for repetition in 0..sizes.repetition_count {
