@@ -1,8 +1,10 @@
 //! What opening a pool reads from disk, and the checks it passes before the engine uses it:
 //! the catalog against the metadata's volumes, the metadata checker before a read-write open
-//! (as LVM runs thin_check before activation), and every volume's mappings loaded into its
-//! index, bounded by the volume's size and the data device, with no block a volume would
-//! write in place while another mapping shares it.
+//! (as LVM runs thin_check before activation), and every volume's mappings checked: bounded
+//! by the volume's size and the data device, with no block a volume would write in place
+//! while another mapping shares it. No index is built at activation: a volume's index is
+//! built from its tree on first use ([`build_index`], called by `Shared::index`), so an open
+//! pool holds indexes only for the volumes in use.
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
@@ -10,9 +12,10 @@ use crate::engine::manage::VOLUME_SIZE_MAX_BYTES;
 use crate::engine::shared::VolumeState;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
-use crate::ids::Time;
+use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
 use persistent_data::BlockDevice;
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// The catalog must list exactly the metadata's volumes.
@@ -117,7 +120,12 @@ pub(super) fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: 
     )))
 }
 
-/// Build every volume's state, its index loaded from its mapping tree.
+/// Build every volume's state, its index left unbuilt (`Shared::index` builds it on first
+/// use). Every mapping tree is still walked once, keeping nothing: each mapping bounded
+/// (its data block inside the data space map, its virtual block inside the volume), the
+/// count the details give, and, read-write, no data block that a volume would write in
+/// place while another mapping shares it (a rule across volumes, so checked here, where
+/// every tree is read).
 pub(super) fn load_volumes(
     md: &PoolMetadata,
     catalog: &Catalog,
@@ -125,69 +133,123 @@ pub(super) fn load_volumes(
     writable: bool,
 ) -> Result<BTreeMap<String, Arc<VolumeState>>> {
     let mut volumes = BTreeMap::new();
-    // Every mapping read from disk is bounded before the index holds it: its data block
-    // inside the data space map, the count the details give.
     let data_blocks = md.data_space_map().block_count();
     let mut sharing = writable.then(|| Sharing::new(data_blocks));
     for v in &catalog.volumes {
         let details = md.details(v.id)?;
-        if v.size_bytes > VOLUME_SIZE_MAX_BYTES {
-            return Err(Error::Corrupt(format!(
-                "volume {:?} has a size of {} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})",
-                v.name, v.size_bytes
-            )));
-        }
-        let block_count = v.size_bytes.div_ceil(block_size_bytes);
-        let index = Index::new(block_count);
-        let mut mapped = 0u64;
-        md.walk_mappings(v.id, &mut |block, mapping| {
-            let data_block = mapping.data_block().get();
-            if data_block >= data_blocks {
-                return Err(Error::Corrupt(format!(
-                    "volume {:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks",
-                    v.name
-                )));
-            }
-            if block.get() >= block_count {
-                return Err(Error::Corrupt(format!(
-                    "volume {:?} maps block {block} beyond its size of {} bytes",
-                    v.name, v.size_bytes
-                )));
-            }
-            if let Some(sharing) = sharing.as_mut() {
-                // Written in place unless older than the volume's last snapshot: such a
-                // block must be this volume's alone.
-                let in_place = mapping.time().get() >= details.snapshotted_time;
-                let references = md.data_space_map().count(data_block);
-                if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
-                    return Err(Error::Corrupt(format!(
-                        "volume {:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
-                        v.name,
-                        mapping.time().get(),
-                        details.snapshotted_time
-                    )));
-                }
-            }
-            index.set(block, mapping);
-            mapped += 1;
-            Ok(())
-        })?;
-        if mapped != details.mapped_blocks {
-            return Err(Error::Corrupt(format!(
-                "volume {:?} (id {}): its details say {} mapped blocks, its tree holds {mapped}",
-                v.name, v.id, details.mapped_blocks
-            )));
-        }
         let snapshotted_time = Time::new(details.snapshotted_time).ok_or_else(|| {
             Error::Corrupt(format!(
                 "volume {:?}: snapshot time {} does not fit in 24 bits",
                 v.name, details.snapshotted_time
             ))
         })?;
+        let mut claim = |data_block: u64, in_place: bool| {
+            sharing
+                .as_mut()
+                .is_none_or(|sharing| sharing.claim(data_block, in_place))
+        };
+        walk_volume(
+            md,
+            &v.name,
+            v.id,
+            v.size_bytes,
+            block_size_bytes,
+            writable,
+            &mut claim,
+            &mut |_, _| {},
+        )?;
         volumes.insert(
             v.name.clone(),
-            Arc::new(VolumeState::new(v, index, snapshotted_time)),
+            Arc::new(VolumeState::new(v, None, snapshotted_time)),
         );
     }
     Ok(volumes)
+}
+
+/// The index of `volume`, from its mapping tree in the current transaction (uncommitted
+/// changes included), checked as at activation but for the rule across volumes
+/// (`load_volumes`). The caller holds the metadata mutex, so no commit or management
+/// change runs meanwhile.
+pub(crate) fn build_index(
+    md: &PoolMetadata,
+    volume: &VolumeState,
+    block_size_bytes: u64,
+    writable: bool,
+) -> Result<Index> {
+    let size_bytes = volume.size_bytes.load(Ordering::Acquire);
+    let index = Index::new(size_bytes.div_ceil(block_size_bytes));
+    walk_volume(
+        md,
+        &volume.name,
+        volume.id,
+        size_bytes,
+        block_size_bytes,
+        writable,
+        &mut |_, _| true,
+        &mut |block, mapping| index.set(block, mapping),
+    )?;
+    Ok(index)
+}
+
+/// Walk one volume's mappings, each bounded before `visit` sees it: its data block inside
+/// the data space map, its block inside the volume's `size_bytes`; the count the details
+/// give. With `writable`, a mapping the volume would write in place (not older than its
+/// last snapshot) must be its data block's only reference, and `claim` (the data block,
+/// whether in place) must agree.
+#[allow(clippy::too_many_arguments)]
+fn walk_volume(
+    md: &PoolMetadata,
+    name: &str,
+    id: VolumeId,
+    size_bytes: u64,
+    block_size_bytes: u64,
+    writable: bool,
+    claim: &mut dyn FnMut(u64, bool) -> bool,
+    visit: &mut dyn FnMut(VirtualBlock, BlockTime),
+) -> Result<()> {
+    let details = md.details(id)?;
+    if size_bytes > VOLUME_SIZE_MAX_BYTES {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} has a size of {size_bytes} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})"
+        )));
+    }
+    let data_blocks = md.data_space_map().block_count();
+    let block_count = size_bytes.div_ceil(block_size_bytes);
+    let mut mapped = 0u64;
+    md.walk_mappings(id, &mut |block, mapping| {
+        let data_block = mapping.data_block().get();
+        if data_block >= data_blocks {
+            return Err(Error::Corrupt(format!(
+                "volume {name:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks"
+            )));
+        }
+        if block.get() >= block_count {
+            return Err(Error::Corrupt(format!(
+                "volume {name:?} maps block {block} beyond its size of {size_bytes} bytes"
+            )));
+        }
+        if writable {
+            // Written in place unless older than the volume's last snapshot: such a
+            // block must be this volume's alone.
+            let in_place = mapping.time().get() >= details.snapshotted_time;
+            let references = md.data_space_map().count(data_block);
+            if !claim(data_block, in_place) || (in_place && references > 1) {
+                return Err(Error::Corrupt(format!(
+                    "volume {name:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
+                    mapping.time().get(),
+                    details.snapshotted_time
+                )));
+            }
+        }
+        visit(block, mapping);
+        mapped += 1;
+        Ok(())
+    })?;
+    if mapped != details.mapped_blocks {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} (id {id}): its details say {} mapped blocks, its tree holds {mapped}",
+            details.mapped_blocks
+        )));
+    }
+    Ok(())
 }
