@@ -13,7 +13,9 @@ use crate::engine::shared::VolumeState;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
 use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
-use persistent_data::BlockDevice;
+use persistent_data::block_manager::BlockManager;
+use persistent_data::btree;
+use persistent_data::{BlockDevice, MetadataBlock};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -143,20 +145,13 @@ pub(super) fn load_volumes(
                 v.name, details.snapshotted_time
             ))
         })?;
-        let mut claim = |data_block: u64, in_place: bool| {
-            sharing
-                .as_mut()
-                .is_none_or(|sharing| sharing.claim(data_block, in_place))
-        };
-        walk_volume(
+        check_volume(
             md,
             &v.name,
             v.id,
             v.size_bytes,
             block_size_bytes,
-            writable,
-            &mut claim,
-            &mut |_, _| {},
+            sharing.as_mut(),
         )?;
         volumes.insert(
             v.name.clone(),
@@ -166,74 +161,142 @@ pub(super) fn load_volumes(
     Ok(volumes)
 }
 
-/// The index of `volume`, from its mapping tree in the current transaction (uncommitted
-/// changes included), checked as at activation but for the rule across volumes
-/// (`load_volumes`). The caller holds the metadata mutex, so no commit or management
-/// change runs meanwhile.
+/// What [`build_index`] needs of the metadata, taken under the metadata mutex.
+pub(crate) struct TreeToIndex {
+    pub(crate) source: Arc<BlockManager>,
+    pub(crate) root: MetadataBlock,
+    pub(crate) size_bytes: u64,
+    pub(crate) mapped_blocks: u64,
+    pub(crate) data_blocks: u64,
+}
+
+impl TreeToIndex {
+    /// `volume`'s tree in the current transaction.
+    pub(crate) fn of(md: &PoolMetadata, volume: &VolumeState) -> Result<TreeToIndex> {
+        Ok(TreeToIndex {
+            source: md.transaction_manager().block_manager().clone(),
+            root: md.volume_root(volume.id)?,
+            size_bytes: volume.size_bytes.load(Ordering::Acquire),
+            mapped_blocks: md.details(volume.id)?.mapped_blocks,
+            data_blocks: md.data_space_map().block_count(),
+        })
+    }
+}
+
+/// The index of `volume`, from its mapping tree (`tree`), read through the block manager
+/// without the metadata mutex. The caller holds the commit lock and the volume has no
+/// index, so the tree is its committed one (blocks never written in place) and no commit
+/// or management change runs meanwhile. Each mapping is bounded again and the count is the
+/// details'; the rule on blocks written in place was checked at activation for every tree
+/// (`load_volumes`) and the engine's own changes keep it.
 pub(crate) fn build_index(
-    md: &PoolMetadata,
+    tree: &TreeToIndex,
     volume: &VolumeState,
     block_size_bytes: u64,
-    writable: bool,
 ) -> Result<Index> {
-    let size_bytes = volume.size_bytes.load(Ordering::Acquire);
-    let index = Index::new(size_bytes.div_ceil(block_size_bytes));
-    walk_volume(
-        md,
-        &volume.name,
-        volume.id,
-        size_bytes,
-        block_size_bytes,
-        writable,
-        &mut |_, _| true,
-        &mut |block, mapping| index.set(block, mapping),
-    )?;
+    let name = &volume.name;
+    let size_bytes = tree.size_bytes;
+    let block_count = check_size(name, size_bytes, block_size_bytes)?;
+    let index = Index::new(block_count);
+    let mut mapped = 0u64;
+    let mut inner_error = None;
+    let walked = btree::walk::<u64, _>(&*tree.source, tree.root, &mut |key, value| {
+        let (block, mapping) = (VirtualBlock::new(key), BlockTime::unpack(value));
+        check_mapping(
+            name,
+            size_bytes,
+            block_count,
+            tree.data_blocks,
+            block,
+            mapping,
+        )
+        .map_err(|e| {
+            inner_error = Some(e);
+            persistent_data::Error::Invalid("walk stopped".to_string())
+        })?;
+        index.set(block, mapping);
+        mapped += 1;
+        Ok(())
+    });
+    match (walked, inner_error) {
+        (_, Some(e)) => return Err(e),
+        (Err(e), None) => return Err(e.into()),
+        (Ok(()), None) => {}
+    }
+    check_mapped_count(name, volume.id, tree.mapped_blocks, mapped)?;
     Ok(index)
 }
 
-/// Walk one volume's mappings, each bounded before `visit` sees it: its data block inside
-/// the data space map, its block inside the volume's `size_bytes`; the count the details
-/// give. With `writable`, a mapping the volume would write in place (not older than its
-/// last snapshot) must be its data block's only reference, and `claim` (the data block,
-/// whether in place) must agree.
-#[allow(clippy::too_many_arguments)]
-fn walk_volume(
-    md: &PoolMetadata,
-    name: &str,
-    id: VolumeId,
-    size_bytes: u64,
-    block_size_bytes: u64,
-    writable: bool,
-    claim: &mut dyn FnMut(u64, bool) -> bool,
-    visit: &mut dyn FnMut(VirtualBlock, BlockTime),
-) -> Result<()> {
-    let details = md.details(id)?;
+/// The blocks of a volume of `size_bytes`, which must be within the largest volume.
+fn check_size(name: &str, size_bytes: u64, block_size_bytes: u64) -> Result<u64> {
     if size_bytes > VOLUME_SIZE_MAX_BYTES {
         return Err(Error::Corrupt(format!(
             "volume {name:?} has a size of {size_bytes} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})"
         )));
     }
+    Ok(size_bytes.div_ceil(block_size_bytes))
+}
+
+/// A mapping read from disk, bounded: its data block inside the data space map, its block
+/// inside the volume.
+fn check_mapping(
+    name: &str,
+    size_bytes: u64,
+    block_count: u64,
+    data_blocks: u64,
+    block: VirtualBlock,
+    mapping: BlockTime,
+) -> Result<()> {
+    let data_block = mapping.data_block().get();
+    if data_block >= data_blocks {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks"
+        )));
+    }
+    if block.get() >= block_count {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} maps block {block} beyond its size of {size_bytes} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// The tree holds as many mappings as the details say.
+fn check_mapped_count(name: &str, id: VolumeId, details: u64, mapped: u64) -> Result<()> {
+    if mapped != details {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} (id {id}): its details say {details} mapped blocks, its tree holds {mapped}"
+        )));
+    }
+    Ok(())
+}
+
+/// Check one volume's mappings at activation: each bounded (`check_mapping`), the count
+/// the details give. With `sharing` (a read-write open), a mapping the volume would write in
+/// place (not older than its last snapshot) must be its data block's only reference, and
+/// no other volume's mapping checked so far may share it.
+#[allow(clippy::too_many_arguments)]
+fn check_volume(
+    md: &PoolMetadata,
+    name: &str,
+    id: VolumeId,
+    size_bytes: u64,
+    block_size_bytes: u64,
+    mut sharing: Option<&mut Sharing>,
+) -> Result<()> {
+    let details = md.details(id)?;
+    let block_count = check_size(name, size_bytes, block_size_bytes)?;
     let data_blocks = md.data_space_map().block_count();
-    let block_count = size_bytes.div_ceil(block_size_bytes);
     let mut mapped = 0u64;
     md.walk_mappings(id, &mut |block, mapping| {
+        check_mapping(name, size_bytes, block_count, data_blocks, block, mapping)?;
         let data_block = mapping.data_block().get();
-        if data_block >= data_blocks {
-            return Err(Error::Corrupt(format!(
-                "volume {name:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks"
-            )));
-        }
-        if block.get() >= block_count {
-            return Err(Error::Corrupt(format!(
-                "volume {name:?} maps block {block} beyond its size of {size_bytes} bytes"
-            )));
-        }
-        if writable {
+        if let Some(sharing) = sharing.as_mut() {
             // Written in place unless older than the volume's last snapshot: such a
             // block must be this volume's alone.
             let in_place = mapping.time().get() >= details.snapshotted_time;
             let references = md.data_space_map().count(data_block);
-            if !claim(data_block, in_place) || (in_place && references > 1) {
+            if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
                 return Err(Error::Corrupt(format!(
                     "volume {name:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
                     mapping.time().get(),
@@ -241,15 +304,9 @@ fn walk_volume(
                 )));
             }
         }
-        visit(block, mapping);
         mapped += 1;
         Ok(())
     })?;
-    if mapped != details.mapped_blocks {
-        return Err(Error::Corrupt(format!(
-            "volume {name:?} (id {id}): its details say {} mapped blocks, its tree holds {mapped}",
-            details.mapped_blocks
-        )));
-    }
+    check_mapped_count(name, id, details.mapped_blocks, mapped)?;
     Ok(())
 }

@@ -2,13 +2,14 @@
 //! behind its mutex, the published volumes) and [`VolumeState`] (one volume's index, gate
 //! and block locks).
 //!
-//! A volume's index is built on demand ([`Shared::index`]): activation, a snapshot, a
-//! revert and a rename leave it unbuilt, and the first operation that needs the volume's
-//! mappings (opening a handle, a resize's clear, a listing of a volume in use) walks its
-//! mapping tree under the metadata mutex and sets it, once. While a volume has no index no
-//! write has touched it (every data-path write goes through an open handle, which built
-//! it), so its tree in the current transaction is its whole truth; the metadata mutex
-//! orders the build against every commit and management change of that tree.
+//! A volume's index is built on demand ([`Shared::index`]): activation, a snapshot and a
+//! revert leave it unbuilt (a rename carries it over), and the first handle opened on the
+//! volume (`Pool::volume`) walks its mapping tree under the commit lock and sets it, once. While a volume has no index no write has touched it (every data-path write goes
+//! through an open handle, which built it), so its tree in the current transaction is its
+//! whole truth: management operations (delete, resize, revert, rename, diff, usage) change
+//! or read only the tree, `list` reads its details, and commits, the debug assertion on
+//! freed blocks and the resync after a metadata failure skip it. The commit lock, held for
+//! the build, keeps every commit and management change of that tree out meanwhile.
 //!
 //! Locks, in the order they are taken: a volume's gate (paused by snapshot and resize), the
 //! commit lock (one commit or management operation at a time), a volume's block lock (per
@@ -30,7 +31,7 @@ use crate::engine::data_device::DataDevice;
 use crate::engine::gate::WriteGate;
 use crate::engine::grace::{Limbo, Readers};
 use crate::engine::index::Index;
-use crate::engine::load::build_index;
+use crate::engine::load::{build_index, TreeToIndex};
 use crate::engine::options::{PoolMode, PoolOptions};
 use crate::engine::stats::CommitCounters;
 use crate::error::{Error, Result};
@@ -573,41 +574,43 @@ impl Shared {
     }
 
     /// `volume`'s index, built from its mapping tree if it has none yet (see the module
-    /// doc). Once built this is one atomic load; the build holds the metadata mutex for a
-    /// walk of the volume's tree (about 0.1 s per million mappings), so concurrent first
-    /// uses build it once and wait for it. Fails if the metadata is gone (fail mode) or the
-    /// tree breaks a rule the index relies on (corruption, the volume left unusable).
+    /// doc). Once built this is one atomic load. The build holds the commit lock for a walk
+    /// of the volume's tree (about 0.1 s per million mappings; commits and management
+    /// operations wait, reads and writes go on) and the metadata mutex only for a moment
+    /// before and after it; concurrent first uses build it once and wait for it. Fails if
+    /// the metadata is gone (fail mode) or the tree breaks a rule the index relies on
+    /// (corruption: the volume cannot be opened).
     pub(crate) fn index<'a>(&self, volume: &'a VolumeState) -> Result<&'a Arc<Index>> {
         if let Some(index) = volume.index.get() {
             return Ok(index);
         }
-        let meta = self.lock_meta();
-        self.index_locked(&meta, volume)
-    }
-
-    /// [`Shared::index`] with the metadata mutex held by the caller.
-    pub(crate) fn index_locked<'a>(
-        &self,
-        meta: &MetaState,
-        volume: &'a VolumeState,
-    ) -> Result<&'a Arc<Index>> {
+        // No commit or management change runs until the index is set: the tree of a volume
+        // without an index is its committed one (no queued op of it exists, and a change
+        // that failed left the transaction or was abandoned with it), whose blocks are never
+        // written in place, so it can be read without the metadata mutex.
+        let _commit = self.lock_commit();
         if let Some(index) = volume.index.get() {
             return Ok(index);
         }
-        let md = meta
-            .md
-            .as_ref()
-            .ok_or(Error::ReadOnly { needs_check: true })?;
-        let writable = !matches!(self.mode(), PoolMode::ReadOnly);
-        let index = build_index(md, volume, self.block_size_bytes, writable).inspect_err(|e| {
+        let tree = {
+            let meta = self.lock_meta();
+            let md = meta
+                .md
+                .as_ref()
+                .ok_or(Error::ReadOnly { needs_check: true })?;
+            TreeToIndex::of(md, volume)?
+        };
+        let index = build_index(&tree, volume, self.block_size_bytes).inspect_err(|e| {
             self.log_warn(format!(
                 "volume {:?}: building its index failed: {e}",
                 volume.name
             ))
         })?;
-        // Builders hold the metadata mutex, so nobody set it meanwhile.
+        // Set under the metadata mutex, which `list`, the commit's assertion and the resync
+        // after a metadata failure read indexes under.
+        let _meta = self.lock_meta();
         let built = volume.index.set(Arc::new(index)).is_ok();
-        assert!(built, "index builds are serialized by the metadata mutex");
+        assert!(built, "index builds are serialized by the commit lock");
         Ok(volume.index.get().expect("just set"))
     }
 
