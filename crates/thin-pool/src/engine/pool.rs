@@ -20,8 +20,8 @@
 //! - **Snapshots** pause only the origin's writers (its gate), commit, share the origin's
 //!   mapping root in the metadata (O(1)); the snapshot gets no index until it is used.
 //! - **Indexes** are built on demand: activation builds none; the first [`Pool::volume`] of
-//!   a volume (or a resize of it once in use) walks its mapping tree under the metadata
-//!   mutex (`Shared::index`). Memory goes to the volumes in use, not to every snapshot.
+//!   a volume walks its mapping tree under the commit lock (`Shared::index`). Memory goes
+//!   to the volumes in use, not to every snapshot.
 //!
 //! Modes follow dm-thin (spec §10.5): `Write`, `OutOfDataSpace` (writes that need a block
 //! error with ENOSPC or wait up to the no-space timeout for growth), `OutOfMetadataSpace`
@@ -390,9 +390,9 @@ impl Pool {
 
     /// Open a volume by name for I/O. Refused (busy) while a delete of it is under way:
     /// a delete that succeeds leaves no handle behind. The first open of a volume since
-    /// activation (or its snapshot, revert or rename) builds its index from its mapping
-    /// tree, holding the metadata mutex for that walk; an error there (a tree that breaks a
-    /// rule) refuses the open.
+    /// activation (or its snapshot or revert) builds its index from its mapping tree,
+    /// holding the commit lock for that walk (commits and management operations wait, I/O
+    /// goes on); an error there (a tree that breaks a rule) refuses the open.
     pub fn volume(&self, name: &str) -> Result<Volume> {
         let state = self.shared.volume_named(name)?;
         let shared = &self.shared;
@@ -403,38 +403,57 @@ impl Pool {
 
     /// Every volume, in name order. A volume's mapped blocks come from its index when it has
     /// one (every mapping, committed or queued), else from its details in the metadata (it
-    /// has no queued mapping then), read under the metadata mutex: listing builds no index.
+    /// has no queued mapping then): listing builds no index.
     pub fn list(&self) -> Vec<VolumeInfo> {
-        let volumes = self.shared.volumes.load();
-        let unbuilt: Vec<VolumeId> = volumes
+        self.infos(None)
+    }
+
+    /// Information about one volume (as [`Pool::list`] gives it, counting only its own
+    /// mappings).
+    pub fn info(&self, name: &str) -> Result<VolumeInfo> {
+        self.infos(Some(name))
+            .pop()
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
+    }
+
+    /// [`Pool::list`], of one volume or all.
+    fn infos(&self, only: Option<&str>) -> Vec<VolumeInfo> {
+        let wanted = |v: &VolumeState| only.is_none_or(|name| v.name == name);
+        let needs_details = self
+            .shared
+            .volumes
+            .load()
             .values()
-            .filter(|v| v.loaded_index().is_none())
-            .map(|v| v.id)
-            .collect();
-        // Read under the lock that publishes volumes and builds indexes, so a volume
-        // without an index then is read from its tree's details, and one built since from
-        // its index. With no metadata (fail mode), such a volume lists 0 mapped blocks.
-        let meta = (!unbuilt.is_empty()).then(|| self.shared.lock_meta());
-        let volumes = self.shared.volumes.load();
-        let from_details: HashMap<VolumeId, u64> = meta
-            .as_ref()
-            .and_then(|meta| meta.md.as_ref())
-            .map(|md| {
-                volumes
-                    .values()
-                    .filter(|v| v.loaded_index().is_none())
-                    .filter_map(|v| Some((v.id, md.details(v.id).ok()?.mapped_blocks)))
-                    .collect()
-            })
-            .unwrap_or_default();
-        let mapped_blocks = |v: &VolumeState| match v.loaded_index() {
-            Some(index) => index.mapped_count(),
-            None => from_details.get(&v.id).copied().unwrap_or(0),
+            .any(|v| wanted(v) && v.loaded_index().is_none());
+        // Read under the lock that publishes volumes and sets indexes, so a volume without
+        // an index then is counted from its tree's details, and one built since from its
+        // index (after the lock is released: counting an index takes no lock). With no
+        // metadata (fail mode) a volume without an index lists 0 mapped blocks.
+        let (volumes, from_details) = {
+            let meta = needs_details.then(|| self.shared.lock_meta());
+            let volumes = self.shared.volumes.load_full();
+            let from_details: HashMap<VolumeId, u64> = meta
+                .as_ref()
+                .and_then(|meta| meta.md.as_ref())
+                .map(|md| {
+                    volumes
+                        .values()
+                        .filter(|v| wanted(v) && v.loaded_index().is_none())
+                        .filter_map(|v| Some((v.id, md.details(v.id).ok()?.mapped_blocks)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            (volumes, from_details)
+        };
+        let mapped_blocks = |v: &VolumeState| match from_details.get(&v.id) {
+            Some(&mapped) => mapped,
+            None => v.loaded_index().map_or(0, |index| index.mapped_count()),
         };
         let names: HashMap<VolumeId, &str> =
             volumes.values().map(|v| (v.id, v.name.as_str())).collect();
         volumes
             .values()
+            .filter(|v| wanted(v))
             .map(|v| VolumeInfo {
                 name: v.name.clone(),
                 id: v.id,
@@ -450,14 +469,6 @@ impl Pool {
                 open_count: v.open_count(),
             })
             .collect()
-    }
-
-    /// Information about one volume.
-    pub fn info(&self, name: &str) -> Result<VolumeInfo> {
-        self.list()
-            .into_iter()
-            .find(|v| v.name == name)
-            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
     }
 
     /// Whether `name`'s index is built (tests and benchmarks: a volume gets one on its first
