@@ -575,7 +575,7 @@ impl Shared {
 
     /// `volume`'s index, built from its mapping tree if it has none yet (see the module
     /// doc). Once built this is one atomic load. The build holds the commit lock for a walk
-    /// of the volume's tree (about 0.1 s per million mappings; commits and management
+    /// of the volume's tree (17 ms for 1M mappings, 0.36 s for 10M; commits and management
     /// operations wait, reads and writes go on) and the metadata mutex only for a moment
     /// before and after it; concurrent first uses build it once and wait for it. Fails if
     /// the metadata is gone (fail mode) or the tree breaks a rule the index relies on
