@@ -279,3 +279,80 @@ fn concurrent_first_opens_build_one_index() {
     }
     assert_model(&pool, &parts, &model);
 }
+
+/// First opens of snapshots race writes to their origin (breaking sharing, provisioning,
+/// flushing: commits) and commits from another thread: each snapshot reads as its origin
+/// was when it was taken, and the origin as its writer left it.
+#[test]
+fn first_opens_race_writes_and_commits_of_the_origin() {
+    const READERS: usize = 4;
+    const ROUNDS: u64 = 6;
+    let parts = parts();
+    let pool = parts.format(BLOCK, deterministic_options());
+    let mut model = Model::new();
+    create(&pool, &mut model, "v");
+    write(
+        &pool,
+        &mut model,
+        "v",
+        0,
+        (VOLUME_BLOCKS * BLOCK / 2) as usize,
+        1,
+    );
+    for round in 0..ROUNDS {
+        let name = format!("s{round}");
+        snapshot(&pool, &mut model, "v", &name);
+        let barrier = Arc::new(Barrier::new(READERS + 2));
+        let origin = model.get_mut("v").unwrap();
+        let reads: Vec<Vec<u8>> = std::thread::scope(|scope| {
+            let writer = {
+                let (pool, barrier) = (&pool, barrier.clone());
+                scope.spawn(move || {
+                    let volume = pool.volume("v").unwrap();
+                    barrier.wait();
+                    for i in 0..16u64 {
+                        let block = (round * 7 + i * 5) % VOLUME_BLOCKS;
+                        let (offset, length) = (block * BLOCK + 512 * (i % 4), 4096);
+                        let data = testkit::pattern(1000 * round + i, length);
+                        volume.write(offset, &data, i % 3 == 0).unwrap();
+                        origin[offset as usize..offset as usize + length].copy_from_slice(&data);
+                    }
+                })
+            };
+            let committer = {
+                let (pool, barrier) = (&pool, barrier.clone());
+                scope.spawn(move || {
+                    barrier.wait();
+                    for _ in 0..8 {
+                        pool.commit().unwrap();
+                    }
+                })
+            };
+            let readers: Vec<_> = (0..READERS)
+                .map(|_| {
+                    let (pool, barrier, name) = (&pool, barrier.clone(), &name);
+                    scope.spawn(move || {
+                        barrier.wait();
+                        let volume = pool.volume(name).unwrap();
+                        let mut bytes = vec![0u8; (VOLUME_BLOCKS * BLOCK) as usize];
+                        volume.read(0, &mut bytes).unwrap();
+                        bytes
+                    })
+                })
+                .collect();
+            writer.join().unwrap();
+            committer.join().unwrap();
+            readers.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for bytes in &reads {
+            assert!(
+                *bytes == model[&name],
+                "{name}: a first open read other bytes"
+            );
+        }
+    }
+    assert_model(&pool, &parts, &model);
+    drop(pool);
+    let pool = parts.reopen(deterministic_options());
+    assert_model(&pool, &parts, &model);
+}

@@ -275,7 +275,6 @@ fn check_mapped_count(name: &str, id: VolumeId, details: u64, mapped: u64) -> Re
 /// the details give. With `sharing` (a read-write open), a mapping the volume would write in
 /// place (not older than its last snapshot) must be its data block's only reference, and
 /// no other volume's mapping checked so far may share it.
-#[allow(clippy::too_many_arguments)]
 fn check_volume(
     md: &PoolMetadata,
     name: &str,
