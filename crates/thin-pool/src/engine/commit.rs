@@ -225,7 +225,8 @@ impl Shared {
 
     /// Debug builds: a data block a commit freed is referenced by no volume's index (the
     /// index equals the trees plus the queued ops, and a queued op only maps reserved
-    /// blocks).
+    /// blocks). A volume without an index is skipped: its only mappings are in its tree,
+    /// and a block no tree references is what a commit frees.
     #[cfg(debug_assertions)]
     fn assert_unreferenced(&self, freed: &[DataBlock]) {
         if freed.is_empty() {
@@ -233,7 +234,10 @@ impl Shared {
         }
         let freed: std::collections::HashSet<DataBlock> = freed.iter().copied().collect();
         for volume in self.volumes.load().values() {
-            volume.index.for_each_in(
+            let Some(index) = volume.loaded_index() else {
+                continue;
+            };
+            index.for_each_in(
                 VirtualBlock::new(0),
                 VirtualBlock::new(u64::MAX),
                 &mut |block, mapping| {
@@ -386,20 +390,24 @@ impl Shared {
     /// reopened metadata and may be reserved again), and mappings whose removal was
     /// abandoned come back. Provisioning cannot race this: it needs a reservation of the
     /// current generation, and the caller holds the metadata lock. Returns the data blocks
-    /// of the mappings dropped from an index.
+    /// of the mappings dropped from an index. A volume without an index needs nothing: it
+    /// is built from the reopened metadata when first used.
     fn resync_indexes(&self, md: &PoolMetadata) -> Result<Vec<DataBlock>> {
         let mut unmapped = Vec::new();
         for volume in self.volumes.load().values() {
             if !md.has_volume(volume.id) {
                 continue;
             }
+            let Some(index) = volume.loaded_index() else {
+                continue;
+            };
             let mut tree = BTreeMap::new();
             md.walk_mappings(volume.id, &mut |block, mapping| {
                 tree.insert(block, mapping);
                 Ok(())
             })?;
             let mut stale = Vec::new();
-            volume.index.for_each_in(
+            index.for_each_in(
                 VirtualBlock::new(0),
                 VirtualBlock::new(u64::MAX),
                 &mut |block, mapping| {
@@ -410,13 +418,11 @@ impl Shared {
                 },
             );
             for block in stale {
-                volume.index.clear(block);
+                index.clear(block);
             }
             for (block, mapping) in tree {
-                if block.get() < volume.index.block_count()
-                    && volume.index.lookup(block) != Some(mapping)
-                {
-                    volume.index.set(block, mapping);
+                if block.get() < index.block_count() && index.lookup(block) != Some(mapping) {
+                    index.set(block, mapping);
                 }
             }
         }

@@ -26,6 +26,9 @@
 //!   bytes = 4096 × leaves + 8192 × nodes + 16 × ⌈virtual_blocks / 2^36⌉
 //! ```
 //!
+//! An index exists only for a volume in use: it is built from the volume's mapping tree on
+//! first use (`Shared::index`), never copied from another volume's.
+//!
 //! An unwritten volume of the largest size costs 4 KiB; a fully provisioned volume 8.03 bytes
 //! per mapped block (≤ 16 whenever at least half of each touched 512-block region is
 //! mapped); an isolated mapping at most 28 KiB (its leaf and three nodes), an isolated one
@@ -302,27 +305,6 @@ impl Index {
         }
     }
 
-    /// A deep copy (for a snapshot's own index).
-    pub fn duplicate(&self) -> Index {
-        let copy = Index::new(self.root.capacity() as u64 * (1 << ROOT_SLOT_SHIFT));
-        copy.block_count
-            .store(self.block_count(), Ordering::Release);
-        self.visit_leaves(0, u64::MAX, &mut |first, leaf| {
-            let new = copy
-                .root
-                .slot((first >> ROOT_SLOT_SHIFT) as usize)
-                .expect("the copy has the original's root slots")
-                .get_or_init(Node::boxed)
-                .get_or_init(first, 3 * DIGIT_BITS, Node::boxed)
-                .get_or_init(first, 2 * DIGIT_BITS, Node::boxed)
-                .get_or_init(first, DIGIT_BITS, new_leaf);
-            for (dst, src) in new.iter().zip(leaf.iter()) {
-                dst.store(src.load(Ordering::Acquire), Ordering::Relaxed);
-            }
-        });
-        copy
-    }
-
     /// Visit every mapping in `begin..end` in order.
     pub fn for_each_in(
         &self,
@@ -400,10 +382,8 @@ mod tests {
         assert_eq!(index.lookup(b(1999)), Some(last));
         assert_eq!(index.lookup(b(5000)), None);
         assert_eq!(index.lookup(b(u64::MAX)), None);
-        let copy = index.duplicate();
         index.clear(b(5));
         assert_eq!(index.lookup(b(5)), None);
-        assert_eq!(copy.lookup(b(5)), Some(e));
         index.resize(10_000);
         assert_eq!(index.lookup(b(1999)), Some(last));
         index.set(b(9999), e);
@@ -437,9 +417,6 @@ mod tests {
         assert_eq!(index.leaves_in_use(), 4);
         // Blocks 0 and 2^20 share their node3 and node2: 3 + 1 + 3 + 3 nodes.
         assert_eq!(index.ram_bytes(), 4 * 4096 + 10 * 8192 + 16 * 256);
-        let copy = index.duplicate();
-        assert_eq!(copy.mapped_count(), 4);
-        assert_eq!(copy.lookup(b(INDEX_BLOCKS_MAX - 1)), Some(e));
         let mut seen = vec![];
         index.for_each_in(b(1), b(INDEX_BLOCKS_MAX - 1), &mut |block, _| {
             seen.push(block.get())

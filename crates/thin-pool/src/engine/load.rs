@@ -1,8 +1,10 @@
 //! What opening a pool reads from disk, and the checks it passes before the engine uses it:
 //! the catalog against the metadata's volumes, the metadata checker before a read-write open
-//! (as LVM runs thin_check before activation), and every volume's mappings loaded into its
-//! index, bounded by the volume's size and the data device, with no block a volume would
-//! write in place while another mapping shares it.
+//! (as LVM runs thin_check before activation), and every volume's mappings checked: bounded
+//! by the volume's size and the data device, with no block a volume would write in place
+//! while another mapping shares it. No index is built at activation: a volume's index is
+//! built from its tree on first use ([`build_index`], called by `Shared::index`), so an open
+//! pool holds indexes only for the volumes in use.
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
@@ -10,9 +12,12 @@ use crate::engine::manage::VOLUME_SIZE_MAX_BYTES;
 use crate::engine::shared::VolumeState;
 use crate::error::{Error, Result};
 use crate::format::metadata::PoolMetadata;
-use crate::ids::Time;
-use persistent_data::BlockDevice;
+use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
+use persistent_data::block_manager::BlockManager;
+use persistent_data::btree;
+use persistent_data::{BlockDevice, MetadataBlock};
 use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// The catalog must list exactly the metadata's volumes.
@@ -117,7 +122,12 @@ pub(super) fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: 
     )))
 }
 
-/// Build every volume's state, its index loaded from its mapping tree.
+/// Build every volume's state, its index left unbuilt (`Shared::index` builds it on first
+/// use). Every mapping tree is still walked once, keeping nothing: each mapping bounded
+/// (its data block inside the data space map, its virtual block inside the volume), the
+/// count the details give, and, read-write, no data block that a volume would write in
+/// place while another mapping shares it (a rule across volumes, so checked here, where
+/// every tree is read).
 pub(super) fn load_volumes(
     md: &PoolMetadata,
     catalog: &Catalog,
@@ -125,69 +135,177 @@ pub(super) fn load_volumes(
     writable: bool,
 ) -> Result<BTreeMap<String, Arc<VolumeState>>> {
     let mut volumes = BTreeMap::new();
-    // Every mapping read from disk is bounded before the index holds it: its data block
-    // inside the data space map, the count the details give.
     let data_blocks = md.data_space_map().block_count();
     let mut sharing = writable.then(|| Sharing::new(data_blocks));
     for v in &catalog.volumes {
         let details = md.details(v.id)?;
-        if v.size_bytes > VOLUME_SIZE_MAX_BYTES {
-            return Err(Error::Corrupt(format!(
-                "volume {:?} has a size of {} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})",
-                v.name, v.size_bytes
-            )));
-        }
-        let block_count = v.size_bytes.div_ceil(block_size_bytes);
-        let index = Index::new(block_count);
-        let mut mapped = 0u64;
-        md.walk_mappings(v.id, &mut |block, mapping| {
-            let data_block = mapping.data_block().get();
-            if data_block >= data_blocks {
-                return Err(Error::Corrupt(format!(
-                    "volume {:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks",
-                    v.name
-                )));
-            }
-            if block.get() >= block_count {
-                return Err(Error::Corrupt(format!(
-                    "volume {:?} maps block {block} beyond its size of {} bytes",
-                    v.name, v.size_bytes
-                )));
-            }
-            if let Some(sharing) = sharing.as_mut() {
-                // Written in place unless older than the volume's last snapshot: such a
-                // block must be this volume's alone.
-                let in_place = mapping.time().get() >= details.snapshotted_time;
-                let references = md.data_space_map().count(data_block);
-                if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
-                    return Err(Error::Corrupt(format!(
-                        "volume {:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
-                        v.name,
-                        mapping.time().get(),
-                        details.snapshotted_time
-                    )));
-                }
-            }
-            index.set(block, mapping);
-            mapped += 1;
-            Ok(())
-        })?;
-        if mapped != details.mapped_blocks {
-            return Err(Error::Corrupt(format!(
-                "volume {:?} (id {}): its details say {} mapped blocks, its tree holds {mapped}",
-                v.name, v.id, details.mapped_blocks
-            )));
-        }
         let snapshotted_time = Time::new(details.snapshotted_time).ok_or_else(|| {
             Error::Corrupt(format!(
                 "volume {:?}: snapshot time {} does not fit in 24 bits",
                 v.name, details.snapshotted_time
             ))
         })?;
+        check_volume(
+            md,
+            &v.name,
+            v.id,
+            v.size_bytes,
+            block_size_bytes,
+            sharing.as_mut(),
+        )?;
         volumes.insert(
             v.name.clone(),
-            Arc::new(VolumeState::new(v, index, snapshotted_time)),
+            Arc::new(VolumeState::new(v, None, snapshotted_time)),
         );
     }
     Ok(volumes)
+}
+
+/// What [`build_index`] needs of the metadata, taken under the metadata mutex.
+pub(crate) struct TreeToIndex {
+    pub(crate) source: Arc<BlockManager>,
+    pub(crate) root: MetadataBlock,
+    pub(crate) size_bytes: u64,
+    pub(crate) mapped_blocks: u64,
+    pub(crate) data_blocks: u64,
+}
+
+impl TreeToIndex {
+    /// `volume`'s tree in the current transaction.
+    pub(crate) fn of(md: &PoolMetadata, volume: &VolumeState) -> Result<TreeToIndex> {
+        Ok(TreeToIndex {
+            source: md.transaction_manager().block_manager().clone(),
+            root: md.volume_root(volume.id)?,
+            size_bytes: volume.size_bytes.load(Ordering::Acquire),
+            mapped_blocks: md.details(volume.id)?.mapped_blocks,
+            data_blocks: md.data_space_map().block_count(),
+        })
+    }
+}
+
+/// The index of `volume`, from its mapping tree (`tree`), read through the block manager
+/// without the metadata mutex. The caller holds the commit lock and the volume has no
+/// index, so the tree is its committed one (blocks never written in place) and no commit
+/// or management change runs meanwhile. Each mapping is bounded again and the count is the
+/// details'; the rule on blocks written in place was checked at activation for every tree
+/// (`load_volumes`) and the engine's own changes keep it.
+pub(crate) fn build_index(
+    tree: &TreeToIndex,
+    volume: &VolumeState,
+    block_size_bytes: u64,
+) -> Result<Index> {
+    let name = &volume.name;
+    let size_bytes = tree.size_bytes;
+    let block_count = check_size(name, size_bytes, block_size_bytes)?;
+    let index = Index::new(block_count);
+    let mut mapped = 0u64;
+    let mut inner_error = None;
+    let walked = btree::walk::<u64, _>(&*tree.source, tree.root, &mut |key, value| {
+        let (block, mapping) = (VirtualBlock::new(key), BlockTime::unpack(value));
+        check_mapping(
+            name,
+            size_bytes,
+            block_count,
+            tree.data_blocks,
+            block,
+            mapping,
+        )
+        .map_err(|e| {
+            inner_error = Some(e);
+            persistent_data::Error::Invalid("walk stopped".to_string())
+        })?;
+        index.set(block, mapping);
+        mapped += 1;
+        Ok(())
+    });
+    match (walked, inner_error) {
+        (_, Some(e)) => return Err(e),
+        (Err(e), None) => return Err(e.into()),
+        (Ok(()), None) => {}
+    }
+    check_mapped_count(name, volume.id, tree.mapped_blocks, mapped)?;
+    Ok(index)
+}
+
+/// The blocks of a volume of `size_bytes`, which must be within the largest volume.
+fn check_size(name: &str, size_bytes: u64, block_size_bytes: u64) -> Result<u64> {
+    if size_bytes > VOLUME_SIZE_MAX_BYTES {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} has a size of {size_bytes} bytes, beyond the largest volume ({VOLUME_SIZE_MAX_BYTES})"
+        )));
+    }
+    Ok(size_bytes.div_ceil(block_size_bytes))
+}
+
+/// A mapping read from disk, bounded: its data block inside the data space map, its block
+/// inside the volume.
+fn check_mapping(
+    name: &str,
+    size_bytes: u64,
+    block_count: u64,
+    data_blocks: u64,
+    block: VirtualBlock,
+    mapping: BlockTime,
+) -> Result<()> {
+    let data_block = mapping.data_block().get();
+    if data_block >= data_blocks {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} maps block {block} to data block {data_block}, beyond the data space map's {data_blocks} blocks"
+        )));
+    }
+    if block.get() >= block_count {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} maps block {block} beyond its size of {size_bytes} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// The tree holds as many mappings as the details say.
+fn check_mapped_count(name: &str, id: VolumeId, details: u64, mapped: u64) -> Result<()> {
+    if mapped != details {
+        return Err(Error::Corrupt(format!(
+            "volume {name:?} (id {id}): its details say {details} mapped blocks, its tree holds {mapped}"
+        )));
+    }
+    Ok(())
+}
+
+/// Check one volume's mappings at activation: each bounded (`check_mapping`), the count
+/// the details give. With `sharing` (a read-write open), a mapping the volume would write in
+/// place (not older than its last snapshot) must be its data block's only reference, and
+/// no other volume's mapping checked so far may share it.
+fn check_volume(
+    md: &PoolMetadata,
+    name: &str,
+    id: VolumeId,
+    size_bytes: u64,
+    block_size_bytes: u64,
+    mut sharing: Option<&mut Sharing>,
+) -> Result<()> {
+    let details = md.details(id)?;
+    let block_count = check_size(name, size_bytes, block_size_bytes)?;
+    let data_blocks = md.data_space_map().block_count();
+    let mut mapped = 0u64;
+    md.walk_mappings(id, &mut |block, mapping| {
+        check_mapping(name, size_bytes, block_count, data_blocks, block, mapping)?;
+        let data_block = mapping.data_block().get();
+        if let Some(sharing) = sharing.as_mut() {
+            // Written in place unless older than the volume's last snapshot: such a
+            // block must be this volume's alone.
+            let in_place = mapping.time().get() >= details.snapshotted_time;
+            let references = md.data_space_map().count(data_block);
+            if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
+                return Err(Error::Corrupt(format!(
+                    "volume {name:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
+                    mapping.time().get(),
+                    details.snapshotted_time
+                )));
+            }
+        }
+        mapped += 1;
+        Ok(())
+    })?;
+    check_mapped_count(name, id, details.mapped_blocks, mapped)?;
+    Ok(())
 }

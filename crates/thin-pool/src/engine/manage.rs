@@ -5,7 +5,9 @@
 //! Each takes the commit lock, applies the ops queued before it (their data flushed), checks
 //! every limit, then changes the catalog and the metadata in one transaction (catalog
 //! `T + 1` stored first, see `catalog`), and only then the in-memory state (published
-//! volumes, indexes, the pool time). A refused operation changes nothing.
+//! volumes, indexes, the pool time). A refused operation changes nothing. None of them
+//! builds an index: a snapshot starts without one (its tree is its content), and a resize
+//! or delete of a volume without one changes only the metadata.
 
 use crate::engine::catalog::{validate_name, CatalogVolume};
 use crate::engine::commit::{metadata_blocks_for_ops, metadata_reserve_blocks};
@@ -54,7 +56,10 @@ impl Pool {
         shared.catalog_transaction(&mut meta, taken, catalog, |md| md.create_thin(id))?;
         let volume = Arc::new(VolumeState::new(
             &entry,
-            Index::new(size_bytes.div_ceil(shared.block_size_bytes)),
+            // Empty and 16 bytes a 2^36 blocks: built at once.
+            Some(Arc::new(Index::new(
+                size_bytes.div_ceil(shared.block_size_bytes),
+            ))),
             shared.time(),
         ));
         shared.publish_volume(volume);
@@ -94,11 +99,9 @@ impl Pool {
         origin_volume
             .snapshotted_time
             .store(time.get(), Ordering::Release);
-        let volume = Arc::new(VolumeState::new(
-            &entry,
-            origin_volume.index.duplicate(),
-            time,
-        ));
+        // No index: its tree (the origin's root, shared) is its content until a first use
+        // builds one (`Shared::index`), so a snapshot costs the same whatever its size.
+        let volume = Arc::new(VolumeState::new(&entry, None, time));
         shared.publish_volume(volume);
         drop(meta);
         self.info(name)
@@ -149,8 +152,8 @@ impl Pool {
         still_published(shared, name, &volume)?;
         let (mut meta, taken) = shared.flush_and_lock()?;
         let block_count = size_bytes.div_ceil(shared.block_size_bytes);
-        let old_block_count = volume.index.block_count();
         let old_size = volume.size_bytes.load(Ordering::Acquire);
+        let old_block_count = old_size.div_ceil(shared.block_size_bytes);
         if size_bytes < old_size && !size_bytes.is_multiple_of(shared.block_size_bytes) {
             return Err(Error::Invalid(format!(
                 "shrinking to {size_bytes} bytes: a smaller size must be a multiple of the {}-byte block size",
@@ -172,8 +175,12 @@ impl Pool {
             }
             Ok(())
         })?;
-        volume.index.clear_from(VirtualBlock::new(block_count));
-        volume.index.resize(block_count);
+        // An unbuilt index is built later from the shrunk tree and the new size (both
+        // changed under this metadata lock, which builds hold).
+        if let Some(index) = volume.loaded_index() {
+            index.clear_from(VirtualBlock::new(block_count));
+            index.resize(block_count);
+        }
         volume.size_bytes.store(size_bytes, Ordering::Release);
         // The blocks the shrink freed are in no index now: release (and pass down) at once.
         shared.reclaim_freed(&mut meta);

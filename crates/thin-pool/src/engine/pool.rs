@@ -18,7 +18,10 @@
 //!   map, so a crash never leaves a mapping without its data nor a leaked block. Commits
 //!   never block reads.
 //! - **Snapshots** pause only the origin's writers (its gate), commit, share the origin's
-//!   mapping root in the metadata (O(1)) and copy its index.
+//!   mapping root in the metadata (O(1)); the snapshot gets no index until it is used.
+//! - **Indexes** are built on demand: activation builds none; the first [`Pool::volume`] of
+//!   a volume walks its mapping tree under the commit lock (`Shared::index`). Memory goes
+//!   to the volumes in use, not to every snapshot.
 //!
 //! Modes follow dm-thin (spec §10.5): `Write`, `OutOfDataSpace` (writes that need a block
 //! error with ENOSPC or wait up to the no-space timeout for growth), `OutOfMetadataSpace`
@@ -34,7 +37,7 @@ use crate::engine::index::INDEX_DATA_BLOCK_MAX;
 use crate::engine::load::{check_before_writing, check_catalog, load_volumes};
 use crate::engine::manage::data_grow_metadata_blocks;
 use crate::engine::provision::Provisioner;
-use crate::engine::shared::{io_error, MetaState, Shared};
+use crate::engine::shared::{io_error, MetaState, Shared, VolumeState};
 use crate::engine::stats::CommitStats;
 use crate::engine::volume::Volume;
 use crate::error::{Error, Result};
@@ -43,7 +46,7 @@ use crate::ids::{VirtualBlock, VolumeId};
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::{BlockDevice, FileDevice};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -386,25 +389,76 @@ impl Pool {
     }
 
     /// Open a volume by name for I/O. Refused (busy) while a delete of it is under way:
-    /// a delete that succeeds leaves no handle behind.
+    /// a delete that succeeds leaves no handle behind. The first open of a volume since
+    /// activation (or its snapshot or revert) builds its index from its mapping tree,
+    /// holding the commit lock for that walk (commits and management operations wait, I/O
+    /// goes on); an error there (a tree that breaks a rule) refuses the open.
     pub fn volume(&self, name: &str) -> Result<Volume> {
         let state = self.shared.volume_named(name)?;
-        Volume::open(Provisioner::new(self.shared.clone()), state)
+        let shared = &self.shared;
+        Volume::open(Provisioner::new(shared.clone()), state, |state| {
+            shared.index(state).cloned()
+        })
     }
 
-    /// Every volume, in name order.
+    /// Every volume, in name order. A volume's mapped blocks come from its index when it has
+    /// one (every mapping, committed or queued), else from its details in the metadata (it
+    /// has no queued mapping then): listing builds no index.
     pub fn list(&self) -> Vec<VolumeInfo> {
-        // The index holds every mapping, committed or queued: no need for the metadata.
-        let volumes = self.shared.volumes.load();
-        let names: std::collections::HashMap<VolumeId, &str> =
+        self.infos(None)
+    }
+
+    /// Information about one volume (as [`Pool::list`] gives it, counting only its own
+    /// mappings).
+    pub fn info(&self, name: &str) -> Result<VolumeInfo> {
+        self.infos(Some(name))
+            .pop()
+            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
+    }
+
+    /// [`Pool::list`], of one volume or all.
+    fn infos(&self, only: Option<&str>) -> Vec<VolumeInfo> {
+        let wanted = |v: &VolumeState| only.is_none_or(|name| v.name == name);
+        let needs_details = self
+            .shared
+            .volumes
+            .load()
+            .values()
+            .any(|v| wanted(v) && v.loaded_index().is_none());
+        // Read under the lock that publishes volumes and sets indexes, so a volume without
+        // an index then is counted from its tree's details, and one built since from its
+        // index (after the lock is released: counting an index takes no lock). With no
+        // metadata (fail mode) a volume without an index lists 0 mapped blocks.
+        let (volumes, from_details) = {
+            let meta = needs_details.then(|| self.shared.lock_meta());
+            let volumes = self.shared.volumes.load_full();
+            let from_details: HashMap<VolumeId, u64> = meta
+                .as_ref()
+                .and_then(|meta| meta.md.as_ref())
+                .map(|md| {
+                    volumes
+                        .values()
+                        .filter(|v| wanted(v) && v.loaded_index().is_none())
+                        .filter_map(|v| Some((v.id, md.details(v.id).ok()?.mapped_blocks)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            (volumes, from_details)
+        };
+        let mapped_blocks = |v: &VolumeState| match from_details.get(&v.id) {
+            Some(&mapped) => mapped,
+            None => v.loaded_index().map_or(0, |index| index.mapped_count()),
+        };
+        let names: HashMap<VolumeId, &str> =
             volumes.values().map(|v| (v.id, v.name.as_str())).collect();
         volumes
             .values()
+            .filter(|v| wanted(v))
             .map(|v| VolumeInfo {
                 name: v.name.clone(),
                 id: v.id,
                 size_bytes: v.size_bytes.load(Ordering::Acquire),
-                mapped_blocks: v.index.mapped_count(),
+                mapped_blocks: mapped_blocks(v),
                 block_size_bytes: self.shared.block_size_bytes,
                 origin: v
                     .origin()
@@ -417,12 +471,10 @@ impl Pool {
             .collect()
     }
 
-    /// Information about one volume.
-    pub fn info(&self, name: &str) -> Result<VolumeInfo> {
-        self.list()
-            .into_iter()
-            .find(|v| v.name == name)
-            .ok_or_else(|| Error::NoSuchVolume(name.to_string()))
+    /// Whether `name`'s index is built (tests and benchmarks: a volume gets one on its first
+    /// open, see [`Pool::volume`]).
+    pub fn index_built(&self, name: &str) -> Result<bool> {
+        Ok(self.shared.volume_named(name)?.loaded_index().is_some())
     }
 
     /// The pool's status (commits nothing).
@@ -494,7 +546,8 @@ impl Pool {
     }
 
     /// A consistency check of the engine's in-memory state against the metadata (tests):
-    /// after a commit, every volume's index equals its mapping tree.
+    /// after a commit, every built index equals its volume's mapping tree (a volume
+    /// without one is read from its tree anyway).
     pub fn verify_index(&self) -> Result<()> {
         self.commit()?;
         let volumes = self.shared.volumes.load();
@@ -504,13 +557,16 @@ impl Pool {
             .as_ref()
             .ok_or(Error::ReadOnly { needs_check: true })?;
         for v in volumes.values() {
+            let Some(index) = v.loaded_index() else {
+                continue;
+            };
             let mut from_tree = BTreeMap::new();
             md.walk_mappings(v.id, &mut |block, mapping| {
                 from_tree.insert(block, mapping);
                 Ok(())
             })?;
             let mut from_index = BTreeMap::new();
-            v.index.for_each_in(
+            index.for_each_in(
                 VirtualBlock::new(0),
                 VirtualBlock::new(u64::MAX),
                 &mut |block, mapping| {

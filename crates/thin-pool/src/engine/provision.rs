@@ -265,7 +265,7 @@ impl Provisioner {
     ) -> Result<()> {
         let time = self.shared.time();
         for (block, reservation) in &mappings {
-            if let Some(old) = volume.index.lookup(*block) {
+            if let Some(old) = volume.index().lookup(*block) {
                 assert!(
                     volume.is_shared(old),
                     "volume {:?} block {block}: provisioning over an unshared mapping",
@@ -292,7 +292,7 @@ impl Provisioner {
         }
         // The volume's size only changes under this lock (and with its writers paused); a
         // write beyond it is refused, never queued.
-        let block_count = volume.index.block_count();
+        let block_count = volume.index().block_count();
         if let Some((block, _)) = mappings.iter().find(|(b, _)| b.get() >= block_count) {
             let block = *block;
             drop(meta);
@@ -312,7 +312,7 @@ impl Provisioner {
             self.shared.fault_point(FaultPoint::Map);
             // Published under the metadata lock, so a metadata failure (which drops the
             // queued ops and reloads the index under that lock) never misses it.
-            volume.index.set(*block, mapping);
+            volume.index().set(*block, mapping);
         }
         drop(meta);
         Ok(())
@@ -321,9 +321,9 @@ impl Provisioner {
     /// Unmap `block` of `volume` if it is mapped: clear the index entry and queue the
     /// removal. The caller holds the volume's block lock for `block`.
     pub(crate) fn unmap(&self, volume: &VolumeState, block: VirtualBlock) {
-        if volume.index.lookup(block).is_some() {
+        if volume.index().lookup(block).is_some() {
             let mut meta = self.shared.lock_meta();
-            volume.index.clear(block);
+            volume.index().clear(block);
             meta.push(Op::Remove {
                 volume: volume.id,
                 block,

@@ -8,7 +8,9 @@
 //! `backup`, `backup` is still a snapshot of `vm`. In the metadata, in one transaction:
 //! `delete(VOLUME)`, `create_snap(VOLUME's id, SNAPSHOT)` (O(1): SNAPSHOT's root gains a
 //! reference; the pool time advances, so writes to either break sharing) and, with
-//! `delete_snapshot`, `delete(SNAPSHOT)`. VOLUME's index becomes a copy of SNAPSHOT's.
+//! `delete_snapshot`, `delete(SNAPSHOT)`. VOLUME's new state starts without an index
+//! (built from its tree, SNAPSHOT's, on first use), so a revert costs the same whatever
+//! SNAPSHOT maps.
 //! SNAPSHOT may be any volume other than VOLUME, of any size.
 //!
 //! **Rename** (`Pool::rename_volume`): the catalog only (a transaction whose metadata change
@@ -95,11 +97,9 @@ impl Pool {
             shared.set_time(time);
             source.snapshotted_time.store(time.get(), Ordering::Release);
             // The old state (claimed, unreachable once replaced) is dropped with its index.
-            shared.publish_volume(Arc::new(VolumeState::new(
-                &entry,
-                source.index.duplicate(),
-                time,
-            )));
+            // The new one has none: its tree is SNAPSHOT's, every op of SNAPSHOT applied
+            // (its writers paused before the flush), until a first use builds it.
+            shared.publish_volume(Arc::new(VolumeState::new(&entry, None, time)));
             if delete_snapshot {
                 shared.unpublish_volume(snapshot);
                 for other in shared.volumes.load().values() {
@@ -152,8 +152,10 @@ impl Pool {
                 .ok_or_else(|| {
                     Error::Internal("a volume's snapshot time beyond 24 bits".to_string())
                 })?;
-            // No handle exists, so nothing changes the index while it is copied.
-            let renamed = VolumeState::new(&entry, volume.index.duplicate(), snapshotted_time);
+            // The index (if built) goes along: the old state is claimed, so no handle
+            // writes through it any more.
+            let renamed =
+                VolumeState::new(&entry, volume.loaded_index().cloned(), snapshotted_time);
             shared.unpublish_volume(old);
             shared.publish_volume(Arc::new(renamed));
             Ok(())

@@ -28,6 +28,7 @@
 //! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
 //! unmap); the volume's own state is its `VolumeState`.
 
+use crate::engine::index::Index;
 use crate::engine::options::PoolMode;
 use crate::engine::provision::Provisioner;
 use crate::engine::shared::VolumeState;
@@ -81,6 +82,9 @@ impl Payload<'_> {
 pub struct Volume {
     pool: Provisioner,
     volume: Arc<VolumeState>,
+    /// The volume's index, built before the handle was made: lookups cost what they cost
+    /// before indexes were built on demand (no check that it is there).
+    index: Arc<Index>,
 }
 
 impl Clone for Volume {
@@ -89,6 +93,7 @@ impl Clone for Volume {
         Volume {
             pool: self.pool.clone(),
             volume: self.volume.clone(),
+            index: self.index.clone(),
         }
     }
 }
@@ -115,10 +120,26 @@ fn data_io(what: &'static str) -> impl Fn(std::io::Error) -> Error {
 }
 
 impl Volume {
-    /// A handle on `volume`, unless a delete claimed it.
-    pub(crate) fn open(pool: Provisioner, volume: Arc<VolumeState>) -> Result<Volume> {
+    /// A handle on `volume`, unless a delete claimed it, with its `index` (which the caller
+    /// built once the handle counted, so no revert, rename or delete can replace the state
+    /// meanwhile: see `Pool::volume`).
+    pub(crate) fn open(
+        pool: Provisioner,
+        volume: Arc<VolumeState>,
+        index: impl FnOnce(&VolumeState) -> Result<Arc<Index>>,
+    ) -> Result<Volume> {
         volume.open()?;
-        Ok(Volume { pool, volume })
+        match index(&volume) {
+            Ok(index) => Ok(Volume {
+                pool,
+                volume,
+                index,
+            }),
+            Err(e) => {
+                volume.close();
+                Err(e)
+            }
+        }
     }
 
     /// The volume's name.
@@ -211,7 +232,7 @@ impl Volume {
         let mut done = 0usize;
         for (block, in_block, n) in self.pieces(offset, buf.len() as u64) {
             let piece = &mut buf[done..done + n as usize];
-            match self.volume.index.lookup(block) {
+            match self.index.lookup(block) {
                 None => piece.fill(0),
                 Some(mapping) => self
                     .pool
@@ -316,7 +337,7 @@ impl Volume {
                 continue;
             }
             let _pin = self.pool.pin();
-            if let Some(mapping) = self.volume.index.lookup(block) {
+            if let Some(mapping) = self.index.lookup(block) {
                 if !self.volume.is_shared(mapping) {
                     self.pool
                         .data()
@@ -339,7 +360,7 @@ impl Volume {
         self.check_range(offset, len)?;
         let mut extents: Vec<Extent> = Vec::new();
         for (block, _, n) in self.pieces(offset, len) {
-            let mapped = self.volume.index.lookup(block).is_some();
+            let mapped = self.index.lookup(block).is_some();
             match extents.last_mut() {
                 Some(last) if last.mapped == mapped => last.length_bytes += n,
                 _ => extents.push(Extent {
@@ -353,7 +374,7 @@ impl Volume {
 
     /// Mapped blocks, counted in the index.
     pub fn mapped_blocks(&self) -> u64 {
-        self.volume.index.mapped_count()
+        self.index.mapped_count()
     }
 
     fn unmap(&self, block: VirtualBlock) {
@@ -401,7 +422,7 @@ impl Volume {
             return done;
         }
         let pin = self.pool.pin();
-        let current = self.volume.index.lookup(block);
+        let current = self.index.lookup(block);
         let base = reservation
             .data_block()
             .offset_bytes(self.pool.block_size_bytes());
@@ -482,7 +503,7 @@ impl Volume {
         provision: bool,
     ) -> Option<Result<()>> {
         let _pin = self.pool.pin();
-        match self.volume.index.lookup(block) {
+        match self.index.lookup(block) {
             Some(mapping) if !self.volume.is_shared(mapping) => {
                 Some(self.write_payload(self.data_offset(mapping, in_block), payload))
             }

@@ -5,17 +5,22 @@
 //! the scratch directory (`/dev/shm` by default) for the length of the section.
 //!
 //! - **Snapshot creation** of each volume, in turns (the order rotating every repetition),
-//!   each snapshot deleted again untimed; rows: the larger volumes against the 1K one.
+//!   then, timed apart, the snapshot's **first open** (`Pool::volume`, which builds its
+//!   index from its mapping tree: the per-mapping cost a snapshot no longer pays when it is
+//!   made, paid only if it is used), each snapshot deleted again untimed; rows: the larger
+//!   volumes against the 1K one.
 //! - **Activation and resident memory**, in a child process per sample (`thinpool bench
 //!   --probe-activation DIR`, [`probe_activation`]): `Pool::open` (which runs the metadata
-//!   check before a read-write open, then loads every volume's index) and `Pool::volume`,
-//!   timed, with `VmRSS` and `VmHWM` from `/proc/self/status` before and after. A fresh
-//!   process holds nothing freed by earlier work, so the growth of `VmRSS` is what the open
-//!   pool keeps. Rows: time against the 1K pool; the resident growth per mapped block
+//!   check before a read-write open and walks every mapping tree to check it, building no
+//!   index), then `Pool::volume` (the volume's first open, which builds its index), each
+//!   timed, with `VmRSS` and `VmHWM` from `/proc/self/status` before, between and after. A
+//!   fresh process holds nothing freed by earlier work, so the growth of `VmRSS` is what the
+//!   open pool keeps. Rows: `Pool::open` alone and with the first open, against the 1K pool;
+//!   the resident growth once the volume is open (its index in use) per mapped block
 //!   against ARCHITECTURE.md's "Index memory" formula ([`index_formula_bytes`]); the
 //!   largest pool's whole growth against that formula plus a full metadata block cache
 //!   (`CACHE_BLOCKS_DEFAULT` blocks of 4 KiB: 64 MiB), the other thing that grows with the
-//!   mappings, up to its bound.
+//!   mappings, up to its bound; and what `Pool::open` alone keeps (the cache, no index).
 //! - **`thinpool check` against `thin_check` 1.1.0** (`$THINPOOL_TOOLS_DIR/thin_check`) on
 //!   the closed pools' metadata files, both as child processes under `/usr/bin/time` (for
 //!   their peak RSS, `%M`), wall time measured here, which one goes first alternating. Both
@@ -37,9 +42,8 @@ use thin_pool::{Pool, PoolOptions};
 const VOLUME: &str = "v";
 
 /// Snapshot creation of the largest volume against the smallest: "flat" within this factor.
-/// A snapshot's metadata work is O(1) (a new reference to the shared tree root, a commit);
-/// what may grow is the copy of the in-memory index, and that must stay small beside the
-/// commit every snapshot pays.
+/// A snapshot's metadata work is O(1) (a new reference to the shared tree root, a commit),
+/// and it gets no index until it is opened.
 const SNAPSHOT_GROWTH_MAX: f64 = 2.0;
 
 /// Activation of the 1M-mapping pool: well under a second (as the mappings section).
@@ -73,6 +77,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
 
     // Snapshot creation, rotating the order.
     let mut snapshot_ms: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
+    let mut first_open_ms: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
     for repetition in 0..sizes.repetition_count {
         dir.check_interrupted()?;
         for turn in 0..counts.len() {
@@ -81,13 +86,23 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             let name = format!("snap-{repetition}");
             let (seconds, _) = time(|| Ok(pool.snapshot(VOLUME, &name, false)?))?;
             snapshot_ms[which].push(seconds * 1e3);
+            ensure!(
+                !pool.index_built(&name)?,
+                "a new snapshot has its index built"
+            );
+            let (seconds, volume) = time(|| Ok(pool.volume(&name)?))?;
+            first_open_ms[which].push(seconds * 1e3);
+            drop(volume);
             pool.delete_volume(&name)?;
         }
         progress(&format!(
-            "scale {}/{}: snapshot {}",
+            "scale {}/{}: snapshot, first open {}",
             repetition + 1,
             sizes.repetition_count,
-            per_count(&counts, |i| format!("{:.2} ms", snapshot_ms[i][repetition]))
+            per_count(&counts, |i| format!(
+                "{:.2} ms, {:.2} ms",
+                snapshot_ms[i][repetition], first_open_ms[i][repetition]
+            ))
         ));
     }
     for pool in pools {
@@ -109,7 +124,9 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             per_count(&counts, |i| {
                 let a = &activation[i][repetition];
                 format!(
-                    "{:.1} ms, +{:.1} MiB resident (peak +{:.1})",
+                    "open {:.1} ms (+{:.1} MiB), with the volume {:.1} ms, +{:.1} MiB resident (peak +{:.1})",
+                    a.open_ms,
+                    a.open_rss_growth_bytes() as f64 / (1 << 20) as f64,
                     a.ms,
                     a.rss_growth_bytes() as f64 / (1 << 20) as f64,
                     a.peak_growth_bytes() as f64 / (1 << 20) as f64
@@ -157,6 +174,29 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         });
     }
     for i in 1..counts.len() {
+        rows.push(Row::new(
+            format!(
+                "first open of a new snapshot (builds its index): {}-mapping volume vs {}",
+                label(i),
+                label(0)
+            ),
+            &first_open_ms[i],
+            &first_open_ms[0],
+            "ms",
+        ));
+    }
+    for i in 1..counts.len() {
+        let open_ms = |i: usize| -> Vec<f64> { activation[i].iter().map(|a| a.open_ms).collect() };
+        rows.push(Row::new(
+            format!(
+                "activation in a new process (Pool::open alone: check and tree walk, no index): {}-mapping pool vs {}",
+                label(i),
+                label(0)
+            ),
+            &open_ms(i),
+            &open_ms(0),
+            "ms",
+        ));
         let ms = |i: usize| -> Vec<f64> { activation[i].iter().map(|a| a.ms).collect() };
         let max_ms = if i == counts.len() - 1 {
             ACTIVATION_10M_MAX_MS
@@ -166,7 +206,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         rows.push(
             Row::new(
                 format!(
-                    "activation in a new process (Pool::open + volume): {}-mapping pool vs {}",
+                    "activation in a new process (Pool::open + the volume's first open, building its index): {}-mapping pool vs {}",
                     label(i),
                     label(0)
                 ),
@@ -177,9 +217,10 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             .target(Target::ABelow(max_ms)),
         );
     }
-    // Memory per mapped block beyond the smallest pool: what the fixed part of an open pool
-    // (threads, the catalog) costs cancels out, leaving the cost per mapping: the index, and
-    // the metadata blocks the open read into its cache (bounded).
+    // Memory per mapped block beyond the smallest pool, once its volume is open: what the
+    // fixed part of an open pool (threads, the catalog) costs cancels out, leaving the cost
+    // per mapping: the index of the volume in use, and the metadata blocks the open read
+    // into its cache (bounded).
     for i in 1..counts.len() {
         let extra_blocks = (counts[i] - counts[0]) as f64;
         let measured: Vec<f64> = activation[i]
@@ -195,8 +236,8 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         let formula = vec![formula_bytes / extra_blocks; measured.len()];
         rows.push(Row::new(
             format!(
-                "resident memory kept after activation, per mapped block: {}-mapping pool \
-                 (beyond the {} one) vs the index formula",
+                "resident memory kept after activation and the volume's first open, per mapped \
+                 block: {}-mapping pool (beyond the {} one) vs the index formula",
                 label(i),
                 label(0)
             ),
@@ -217,8 +258,8 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     rows.push(
         Row::new(
             format!(
-                "resident memory kept after activation: {}-mapping pool vs its index formula \
-                 + a full metadata cache ({} MiB)",
+                "resident memory kept after activation and the volume's first open: {}-mapping \
+                 pool vs its index formula + a full metadata cache ({} MiB)",
                 label(last),
                 METADATA_CACHE_BYTES >> 20
             ),
@@ -228,6 +269,24 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         )
         .target(Target::RatioAtMost(RSS_OVER_BOUND_MAX)),
     );
+    // What `Pool::open` alone keeps: no index, so at most the metadata cache and the fixed
+    // part of an open pool.
+    let opened: Vec<f64> = activation[last]
+        .iter()
+        .map(|a| mib(a.open_rss_growth_bytes() as f64))
+        .collect();
+    let cache = mib(METADATA_CACHE_BYTES as f64);
+    rows.push(Row::new(
+        format!(
+            "resident memory kept by Pool::open alone (no index built): {}-mapping pool vs \
+             a full metadata cache ({} MiB)",
+            label(last),
+            METADATA_CACHE_BYTES >> 20
+        ),
+        &opened,
+        &vec![cache; opened.len()],
+        "MiB",
+    ));
     if let Some(checks) = checks {
         for (i, check) in checks.iter().enumerate() {
             let label = label(checked + i);
@@ -299,10 +358,14 @@ pub(crate) fn index_formula_bytes(count: u64) -> u64 {
 /// One activation measured in a child process.
 #[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Activation {
-    /// Milliseconds for `Pool::open` and `Pool::volume`.
+    /// Milliseconds for `Pool::open` alone.
+    open_ms: f64,
+    /// Milliseconds for `Pool::open` and `Pool::volume` (the volume's first open, which
+    /// builds its index).
     ms: f64,
-    /// `VmRSS` before and after, in KiB.
+    /// `VmRSS` before, after `Pool::open` and after `Pool::volume`, in KiB.
     rss_before_kib: u64,
+    rss_open_kib: u64,
     rss_after_kib: u64,
     /// `VmHWM` (peak resident) before and after, in KiB.
     hwm_before_kib: u64,
@@ -314,6 +377,11 @@ impl Activation {
         self.rss_after_kib.saturating_sub(self.rss_before_kib) << 10
     }
 
+    /// Growth by `Pool::open` alone (no index built).
+    fn open_rss_growth_bytes(&self) -> u64 {
+        self.rss_open_kib.saturating_sub(self.rss_before_kib) << 10
+    }
+
     /// Growth of the peak: above [`Activation::rss_growth_bytes`] if the open freed memory
     /// (the check's cache, the load's bitmaps) that it did not reuse.
     fn peak_growth_bytes(&self) -> u64 {
@@ -321,21 +389,31 @@ impl Activation {
     }
 }
 
-/// `thinpool bench --probe-activation DIR`: open the pool in `dir` and its volume, print one
-/// [`Activation`] as JSON on stdout, close the pool.
+/// `thinpool bench --probe-activation DIR`: open the pool in `dir`, then its volume (which
+/// builds the volume's index), print one [`Activation`] as JSON on stdout, close the pool.
 pub(crate) fn probe_activation(dir: &Path) -> anyhow::Result<()> {
     let (rss_before_kib, hwm_before_kib) = memory_status()?;
     let started = Instant::now();
     let pool = Pool::open(dir, PoolOptions::default())
         .with_context(|| format!("opening {}", dir.display()))?;
+    let open_ms = started.elapsed().as_secs_f64() * 1e3;
+    let (rss_open_kib, _) = memory_status()?;
+    ensure!(
+        !pool.index_built(VOLUME)?,
+        "Pool::open built the volume's index"
+    );
+    // Timed apart: the reads of /proc in between are not the pool's.
+    let started = Instant::now();
     let volume = pool.volume(VOLUME)?;
-    let ms = started.elapsed().as_secs_f64() * 1e3;
+    let ms = open_ms + started.elapsed().as_secs_f64() * 1e3;
     let (rss_after_kib, hwm_after_kib) = memory_status()?;
     drop(volume);
     pool.close()?;
     let activation = Activation {
+        open_ms,
         ms,
         rss_before_kib,
+        rss_open_kib,
         rss_after_kib,
         hwm_before_kib,
         hwm_after_kib,
