@@ -6,8 +6,10 @@
 //! That thread, the reader, serves the quick requests it takes itself (READs and WRITEs up to
 //! [`BATCH_REQUEST_BYTES_MAX`] without FUA, BLOCK_STATUS; or any READ, WRITE without FUA or
 //! BLOCK_STATUS when it is alone on the connection) and puts their replies in its [`Batch`],
-//! which goes out in one write when the next request is not buffered whole, after
-//! [`batch::BATCH_REQUESTS_MAX`] replies, or before anything that may block; so at queue
+//! which goes out in one write when the next request is not buffered whole (and one
+//! non-blocking receive, tried while such tries often find more, brought none:
+//! [`Input::receive_more`]), after [`batch::BATCH_REQUESTS_MAX`] replies, or before anything
+//! that may block; so at queue
 //! depth 64 one `recv`, a `pread` per request and one `send` per batch serve many requests,
 //! with no wake-up of another thread. The reader gives the input lock up during each export
 //! call (nobody waits on the lock itself, so that costs two atomic operations) and takes it
@@ -16,7 +18,8 @@
 //! to read on, serves the request and writes its reply by itself, and becomes a standby.
 //! WRITE payloads are copied from what the buffer already holds and the rest is read
 //! straight into the thread's payload buffer. Each thread reuses one payload buffer up to
-//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it) and
+//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it; a
+//! larger WRITE's is received into the spare capacity of a fresh vector, never zeroed) and
 //! one batch buffer of [`batch::BATCH_BYTES_MAX`].
 //!
 //! Standby threads wait on a condition variable, not on the input lock. A reader serving
@@ -81,7 +84,7 @@ use crate::sync;
 
 use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
-use input::Input;
+use input::{Input, PayloadTarget};
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -222,7 +225,29 @@ impl Payload {
         }
     }
 
-    /// The buffer [`Payload::prepare`] gave out last, for `length` bytes.
+    /// Where a WRITE payload of `length` bytes is to be received. A large one gets a fresh
+    /// vector of exactly that capacity, filled without zeroing it first (zeroing a 1 MiB
+    /// buffer per WRITE was a few percent of the server's CPU on large writes).
+    fn target(&mut self, length: usize) -> PayloadTarget<'_> {
+        if length <= RETAINED_BUFFER_BYTES {
+            return PayloadTarget::Slice {
+                buffer: self.prepare(length),
+                filled: 0,
+            };
+        }
+        self.large = Vec::with_capacity(length);
+        if self.large.capacity() != length {
+            // Receiving into spare capacity must not read past the payload.
+            return PayloadTarget::Slice {
+                buffer: self.prepare(length),
+                filled: 0,
+            };
+        }
+        PayloadTarget::Spare(&mut self.large)
+    }
+
+    /// The buffer [`Payload::prepare`] or [`Payload::target`] gave out last, for `length`
+    /// bytes.
     fn current(&self, length: usize) -> &[u8] {
         if length <= RETAINED_BUFFER_BYTES {
             &self.retained[..length]
@@ -391,12 +416,17 @@ impl Connection {
             self.server_bytes
                 .acquire_fair(bytes, &self.server_bytes_held, self.server_share_bytes);
         }
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.in_flight.fetch_add(1, Ordering::SeqCst) == 0 {
+            spin::connection_busy();
+        }
     }
 
     fn release(&self, bytes: u64) {
         let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "released a request that was not in flight");
+        if before == 1 {
+            spin::connection_idle();
+        }
         if bytes > RETAINED_BUFFER_BYTES as u64 {
             self.server_bytes_held.fetch_sub(bytes, Ordering::SeqCst);
             self.server_bytes.release(bytes);
@@ -411,6 +441,9 @@ impl Connection {
             before >= requests,
             "released requests that were not in flight"
         );
+        if before == requests && requests > 0 {
+            spin::connection_idle();
+        }
         self.budget.release_many(requests, bytes);
     }
 
@@ -511,7 +544,9 @@ impl Connection {
                 return Led::Left;
             }
             if !scratch.batch.is_empty()
-                && (scratch.batch.is_full() || !self.holds_whole_request(&input))
+                && (scratch.batch.is_full()
+                    || !(self.holds_whole_request(&input)
+                        || input.receive_more() && self.holds_whole_request(&input)))
             {
                 self.flush(&mut scratch.batch);
             }
