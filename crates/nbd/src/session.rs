@@ -618,12 +618,16 @@ impl Connection {
     fn wait_for_input(&self, take_now: bool) -> Option<MutexGuard<'_, Input>> {
         let watch = &*self.watch;
         let mut notified = take_now;
+        let mut timed_out = false;
         let mut standby = sync::lock(&watch.standby);
         loop {
             watch.waiters.fetch_add(1, Ordering::SeqCst);
             // A thread started as a standby counts as one from here on.
             self.standby_starting.store(false, Ordering::SeqCst);
-            if notified || !watch.in_call.load(Ordering::SeqCst) {
+            // After a quiet wait the input is tried in any case: a thread that panicked
+            // holding it woke nobody, and the poisoned lock ends the session (see
+            // `try_lock_input`).
+            if notified || timed_out || !watch.in_call.load(Ordering::SeqCst) {
                 if let Some(input) = self.try_lock_input() {
                     watch.waiters.fetch_sub(1, Ordering::SeqCst);
                     // This thread reads now, and is in no export call.
@@ -631,13 +635,15 @@ impl Connection {
                     return Some(input);
                 }
             }
+            if timed_out && self.in_flight.load(Ordering::SeqCst) == 0 && self.leave_if_not_last() {
+                watch.waiters.fetch_sub(1, Ordering::SeqCst);
+                return None;
+            }
             let (guard, wait) = sync::wait_timeout(&watch.wake, standby, STANDBY_QUIET);
             standby = guard;
             watch.waiters.fetch_sub(1, Ordering::SeqCst);
-            notified = !wait.timed_out();
-            if !notified && self.in_flight.load(Ordering::SeqCst) == 0 && self.leave_if_not_last() {
-                return None;
-            }
+            timed_out = wait.timed_out();
+            notified = !timed_out;
         }
     }
 
