@@ -6,8 +6,10 @@
 //! That thread, the reader, serves the quick requests it takes itself (READs and WRITEs up to
 //! [`BATCH_REQUEST_BYTES_MAX`] without FUA, BLOCK_STATUS; or any READ, WRITE without FUA or
 //! BLOCK_STATUS when it is alone on the connection) and puts their replies in its [`Batch`],
-//! which goes out in one write when the next request is not buffered whole, after
-//! [`batch::BATCH_REQUESTS_MAX`] replies, or before anything that may block; so at queue
+//! which goes out in one write when the next request is not buffered whole (and one
+//! non-blocking receive, tried while such tries often find more, brought none:
+//! [`Input::receive_more`]), after [`batch::BATCH_REQUESTS_MAX`] replies, or before anything
+//! that may block; so at queue
 //! depth 64 one `recv`, a `pread` per request and one `send` per batch serve many requests,
 //! with no wake-up of another thread. The reader gives the input lock up during each export
 //! call (nobody waits on the lock itself, so that costs two atomic operations) and takes it
@@ -16,21 +18,24 @@
 //! to read on, serves the request and writes its reply by itself, and becomes a standby.
 //! WRITE payloads are copied from what the buffer already holds and the rest is read
 //! straight into the thread's payload buffer. Each thread reuses one payload buffer up to
-//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it) and
+//! [`RETAINED_BUFFER_BYTES`] (larger ones are allocated per request and freed after it; a
+//! larger WRITE's is received into the spare capacity of a fresh vector, never zeroed) and
 //! one batch buffer of [`batch::BATCH_BYTES_MAX`].
 //!
 //! Standby threads wait on a condition variable, not on the input lock. A reader serving
 //! into its batch keeps one standby ready (started if there is none); a standby takes the
 //! input when woken by a hand-off, when no reader is in an export call and the input is
-//! free, or when a reader has been in the same export call for a whole [`STALL_TICK`]: a
-//! READ stuck on a disk or a gate holds up the replies already in its thread's batch, but
-//! not the requests sent after it.
+//! free, or when the process's watchdog ([`watchdog`], one thread ticking every
+//! [`STALL_TICK`] for all connections, asleep while none is busy) wakes it because a
+//! reader has been in the same export call from one tick to the next: a READ stuck on a
+//! disk or a gate holds up the replies already in its thread's batch, but not the requests
+//! sent after it.
 //!
 //! Thread count: a session starts on the connection's thread alone, and grows (up to
 //! `threads`) by hand-offs and standbys. The socket's read timeout is a tick (at most
 //! [`IDLE_TICK_MAX`]): a reader that wakes on it with nothing in flight marks the connection
-//! quiet and leaves unless it is the last thread; a standby leaves after
-//! [`STANDBY_QUIET_TICKS_MAX`] stall ticks with nothing in flight; so a quiet connection costs
+//! quiet and leaves unless it is the last thread; a standby leaves when woken by nothing for
+//! [`STANDBY_QUIET`] with nothing in flight; so a quiet connection costs
 //! one thread. Ticks in a row with nothing received and nothing in flight add up to the idle
 //! timeout, which closes the connection. The last thread to leave reports the session's end
 //! (`OnEnd`), so nothing waits for a join.
@@ -66,10 +71,11 @@ mod dispatch;
 mod input;
 mod spin;
 mod splice;
+mod watchdog;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -81,7 +87,7 @@ use crate::sync;
 
 use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
-use input::Input;
+use input::{Input, PayloadTarget};
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -92,14 +98,14 @@ const IDLE_TICK_MAX: Duration = Duration::from_secs(30);
 /// buffer of their own, freed after the reply, so idle connections hold little memory.
 pub(crate) const RETAINED_BUFFER_BYTES: usize = 256 * 1024;
 
-/// How often a standby thread checks that the reading thread still makes progress: a thread
-/// stuck this long in an export call with the input free is overtaken by a standby, which
-/// reads on. The only wake-ups a busy connection pays that no request asked for.
+/// How often the process's watchdog ([`watchdog`]) checks that reading threads still make
+/// progress: a thread stuck in an export call with the input free from one tick to the next
+/// is overtaken by a standby of its connection, which reads on.
 const STALL_TICK: Duration = Duration::from_millis(2);
 
-/// Stall ticks in a row with nothing in flight after which a standby thread leaves (unless
-/// it is the last thread), so a quiet connection stops paying for its standby's ticks.
-const STANDBY_QUIET_TICKS_MAX: u32 = 50;
+/// A standby thread woken by nothing for this long with nothing in flight leaves (unless it
+/// is the last thread), so a quiet connection stops paying for it.
+const STANDBY_QUIET: Duration = Duration::from_millis(100);
 
 /// Limits of one connection's transmission phase.
 #[derive(Clone)]
@@ -222,7 +228,29 @@ impl Payload {
         }
     }
 
-    /// The buffer [`Payload::prepare`] gave out last, for `length` bytes.
+    /// Where a WRITE payload of `length` bytes is to be received. A large one gets a fresh
+    /// vector of exactly that capacity, filled without zeroing it first (zeroing a 1 MiB
+    /// buffer per WRITE was a few percent of the server's CPU on large writes).
+    fn target(&mut self, length: usize) -> PayloadTarget<'_> {
+        if length <= RETAINED_BUFFER_BYTES {
+            return PayloadTarget::Slice {
+                buffer: self.prepare(length),
+                filled: 0,
+            };
+        }
+        self.large = Vec::with_capacity(length);
+        if self.large.capacity() != length {
+            // Receiving into spare capacity must not read past the payload.
+            return PayloadTarget::Slice {
+                buffer: self.prepare(length),
+                filled: 0,
+            };
+        }
+        PayloadTarget::Spare(&mut self.large)
+    }
+
+    /// The buffer [`Payload::prepare`] or [`Payload::target`] gave out last, for `length`
+    /// bytes.
     fn current(&self, length: usize) -> &[u8] {
         if length <= RETAINED_BUFFER_BYTES {
             &self.retained[..length]
@@ -257,19 +285,12 @@ struct Connection {
     server_share_bytes: u64,
     /// Threads running this session; from 1 to `threads_max`.
     threads: AtomicUsize,
-    /// Standby threads: waiting on `standby_wake` to take the input when it is handed off
-    /// or the reading thread is stuck in an export call.
-    standby: Mutex<()>,
-    standby_wake: Condvar,
-    standby_waiters: AtomicUsize,
+    /// Standby threads: waiting on `watch.wake` to take the input when it is handed off or
+    /// the reading thread is stuck in an export call (the watchdog wakes them then).
+    watch: Arc<watchdog::Watch>,
     /// A thread started as a standby has not registered in `standby_waiters` yet: no
     /// other is started meanwhile.
     standby_starting: AtomicBool,
-    /// Export calls finished by reading threads serving into their batch, and whether one is
-    /// in such a call now (input free): a standby that sees the count unchanged over a
-    /// [`STALL_TICK`] takes the input over.
-    leader_calls: AtomicU64,
-    leader_in_call: AtomicBool,
     threads_max: usize,
     stack_bytes: usize,
     thread_name: String,
@@ -329,12 +350,8 @@ pub(crate) fn serve(
         server_bytes_held: AtomicU64::new(0),
         server_share_bytes,
         threads: AtomicUsize::new(1),
-        standby: Mutex::new(()),
-        standby_wake: Condvar::new(),
-        standby_waiters: AtomicUsize::new(0),
+        watch: Arc::default(),
         standby_starting: AtomicBool::new(false),
-        leader_calls: AtomicU64::new(0),
-        leader_in_call: AtomicBool::new(false),
         threads_max: limits.threads,
         stack_bytes: limits.stack_bytes,
         thread_name: limits.thread_name,
@@ -391,12 +408,17 @@ impl Connection {
             self.server_bytes
                 .acquire_fair(bytes, &self.server_bytes_held, self.server_share_bytes);
         }
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        if self.in_flight.fetch_add(1, Ordering::SeqCst) == 0 {
+            spin::connection_busy();
+        }
     }
 
     fn release(&self, bytes: u64) {
         let before = self.in_flight.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "released a request that was not in flight");
+        if before == 1 {
+            spin::connection_idle();
+        }
         if bytes > RETAINED_BUFFER_BYTES as u64 {
             self.server_bytes_held.fetch_sub(bytes, Ordering::SeqCst);
             self.server_bytes.release(bytes);
@@ -411,6 +433,9 @@ impl Connection {
             before >= requests,
             "released requests that were not in flight"
         );
+        if before == requests && requests > 0 {
+            spin::connection_idle();
+        }
         self.budget.release_many(requests, bytes);
     }
 
@@ -452,12 +477,7 @@ impl Connection {
     /// after unlocking the input. A standby registers before it last tries the input, so
     /// either it sees the input free or this sees it registered.
     fn wake_standby(&self) -> bool {
-        if self.standby_waiters.load(Ordering::SeqCst) == 0 {
-            return false;
-        }
-        let _standby = sync::lock(&self.standby);
-        self.standby_wake.notify_one();
-        true
+        self.watch.wake_standby()
     }
 
     /// Lets this thread leave if it is not the last one; the others still read.
@@ -511,7 +531,9 @@ impl Connection {
                 return Led::Left;
             }
             if !scratch.batch.is_empty()
-                && (scratch.batch.is_full() || !self.holds_whole_request(&input))
+                && (scratch.batch.is_full()
+                    || !(self.holds_whole_request(&input)
+                        || input.receive_more() && self.holds_whole_request(&input)))
             {
                 self.flush(&mut scratch.batch);
             }
@@ -545,7 +567,7 @@ impl Connection {
                 scratch.payload.shrink();
                 return Led::GaveUp;
             }
-            if self.standby_waiters.load(Ordering::SeqCst) == 0
+            if self.watch.waiters.load(Ordering::SeqCst) == 0
                 && !self.standby_starting.swap(true, Ordering::SeqCst)
             {
                 // Requests sent after this one must not wait if this call gets stuck: keep a
@@ -554,10 +576,11 @@ impl Connection {
                     self.standby_starting.store(false, Ordering::SeqCst);
                 }
             }
-            self.leader_in_call.store(true, Ordering::SeqCst);
+            self.watch.in_call.store(true, Ordering::SeqCst);
+            self.watch.entering_call();
             drop(input);
             self.serve(&job, scratch);
-            self.leader_calls.fetch_add(1, Ordering::SeqCst);
+            self.watch.calls.fetch_add(1, Ordering::SeqCst);
             if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
                 // A lone large request also holds some of the server's budget.
                 self.flush(&mut scratch.batch);
@@ -568,7 +591,7 @@ impl Connection {
             }
             match self.try_lock_input() {
                 Some(again) => {
-                    self.leader_in_call.store(false, Ordering::SeqCst);
+                    self.watch.in_call.store(false, Ordering::SeqCst);
                     input = again;
                 }
                 None => {
@@ -589,46 +612,38 @@ impl Connection {
 
     /// Waits for the input: takes it if it is free and either `take_now`, or no reading
     /// thread is in an export call (the input is free because nobody reads); otherwise waits
-    /// as a standby, until a thread hands the input off (a wake-up), or until a
-    /// [`STALL_TICK`] passes in which no reading thread finished an export call while one is
-    /// in such a call (it is stuck, and the requests behind it wait: take the input over).
-    /// `None` if the thread should leave: [`STANDBY_QUIET_TICKS_MAX`] ticks with nothing in
-    /// flight.
+    /// as a standby, until a thread hands the input off or the watchdog finds the reading
+    /// thread stuck in an export call (both wake it: it takes the input over). `None` if the
+    /// thread should leave: woken by nothing for [`STANDBY_QUIET`] with nothing in flight.
     fn wait_for_input(&self, take_now: bool) -> Option<MutexGuard<'_, Input>> {
+        let watch = &*self.watch;
         let mut notified = take_now;
-        let mut seen_calls = None;
-        let mut quiet_ticks = 0;
-        let mut standby = sync::lock(&self.standby);
+        let mut timed_out = false;
+        let mut standby = sync::lock(&watch.standby);
         loop {
-            self.standby_waiters.fetch_add(1, Ordering::SeqCst);
+            watch.waiters.fetch_add(1, Ordering::SeqCst);
             // A thread started as a standby counts as one from here on.
             self.standby_starting.store(false, Ordering::SeqCst);
-            let calls = self.leader_calls.load(Ordering::SeqCst);
-            let stalled = seen_calls == Some(calls);
-            seen_calls = Some(calls);
-            if notified || stalled || !self.leader_in_call.load(Ordering::SeqCst) {
+            // After a quiet wait the input is tried in any case: a thread that panicked
+            // holding it woke nobody, and the poisoned lock ends the session (see
+            // `try_lock_input`).
+            if notified || timed_out || !watch.in_call.load(Ordering::SeqCst) {
                 if let Some(input) = self.try_lock_input() {
-                    self.standby_waiters.fetch_sub(1, Ordering::SeqCst);
+                    watch.waiters.fetch_sub(1, Ordering::SeqCst);
                     // This thread reads now, and is in no export call.
-                    self.leader_in_call.store(false, Ordering::SeqCst);
+                    watch.in_call.store(false, Ordering::SeqCst);
                     return Some(input);
                 }
             }
-            let (guard, wait) = sync::wait_timeout(&self.standby_wake, standby, STALL_TICK);
-            standby = guard;
-            self.standby_waiters.fetch_sub(1, Ordering::SeqCst);
-            notified = !wait.timed_out();
-            if notified {
-                continue;
-            }
-            if self.in_flight.load(Ordering::SeqCst) > 0 {
-                quiet_ticks = 0;
-                continue;
-            }
-            quiet_ticks += 1;
-            if quiet_ticks >= STANDBY_QUIET_TICKS_MAX && self.leave_if_not_last() {
+            if timed_out && self.in_flight.load(Ordering::SeqCst) == 0 && self.leave_if_not_last() {
+                watch.waiters.fetch_sub(1, Ordering::SeqCst);
                 return None;
             }
+            let (guard, wait) = sync::wait_timeout(&watch.wake, standby, STANDBY_QUIET);
+            standby = guard;
+            watch.waiters.fetch_sub(1, Ordering::SeqCst);
+            timed_out = wait.timed_out();
+            notified = !timed_out;
         }
     }
 

@@ -4,7 +4,8 @@
 //! whatever their size relative to the session's input and payload buffers.
 //! Method: an export wrapping a MemoryExport whose FLUSH and READs at one offset wait on a
 //! gate the test opens; the raw client pipelines requests behind the stuck one and checks the
-//! order of replies. Then one send carries seeded WRITEs from 512 bytes to 600 KiB (smaller
+//! order of replies, also after a pause long enough for the watchdog that finds stuck
+//! threads to fall asleep. Then one send carries seeded WRITEs from 512 bytes to 600 KiB (smaller
 //! and larger than the 64 KiB input buffer and the 256 KiB retained payload buffer), answered
 //! by cookie, and every byte is read back against a local model.
 #![allow(clippy::big_endian_bytes)]
@@ -194,6 +195,33 @@ fn a_read_stuck_in_the_middle_of_a_batch_is_overtaken_by_the_requests_after_it()
     }
     assert!(saw_slow);
     client.disconnect();
+}
+
+#[test]
+fn a_read_stuck_after_a_quiet_spell_is_overtaken_too() {
+    // The process's watchdog, which finds stuck reading threads, sleeps once no connection
+    // has been busy for 100 ms; a READ that gets stuck after a longer pause must wake it.
+    // (Other tests of this binary may keep it awake: then this is the ordinary case.)
+    for mode in [Mode::Simple, Mode::Extended] {
+        let (server, export) = serve_gated();
+        let (mut client, _, _, _) = Client::negotiate(&server.socket, "gated", mode, false);
+        client.write(0, &pattern(6, 4 * 4096));
+        std::thread::sleep(Duration::from_millis(400));
+        let slow_read = client.send_request(CMD_READ, 0, SLOW_OFFSET, 4096, &[]);
+        export.wait_for_waiters(1);
+        for index in 0..4u64 {
+            let read = client.send_request(CMD_READ, 0, index * 4096, 4096, &[]);
+            let reply = client.read_completed();
+            assert_eq!(reply.cookie, read, "a later READ waited for the stuck one");
+            assert_eq!(
+                reply.data,
+                pattern(6, 4 * 4096)[index as usize * 4096..][..4096]
+            );
+        }
+        export.open();
+        assert_eq!(client.read_completed().cookie, slow_read);
+        client.disconnect();
+    }
 }
 
 #[test]

@@ -33,9 +33,12 @@
 //! - a read timeout (the connection is quiet) sets it to 0.
 //!
 //! Spinning threads are limited process-wide to half the CPUs ([`Slot`]), so spinning
-//! connections never take every CPU from the clients and the threads that serve.
+//! connections never take every CPU from the clients and the threads that serve; and a
+//! thread spins for its next request only while no other connection has requests in flight
+//! ([`others_busy`]): the measurement above sees only its own connection's wait, not the CPU
+//! its spin takes from the others.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicIsize, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -192,6 +195,29 @@ impl Spin {
             "spin epoch"
         );
     }
+}
+
+/// Connections of the process with requests in flight now: counted up when a connection's
+/// count of requests in flight leaves 0 and down when it returns to 0 (the two may be seen
+/// in either order, so the count may dip below 0 for a moment).
+static BUSY_CONNECTIONS: AtomicIsize = AtomicIsize::new(0);
+
+/// A connection's first request in flight (its count left 0).
+pub(super) fn connection_busy() {
+    BUSY_CONNECTIONS.fetch_add(1, Ordering::AcqRel);
+}
+
+/// A connection's last request in flight answered (its count returned to 0).
+pub(super) fn connection_idle() {
+    BUSY_CONNECTIONS.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// True while some connection has requests in flight. A thread whose own connection has
+/// none spins for its next request only if this is false: the CPU a spin burns is then
+/// idle, whereas with other connections busy it is theirs and their clients' (with 16
+/// busy connections on 2 CPUs, spinning took a quarter of the server's CPU).
+pub(super) fn others_busy() -> bool {
+    BUSY_CONNECTIONS.load(Ordering::Acquire) > 0
 }
 
 /// Threads spinning now, over the whole process.
