@@ -6,7 +6,7 @@
 //! current commit); blocks being changed in a transaction live in the transaction manager
 //! until they are written. Callers share cached blocks as `Arc<Block>`.
 
-use crate::block::{zeroed_block, Block, MetadataBlock, BLOCK_SIZE};
+use crate::block::{Block, MetadataBlock, BLOCK_SIZE};
 use crate::checksum::{self, BlockKind};
 use crate::error::{Error, Result};
 use crate::io::BlockDevice;
@@ -141,15 +141,17 @@ impl BlockManager {
         if block.get() >= count {
             return Err(beyond_device(block, count));
         }
-        let mut data = zeroed_block();
+        // Read in place: `Arc::from` a boxed block would copy it.
+        let mut data = Arc::new([0u8; BLOCK_SIZE]);
+        let buf = Arc::get_mut(&mut data).expect("a new block is not shared");
         self.device
-            .read(block, &mut data)
+            .read(block, buf)
             .map_err(|source| Error::Io {
                 operation: "read",
                 block,
                 source,
             })?;
-        Ok(Arc::from(data))
+        Ok(data)
     }
 
     /// Read the consecutive blocks from `first`, one into each of `buffers` (whose
