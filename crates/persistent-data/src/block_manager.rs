@@ -144,13 +144,11 @@ impl BlockManager {
         // Read in place: `Arc::from` a boxed block would copy it.
         let mut data = Arc::new([0u8; BLOCK_SIZE]);
         let buf = Arc::get_mut(&mut data).expect("a new block is not shared");
-        self.device
-            .read(block, buf)
-            .map_err(|source| Error::Io {
-                operation: "read",
-                block,
-                source,
-            })?;
+        self.device.read(block, buf).map_err(|source| Error::Io {
+            operation: "read",
+            block,
+            source,
+        })?;
         Ok(data)
     }
 

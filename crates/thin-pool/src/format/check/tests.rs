@@ -252,6 +252,8 @@ fn the_reader_queues_every_node_in_walk_order() {
     let queue = ReadAhead::new(bm.block_count());
     std::thread::scope(|scope| {
         scope.spawn(|| queue.run(&bm, bm.block_count()));
+        // Stop the reader however the test ends (a failed assertion included).
+        let finish = Finish(&queue);
         queue.trees(roots.clone());
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut spares = Vec::new();
@@ -271,6 +273,6 @@ fn the_reader_queues_every_node_in_walk_order() {
             rest = &rest[batch..];
         }
         assert_eq!(queue.served(), expected.len() as u64);
-        queue.finish();
+        drop(finish);
     });
 }
