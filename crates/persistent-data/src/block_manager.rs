@@ -6,7 +6,7 @@
 //! current commit); blocks being changed in a transaction live in the transaction manager
 //! until they are written. Callers share cached blocks as `Arc<Block>`.
 
-use crate::block::{zeroed_block, Block, MetadataBlock};
+use crate::block::{Block, MetadataBlock, BLOCK_SIZE};
 use crate::checksum::{self, BlockKind};
 use crate::error::{Error, Result};
 use crate::io::BlockDevice;
@@ -69,6 +69,14 @@ pub fn stored_location(data: &Block) -> u64 {
     u64::from_le_bytes(bytes)
 }
 
+/// The error for a block beyond the device.
+fn beyond_device(block: MetadataBlock, count: u64) -> Error {
+    Error::corrupt(
+        block,
+        format!("reference beyond the end of the metadata device ({count} blocks)"),
+    )
+}
+
 /// Check a block's checksum and self-location.
 pub fn validate(block: MetadataBlock, data: &Block, kind: BlockKind) -> Result<()> {
     let stored = checksum::stored(data);
@@ -124,22 +132,69 @@ impl BlockManager {
         if let Some((data, _)) = self.lock().blocks.get(&block) {
             return Ok(data.clone());
         }
+        self.read_device(block)
+    }
+
+    /// Read a block from the device, past the cache.
+    fn read_device(&self, block: MetadataBlock) -> Result<Arc<Block>> {
         let count = self.device.block_count();
         if block.get() >= count {
-            return Err(Error::corrupt(
-                block,
-                format!("reference beyond the end of the metadata device ({count} blocks)"),
-            ));
+            return Err(beyond_device(block, count));
         }
-        let mut data = zeroed_block();
-        self.device
-            .read(block, &mut data)
-            .map_err(|source| Error::Io {
-                operation: "read",
-                block,
-                source,
-            })?;
-        Ok(Arc::from(data))
+        // Read in place: `Arc::from` a boxed block would copy it.
+        let mut data = Arc::new([0u8; BLOCK_SIZE]);
+        let buf = Arc::get_mut(&mut data).expect("a new block is not shared");
+        self.device.read(block, buf).map_err(|source| Error::Io {
+            operation: "read",
+            block,
+            source,
+        })?;
+        Ok(data)
+    }
+
+    /// Read the consecutive blocks from `first`, one into each of `buffers` (whose
+    /// contents are overwritten; a buffer shared with another `Arc` is replaced by a new
+    /// one), with one device request ([`BlockDevice::read_blocks`]), and validate each as
+    /// `kind`, past the cache (neither looked up nor filled: for a reader that reads each
+    /// block once, such as the checker reading ahead of its walk, which recycles its
+    /// buffers). Each block gets the result [`BlockManager::read`] would give it: if the
+    /// request fails, or the run passes the end of the device, the blocks are read one by
+    /// one so that each error names its block.
+    pub fn read_run(
+        &self,
+        first: MetadataBlock,
+        mut buffers: Vec<Arc<Block>>,
+        kind: BlockKind,
+    ) -> Vec<Result<Arc<Block>>> {
+        let location = |i: usize| MetadataBlock::new(first.get() + i as u64);
+        let in_device = first
+            .get()
+            .checked_add(buffers.len() as u64)
+            .is_some_and(|end| end <= self.device.block_count());
+        if in_device {
+            let mut bufs: Vec<&mut Block> = buffers
+                .iter_mut()
+                .map(|data| {
+                    if Arc::get_mut(data).is_none() {
+                        *data = Arc::new([0u8; BLOCK_SIZE]);
+                    }
+                    Arc::get_mut(data).expect("a new block is not shared")
+                })
+                .collect();
+            if self.device.read_blocks(first, &mut bufs).is_ok() {
+                return buffers
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, data)| validate(location(i), &data, kind).map(|()| data))
+                    .collect();
+            }
+        }
+        (0..buffers.len())
+            .map(|i| {
+                let data = self.read_device(location(i))?;
+                validate(location(i), &data, kind).map(|()| data)
+            })
+            .collect()
     }
 
     /// Read a block and validate it as `kind`. Only valid blocks enter the cache.
@@ -239,5 +294,46 @@ mod tests {
         assert!(err.to_string().contains("block 2"), "{err}");
         let err = bm.read(MetadataBlock::new(9), BlockKind::Node).unwrap_err();
         assert!(err.is_corruption(), "{err}");
+    }
+
+    #[test]
+    fn read_run_validates_each_block_like_read() {
+        let device = Arc::new(MemoryDevice::new(8));
+        for b in 0..8 {
+            device
+                .write(MetadataBlock::new(b), &stamped(b, BlockKind::Node, b as u8))
+                .unwrap();
+        }
+        // Block 3 claims to live elsewhere, block 5 is a bitmap.
+        device
+            .write(MetadataBlock::new(3), &stamped(4, BlockKind::Node, 3))
+            .unwrap();
+        device
+            .write(MetadataBlock::new(5), &stamped(5, BlockKind::Bitmap, 5))
+            .unwrap();
+        let bm = BlockManager::new(device, 4);
+        let shared = Arc::new([9u8; crate::BLOCK_SIZE]);
+        let mut buffers: Vec<Arc<Block>> =
+            (0..6).map(|_| Arc::new([7u8; crate::BLOCK_SIZE])).collect();
+        buffers[1] = shared.clone();
+        let run = bm.read_run(MetadataBlock::new(1), buffers, BlockKind::Node);
+        assert_eq!(run.len(), 6);
+        for (i, result) in run.iter().enumerate() {
+            let block = MetadataBlock::new(1 + i as u64);
+            match (result, bm.read(block, BlockKind::Node)) {
+                (Ok(data), Ok(expected)) => assert_eq!(data[..], expected[..], "{block}"),
+                (Err(e), Err(expected)) => assert_eq!(e.to_string(), expected.to_string()),
+                (got, expected) => panic!("{block}: {got:?} vs {expected:?}"),
+            }
+        }
+        assert!(run[2].as_ref().unwrap_err().is_corruption());
+        assert!(matches!(run[4], Err(Error::Checksum { .. })));
+        assert_eq!(shared[0], 9, "a shared buffer is not written");
+        assert!(bm.lock().blocks.len() <= 4);
+        // Past the end of the device: the blocks inside are read, the others refused.
+        let buffers = (0..3).map(|_| Arc::new([0u8; crate::BLOCK_SIZE])).collect();
+        let run = bm.read_run(MetadataBlock::new(6), buffers, BlockKind::Node);
+        assert!(run[0].is_ok() && run[1].is_ok());
+        assert!(run[2].as_ref().unwrap_err().is_corruption());
     }
 }

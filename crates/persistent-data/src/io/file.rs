@@ -134,6 +134,44 @@ impl BlockDevice for FileDevice {
         self.file.read_exact_at(buf, block.byte_offset())
     }
 
+    /// One `preadv` for the whole run (a short read is finished with `pread`s).
+    fn read_blocks(&self, first: MetadataBlock, bufs: &mut [&mut Block]) -> io::Result<()> {
+        let count = self.block_count();
+        let end = first.get().saturating_add(bufs.len() as u64);
+        if end > count {
+            return Err(out_of_range(MetadataBlock::new(end - 1).max(first), count));
+        }
+        let total = bufs.len() * BLOCK_SIZE;
+        let mut done = 0;
+        // Whole runs go in one call, at most IOV_MAX (1024) buffers each.
+        for chunk in bufs.chunks_mut(1024) {
+            let offset = first.byte_offset() + done as u64;
+            let mut slices: Vec<io::IoSliceMut<'_>> = chunk
+                .iter_mut()
+                .map(|buf| io::IoSliceMut::new(&mut buf[..]))
+                .collect();
+            let read = loop {
+                match rustix::io::preadv(&self.file, &mut slices, offset) {
+                    Ok(read) => break read,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            };
+            drop(slices);
+            let chunk_bytes = chunk.len() * BLOCK_SIZE;
+            let mut filled = read;
+            while filled < chunk_bytes {
+                let (index, within) = (filled / BLOCK_SIZE, filled % BLOCK_SIZE);
+                let at = offset + filled as u64;
+                self.file.read_exact_at(&mut chunk[index][within..], at)?;
+                filled += BLOCK_SIZE - within;
+            }
+            done += chunk_bytes;
+        }
+        debug_assert_eq!(done, total);
+        Ok(())
+    }
+
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
         let count = self.block_count();
         if block.get() >= count {

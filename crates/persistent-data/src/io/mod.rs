@@ -26,6 +26,16 @@ pub trait BlockDevice: Send + Sync {
     fn block_count(&self) -> u64;
     /// Read one block into `buf`.
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()>;
+    /// Read the consecutive blocks `first..first + bufs.len()` into `bufs`, in one request
+    /// where the device can (a file: one `preadv`), as a reader of runs of blocks wants (the
+    /// checker). The default reads them one by one; either way a block outside the device
+    /// is an error and nothing is read past it.
+    fn read_blocks(&self, first: MetadataBlock, bufs: &mut [&mut Block]) -> io::Result<()> {
+        for (i, buf) in bufs.iter_mut().enumerate() {
+            self.read(MetadataBlock::new(first.get() + i as u64), buf)?;
+        }
+        Ok(())
+    }
     /// Write one block from `buf`.
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()>;
     /// Make every completed write durable.
@@ -44,6 +54,9 @@ impl<T: BlockDevice + ?Sized> BlockDevice for std::sync::Arc<T> {
     }
     fn read(&self, block: MetadataBlock, buf: &mut Block) -> io::Result<()> {
         (**self).read(block, buf)
+    }
+    fn read_blocks(&self, first: MetadataBlock, bufs: &mut [&mut Block]) -> io::Result<()> {
+        (**self).read_blocks(first, bufs)
     }
     fn write(&self, block: MetadataBlock, buf: &Block) -> io::Result<()> {
         (**self).write(block, buf)

@@ -25,11 +25,28 @@ enum Small {
     Sparse(HashMap<u64, u8>),
 }
 
+/// A zeroed vector of `n` elements for a walk that will write to about `in_use` of them
+/// (a count read from disk). When that is at least half, it is written through up front,
+/// so that each page faults in once, for writing: a page read first maps the zero page,
+/// and the write that follows faults again and, with the read-ahead thread running,
+/// flushes the other CPU's TLB (by interrupt). Otherwise pages stay untouched until used,
+/// so that a large, mostly empty device costs no memory for its empty part.
+pub(super) fn zeroed<T: Copy + Default>(n: usize, in_use: u64) -> Vec<T> {
+    if in_use.saturating_mul(2) >= n as u64 {
+        let mut v = Vec::with_capacity(n);
+        v.resize(n, T::default());
+        v
+    } else {
+        vec![T::default(); n]
+    }
+}
+
 impl Counts {
-    /// Counts for `block_count` blocks: dense up to `dense_max` blocks, sparse beyond.
-    pub(super) fn new(block_count: u64, dense_max: u64) -> Counts {
+    /// Counts for `block_count` blocks: dense up to `dense_max` blocks, sparse beyond;
+    /// about `in_use` of them will be counted (see [`zeroed`]).
+    pub(super) fn new(block_count: u64, dense_max: u64, in_use: u64) -> Counts {
         let small = match usize::try_from(block_count) {
-            Ok(n) if block_count <= dense_max => Small::Dense(vec![0; n]),
+            Ok(n) if block_count <= dense_max => Small::Dense(zeroed(n, in_use)),
             _ => Small::Sparse(HashMap::new()),
         };
         Counts {
@@ -46,6 +63,24 @@ impl Counts {
     /// Add one reference to `block` (ignored at or beyond `len()`: callers refuse those).
     #[inline]
     pub(super) fn inc(&mut self, block: u64) {
+        // The walk's innermost step, once per mapping: a dense count below 254 (nothing to
+        // record in the map) inline, everything else out of line.
+        if let Small::Dense(v) = &mut self.small {
+            if block < self.len {
+                if let Some(slot) = v.get_mut(block as usize) {
+                    if *slot < u8::MAX - 1 {
+                        *slot += 1;
+                        return;
+                    }
+                }
+            }
+        }
+        self.inc_rest(block);
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn inc_rest(&mut self, block: u64) {
         if block >= self.len {
             return;
         }
@@ -99,7 +134,7 @@ mod tests {
     #[test]
     fn dense_and_sparse_count_alike() {
         for dense_max in [0, 1 << 20] {
-            let mut counts = Counts::new(1000, dense_max);
+            let mut counts = Counts::new(1000, dense_max, 0);
             for _ in 0..300 {
                 counts.inc(7);
             }
@@ -119,8 +154,19 @@ mod tests {
     }
 
     #[test]
+    fn zeroed_vectors_are_zero_either_way() {
+        for in_use in [0, 10, 1000] {
+            assert_eq!(zeroed::<u8>(20, in_use), vec![0u8; 20]);
+            assert_eq!(zeroed::<u32>(20, in_use), vec![0u32; 20]);
+        }
+        let mut counts = Counts::new(100, DENSE_MAX, 100);
+        counts.inc(99);
+        assert_eq!((counts.get(99), counts.get(98)), (1, 0));
+    }
+
+    #[test]
     fn a_huge_count_allocates_nothing_up_front() {
-        let mut counts = Counts::new(u64::MAX, DENSE_MAX);
+        let mut counts = Counts::new(u64::MAX, DENSE_MAX, u64::MAX);
         counts.inc(1 << 40);
         assert_eq!(counts.get(1 << 40), 1);
         assert_eq!(counts.len(), u64::MAX);

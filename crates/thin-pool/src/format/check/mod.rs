@@ -24,17 +24,26 @@
 //! (0.9.0 calls that non-fatal too). Reference counts are compared only when the trees
 //! were walked without a fatal problem (a broken tree makes every count below it suspect).
 //!
+//! Two threads: the walk (every rule, every count, every problem, in one thread, so the
+//! report is deterministic) and a reader that reads the volumes' trees and the data space
+//! map's bitmaps ahead of it, in the walk's order, in runs of consecutive blocks, and
+//! validates their checksums (`read_ahead`). The walk takes what the reader queued and
+//! reads anything else itself: the report is the same with or without the reader.
+//!
 //! Files: `superblock` (block 0 and the metadata snapshot's), `trees` (details and mapping
 //! trees of one superblock), `space_map` (stored counts against recomputed ones), `tree`
-//! (the btree walk all of them use), `counts` (the recomputed reference counts), `report`
-//! (what is found).
+//! (the btree walk all of them use), `counts` (the recomputed reference counts),
+//! `read_ahead` (the reader thread), `report` (what is found).
 //!
 //! Callers: the `thinpool check` command, and tests that run it after every commit.
 
 mod counts;
+mod read_ahead;
 mod report;
 mod space_map;
 mod superblock;
+#[cfg(test)]
+mod tests;
 mod tree;
 mod trees;
 
@@ -46,6 +55,7 @@ use persistent_data::block_manager::BlockManager;
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::BlockDevice;
+use read_ahead::ReadAhead;
 use std::fmt;
 use std::sync::Arc;
 use tree::Walker;
@@ -133,6 +143,17 @@ pub fn check(
     options: &CheckOptions,
     progress: &mut dyn FnMut(Progress),
 ) -> Report {
+    check_with(device, options, true, progress).0
+}
+
+/// [`check`], reading ahead on a second thread or not; also returns how many blocks the
+/// walk took from the read-ahead.
+fn check_with(
+    device: Arc<dyn BlockDevice>,
+    options: &CheckOptions,
+    read_ahead: bool,
+    progress: &mut dyn FnMut(Progress),
+) -> (Report, u64) {
     let bm = BlockManager::new(device, CACHE_BLOCKS);
     let mut report = Report::default();
     progress(Progress {
@@ -141,10 +162,10 @@ pub fn check(
         total_blocks: 0,
     });
     let Some(sb) = superblock::read_live(&bm, &mut report) else {
-        return report;
+        return (report, 0);
     };
     if options.super_block_only {
-        return report;
+        return (report, 0);
     }
     let device_blocks = bm.block_count();
     let metadata_blocks = sb.metadata_space_map.block_count;
@@ -156,12 +177,60 @@ pub fn check(
                 "metadata space map has {metadata_blocks} blocks; the device has {device_blocks} (at most {METADATA_BLOCKS_MAX} usable)"
             ),
         ));
-        return report;
+        return (report, 0);
     }
+    let queue = ReadAhead::new(metadata_blocks);
+    std::thread::scope(|scope| {
+        // Without a thread (none could be started), the walk reads every block itself.
+        let reader = read_ahead
+            .then(|| {
+                std::thread::Builder::new()
+                    .name("check-read-ahead".to_string())
+                    .spawn_scoped(scope, || queue.run(&bm, metadata_blocks))
+                    .ok()
+            })
+            .flatten();
+        // The reader stops when the walk ends, however it ends (a panic included: the
+        // scope joins the reader before unwinding further).
+        let finish = Finish(&queue);
+        let report = walk(
+            &bm,
+            reader.as_ref().map(|_| &queue),
+            &sb,
+            options,
+            report,
+            progress,
+        );
+        drop(finish);
+        (report, queue.served())
+    })
+}
+
+/// Stops the reader thread when dropped.
+struct Finish<'a>(&'a ReadAhead);
+
+impl Drop for Finish<'_> {
+    fn drop(&mut self) {
+        self.0.finish();
+    }
+}
+
+/// Everything after the superblock: the trees, then the space maps.
+fn walk(
+    bm: &BlockManager,
+    read_ahead: Option<&ReadAhead>,
+    sb: &superblock_codec::Superblock,
+    options: &CheckOptions,
+    report: Report,
+    progress: &mut dyn FnMut(Progress),
+) -> Report {
+    let metadata_blocks = sb.metadata_space_map.block_count;
     let bottom_leaf_occupancy = options.leaf_occupancy == LeafOccupancy::Strict;
     let mut walker = Walker::new(
-        &bm,
+        bm,
+        read_ahead,
         metadata_blocks,
+        sb.metadata_space_map.allocated_count,
         bottom_leaf_occupancy,
         report,
         progress,
@@ -169,7 +238,7 @@ pub fn check(
     walker.total_blocks = sb.metadata_space_map.allocated_count;
     // The live superblock's implicit reference.
     walker.counts.inc(0);
-    let snapshot = superblock::read_snapshot(&mut walker, &sb);
+    let snapshot = superblock::read_snapshot(&mut walker, sb);
     if options.metadata_snap {
         match snapshot {
             Some(snap) => trees::check(&mut walker, &snap, options, None),
@@ -187,20 +256,21 @@ pub fn check(
         return walker.report;
     }
     let data_block_count = sb.data_space_map.block_count;
-    let data_sm_plausible = check_data_size(&mut walker, &sb, options, metadata_blocks);
+    let data_sm_plausible = check_data_size(&mut walker, sb, options, metadata_blocks);
     // Dense counts for what the data device (or a modest default) holds; a larger count
     // read from disk gets a sparse map, bounded by the mappings actually found.
-    let data_device_blocks = data_device_blocks(&sb, options).unwrap_or(0);
+    let data_device_blocks = data_device_blocks(sb, options).unwrap_or(0);
     let dense_max = counts::DENSE_MAX.max(data_device_blocks);
-    let mut data_counts = Counts::new(data_block_count, dense_max);
-    trees::check(&mut walker, &sb, options, Some(&mut data_counts));
+    let data_in_use = sb.data_space_map.allocated_count;
+    let mut data_counts = Counts::new(data_block_count, dense_max, data_in_use);
+    trees::check(&mut walker, sb, options, Some(&mut data_counts));
     if let Some(snap) = &snapshot {
         trees::check(&mut walker, snap, options, Some(&mut data_counts));
     }
     if options.skip_mappings {
         return walker.report;
     }
-    space_map::check(&mut walker, &sb, &data_counts, data_sm_plausible);
+    space_map::check(&mut walker, sb, &data_counts, data_sm_plausible);
     walker.report
 }
 

@@ -44,7 +44,7 @@ pub(super) fn check(
         structural_fatal,
         walker.report.fatal_count == after_data,
     ) {
-        let expected = std::mem::replace(&mut walker.counts, Counts::new(0, 0));
+        let expected = std::mem::replace(&mut walker.counts, Counts::new(0, 0, 0));
         compare_counts(walker, Structure::MetadataSpaceMap, &stored, &expected);
         walker.counts = expected;
     }
@@ -214,6 +214,10 @@ pub(super) fn compare_counts(
     expected: &Counts,
 ) {
     let mut tally = Tally::default();
+    walker.read_ahead_blocks(
+        stored.bitmaps.iter().flatten().copied().collect(),
+        BlockKind::Bitmap,
+    );
     for (index, location) in stored.bitmaps.iter().enumerate() {
         let Some(location) = *location else { continue };
         let Some(data) = walker.read(location, BlockKind::Bitmap, structure, None) else {

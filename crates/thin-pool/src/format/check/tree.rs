@@ -8,7 +8,8 @@
 //! so a shared volume tree's `mapped_blocks` can be compared without walking it again).
 //! The walk itself recurses at most [`MAX_DEPTH`] levels.
 
-use super::counts::Counts;
+use super::counts::{zeroed, Counts};
+use super::read_ahead::ReadAhead;
 use super::report::{Problem, Report, Rule, Severity, Structure};
 use super::{Phase, Progress};
 use crate::ids::VolumeId;
@@ -68,9 +69,15 @@ pub(super) type ValueProblem = (Rule, String, Option<u64>);
 pub(super) type ValueVisitor<'v> =
     dyn FnMut(MetadataBlock, u64, &[u8]) -> Option<ValueProblem> + 'v;
 
+/// Sees each leaf (its block, the node) once; pushes the problems of its entries, in entry
+/// order. For a tree with many entries, one call per leaf rather than per entry.
+pub(super) type LeafVisitor<'v> = dyn FnMut(MetadataBlock, &Node<'_>, &mut Vec<ValueProblem>) + 'v;
+
 /// `height` marks: not visited yet, being walked (a pointer back to it is a cycle), or
 /// broken (already reported). Other values are height + 1.
 const UNVISITED: u8 = 0;
+// The marks start zeroed.
+const _: () = assert!(UNVISITED == 0);
 const IN_PROGRESS: u8 = 254;
 const BROKEN: u8 = 255;
 
@@ -80,6 +87,10 @@ const PROGRESS_INTERVAL_NODES: u64 = 1024;
 /// What a walk keeps: expected metadata counts and per-node memos.
 pub(super) struct Walker<'a> {
     pub(super) bm: &'a BlockManager,
+    /// Blocks read ahead by another thread, if one runs.
+    read_ahead: Option<&'a ReadAhead>,
+    /// Blocks the walk is done with, for the reader to reuse.
+    spares: Vec<std::sync::Arc<persistent_data::Block>>,
     /// Expected metadata reference counts, sized by the metadata space map.
     pub(super) counts: Counts,
     height: Vec<u8>,
@@ -95,7 +106,9 @@ pub(super) struct Walker<'a> {
 impl<'a> Walker<'a> {
     pub(super) fn new(
         bm: &'a BlockManager,
+        read_ahead: Option<&'a ReadAhead>,
         block_count: u64,
+        in_use: u64,
         bottom_leaf_occupancy: bool,
         report: Report,
         progress: &'a mut dyn FnMut(Progress),
@@ -104,9 +117,11 @@ impl<'a> Walker<'a> {
         let n = usize::try_from(block_count).unwrap_or(0);
         Walker {
             bm,
-            counts: Counts::new(block_count, u64::MAX),
-            height: vec![UNVISITED; n],
-            entries: vec![0; n],
+            read_ahead,
+            spares: Vec::new(),
+            counts: Counts::new(block_count, u64::MAX, in_use),
+            height: zeroed(n, in_use),
+            entries: zeroed(n, in_use),
             bottom_leaf_occupancy,
             report,
             progress,
@@ -174,7 +189,24 @@ impl<'a> Walker<'a> {
         true
     }
 
-    /// Read `block` as `kind`, turning failures into problems.
+    /// Have the trees under `roots` read ahead (if a reader runs), in the order they will
+    /// be walked.
+    pub(super) fn read_ahead_trees(&self, roots: Vec<u64>) {
+        if let Some(read_ahead) = self.read_ahead {
+            read_ahead.trees(roots);
+        }
+    }
+
+    /// Have `blocks` read ahead as `kind` (if a reader runs), in the order they will be
+    /// read.
+    pub(super) fn read_ahead_blocks(&self, blocks: Vec<u64>, kind: BlockKind) {
+        if let Some(read_ahead) = self.read_ahead {
+            read_ahead.blocks(blocks, kind);
+        }
+    }
+
+    /// Read `block` as `kind` (from the blocks read ahead, if it is there), turning
+    /// failures into problems.
     pub(super) fn read(
         &mut self,
         block: u64,
@@ -182,6 +214,11 @@ impl<'a> Walker<'a> {
         structure: Structure,
         volume: Option<VolumeId>,
     ) -> Option<std::sync::Arc<persistent_data::Block>> {
+        if let Some(read_ahead) = self.read_ahead {
+            if let Some(data) = read_ahead.take(block, kind, &mut self.spares) {
+                return Some(data);
+            }
+        }
         match self.bm.read(MetadataBlock::new(block), kind) {
             Ok(data) => Some(data),
             Err(error) => {
@@ -217,6 +254,23 @@ impl<'a> Walker<'a> {
         root: u64,
         kind: TreeKind,
         visit: &mut ValueVisitor<'_>,
+    ) -> Option<u64> {
+        let mut each_entry = |block: MetadataBlock, node: &Node<'_>, problems: &mut Vec<_>| {
+            for i in 0..node.len() {
+                if let Some(problem) = visit(block, node.key(i), node.value_bytes(i)) {
+                    problems.push(problem);
+                }
+            }
+        };
+        self.walk_leaves(root, kind, &mut each_entry)
+    }
+
+    /// [`Walker::walk`], `visit` seeing each leaf whole.
+    pub(super) fn walk_leaves(
+        &mut self,
+        root: u64,
+        kind: TreeKind,
+        visit: &mut LeafVisitor<'_>,
     ) -> Option<u64> {
         self.node(root, kind, None, None, 0, visit)
             .map(|(_, entries)| entries)
@@ -327,7 +381,7 @@ impl<'a> Walker<'a> {
         lower: Option<u64>,
         upper: Option<u64>,
         depth: usize,
-        visit: &mut ValueVisitor<'_>,
+        visit: &mut LeafVisitor<'_>,
     ) -> Option<(u8, u64)> {
         let index = block as usize;
         match self.height[index] {
@@ -375,7 +429,7 @@ impl<'a> Walker<'a> {
         lower: Option<u64>,
         upper: Option<u64>,
         depth: usize,
-        visit: &mut ValueVisitor<'_>,
+        visit: &mut LeafVisitor<'_>,
     ) -> Option<(u8, u64)> {
         let data = self.read(block, BlockKind::Node, kind.structure(), kind.volume())?;
         self.count_node();
@@ -395,15 +449,24 @@ impl<'a> Walker<'a> {
         }
         if node.is_leaf() {
             self.visit_leaf(block, kind, &node, visit);
-            return Some((0, node.len() as u64));
+            let entries = node.len() as u64;
+            self.give_back(data);
+            return Some((0, entries));
         }
         // Copy the children out: the block's buffer is released before descending, so the
         // walk holds at most one block per level.
         let children: Vec<(u64, u64)> = (0..node.len())
             .map(|i| (node.key(i), node.child(i).get()))
             .collect();
-        drop(data);
+        self.give_back(data);
         self.descend(block, kind, &children, upper, depth, visit)
+    }
+
+    /// Done with `data`: the reader may read into it again, if nobody else holds it.
+    fn give_back(&mut self, data: std::sync::Arc<persistent_data::Block>) {
+        if self.read_ahead.is_some() && std::sync::Arc::strong_count(&data) == 1 {
+            self.spares.push(data);
+        }
     }
 
     /// One more node read: report progress every [`PROGRESS_INTERVAL_NODES`].
@@ -473,28 +536,26 @@ impl<'a> Walker<'a> {
         true
     }
 
-    /// Show every entry of a leaf to `visit`, reporting what it finds.
+    /// Show a leaf to `visit`, reporting what it finds.
     fn visit_leaf(
         &mut self,
         block: u64,
         kind: TreeKind,
         node: &Node<'_>,
-        visit: &mut ValueVisitor<'_>,
+        visit: &mut LeafVisitor<'_>,
     ) {
-        for i in 0..node.len() {
-            if let Some((rule, detail, data_block)) =
-                visit(MetadataBlock::new(block), node.key(i), node.value_bytes(i))
-            {
-                self.report.push(Problem {
-                    severity: Severity::Fatal,
-                    structure: kind.structure(),
-                    volume: kind.volume(),
-                    block: Some(block),
-                    data_block,
-                    rule,
-                    detail,
-                });
-            }
+        let mut problems = Vec::new();
+        visit(MetadataBlock::new(block), node, &mut problems);
+        for (rule, detail, data_block) in problems {
+            self.report.push(Problem {
+                severity: Severity::Fatal,
+                structure: kind.structure(),
+                volume: kind.volume(),
+                block: Some(block),
+                data_block,
+                rule,
+                detail,
+            });
         }
     }
 
@@ -507,7 +568,7 @@ impl<'a> Walker<'a> {
         children: &[(u64, u64)],
         upper: Option<u64>,
         depth: usize,
-        visit: &mut ValueVisitor<'_>,
+        visit: &mut LeafVisitor<'_>,
     ) -> Option<(u8, u64)> {
         let (structure, volume) = (kind.structure(), kind.volume());
         let mut height: Option<u8> = None;

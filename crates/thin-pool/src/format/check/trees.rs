@@ -5,11 +5,12 @@
 
 use super::counts::Counts;
 use super::report::{Rule, Severity, Structure};
-use super::tree::{TreeKind, Walker};
+use super::tree::{TreeKind, ValueProblem, Walker};
 use super::{CheckOptions, Phase};
 use crate::format::details::DeviceDetails;
 use crate::format::superblock::Superblock;
 use crate::ids::{BlockTime, VolumeId};
+use persistent_data::btree::node::Node;
 use persistent_data::btree::Value;
 use persistent_data::MetadataBlock;
 use std::collections::BTreeMap;
@@ -71,6 +72,7 @@ pub(super) fn check(
     if options.skip_mappings {
         return;
     }
+    walker.read_ahead_trees(roots.iter().map(|&(_, root)| root).collect());
     for (key, root) in roots {
         let mapped_blocks = details.get(&key).map(|d| d.mapped_blocks);
         check_volume(
@@ -98,23 +100,27 @@ fn check_volume(
         return;
     }
     let data_block_count = data_counts.as_ref().map_or(u64::MAX, |c| c.len());
-    let mut visit = |_: MetadataBlock, vb: u64, value: &[u8]| {
-        let data_block = BlockTime::unpack(u64::unpack(value)).data_block().get();
-        if data_block >= data_block_count {
-            return Some((
-                Rule::DataBlockOutOfRange,
-                format!(
-                    "virtual block {vb} maps to data block {data_block}, beyond the data space map's {data_block_count} blocks"
-                ),
-                Some(data_block),
-            ));
+    // One call per leaf: the loop over its mappings is the check's innermost.
+    let mut visit = |_: MetadataBlock, node: &Node<'_>, problems: &mut Vec<ValueProblem>| {
+        for i in 0..node.len() {
+            let data_block = BlockTime::unpack(u64::unpack(node.value_bytes(i)))
+                .data_block()
+                .get();
+            if data_block >= data_block_count {
+                let vb = node.key(i);
+                problems.push((
+                    Rule::DataBlockOutOfRange,
+                    format!(
+                        "virtual block {vb} maps to data block {data_block}, beyond the data space map's {data_block_count} blocks"
+                    ),
+                    Some(data_block),
+                ));
+            } else if let Some(counts) = data_counts.as_deref_mut() {
+                counts.inc(data_block);
+            }
         }
-        if let Some(counts) = data_counts.as_deref_mut() {
-            counts.inc(data_block);
-        }
-        None
     };
-    let Some(mappings) = walker.walk(root, TreeKind::Bottom(volume), &mut visit) else {
+    let Some(mappings) = walker.walk_leaves(root, TreeKind::Bottom(volume), &mut visit) else {
         return;
     };
     if is_live {
