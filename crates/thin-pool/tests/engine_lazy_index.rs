@@ -10,7 +10,9 @@
 
 mod engine_kit;
 
-use engine_kit::{check_metadata, deterministic_options, MemoryParts};
+use engine_kit::{
+    assert_volumes_match, check_metadata, deterministic_options, MemoryParts, VolumeModel,
+};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
 use thin_pool::Pool;
@@ -20,7 +22,7 @@ const BLOCK: u64 = 65536;
 const VOLUME_BLOCKS: u64 = 64;
 
 /// Each volume's expected bytes.
-type Model = BTreeMap<String, Vec<u8>>;
+type Model = VolumeModel;
 
 fn parts() -> MemoryParts {
     MemoryParts::new(4096, 1024 * BLOCK)
@@ -54,17 +56,10 @@ fn write(pool: &Pool, model: &mut Model, name: &str, offset: u64, length: usize,
 /// Every volume read whole against the model (building every index), the indexes against
 /// the trees, the metadata checked.
 fn assert_model(pool: &Pool, parts: &MemoryParts, model: &Model) {
-    let listed: Vec<String> = pool.list().into_iter().map(|v| v.name).collect();
-    assert_eq!(listed, model.keys().cloned().collect::<Vec<_>>());
-    for (name, expected) in model {
-        let volume = pool.volume(name).unwrap();
-        assert_eq!(volume.size_bytes(), expected.len() as u64, "{name} size");
-        let mut bytes = vec![0u8; expected.len()];
-        volume.read(0, &mut bytes).unwrap();
-        assert!(bytes == *expected, "{name}: content differs from the model");
+    assert_volumes_match(pool, model);
+    for name in model.keys() {
         assert!(pool.index_built(name).unwrap());
     }
-    pool.verify_index().unwrap();
     check_metadata(parts.metadata.clone(), None).unwrap();
 }
 

@@ -7,7 +7,9 @@
 //! snapshot clones its origin's), revert and rename, compare every volume with its model
 //! after each step and after reopening, and run the real checkers on the metadata file.
 
-use std::collections::BTreeMap;
+mod engine_kit;
+
+use engine_kit::{assert_volumes_match, VolumeModel};
 use std::path::Path;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
@@ -32,7 +34,7 @@ fn create(dir: &Path) -> Pool {
 }
 
 /// Each volume's expected bytes.
-type Model = BTreeMap<String, Vec<u8>>;
+type Model = VolumeModel;
 
 fn write(pool: &Pool, model: &mut Model, name: &str, offset: u64, length: usize, seed: u64) {
     let data = testkit::pattern(seed, length);
@@ -41,19 +43,6 @@ fn write(pool: &Pool, model: &mut Model, name: &str, offset: u64, length: usize,
     volume.flush().unwrap();
     let bytes = model.get_mut(name).unwrap();
     bytes[offset as usize..offset as usize + length].copy_from_slice(&data);
-}
-
-fn assert_model(pool: &Pool, model: &Model) {
-    let listed: Vec<String> = pool.list().into_iter().map(|v| v.name).collect();
-    assert_eq!(listed, model.keys().cloned().collect::<Vec<_>>());
-    for (name, expected) in model {
-        let volume = pool.volume(name).unwrap();
-        assert_eq!(volume.size_bytes(), expected.len() as u64, "{name} size");
-        let mut bytes = vec![0u8; expected.len()];
-        volume.read(0, &mut bytes).unwrap();
-        assert!(bytes == *expected, "{name}: content differs from the model");
-    }
-    pool.verify_index().unwrap();
 }
 
 fn check_with_real_tools(dir: &Path) {
@@ -85,7 +74,7 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
     write(&pool, &mut model, "vm", 12 * BLOCK, 2 * BLOCK as usize, 3);
     pool.resize_volume("vm", 32 * BLOCK).unwrap();
     model.get_mut("vm").unwrap().resize(32 * BLOCK as usize, 0);
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     let id = pool.info("vm").unwrap().id;
     let used_before = pool.status().data_used_blocks;
 
@@ -96,7 +85,7 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
     assert!(!info.read_only, "vm's own flag, not the snapshot's");
     assert_eq!(info.origin, None, "vm's own origin");
     assert_eq!(pool.info("backup").unwrap().origin.as_deref(), Some("vm"));
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     // vm's own blocks (7: 3 to 7, 12 and 13) were freed; the rest is shared with backup.
     assert_eq!(pool.status().data_used_blocks, used_before - 7);
     let usage = pool.usage().unwrap();
@@ -105,13 +94,13 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
 
     // Writes to the reverted volume break sharing; backup keeps its content.
     write(&pool, &mut model, "vm", 0, BLOCK as usize, 4);
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
 
     // Revert again, deleting the snapshot in the same operation.
     pool.revert_volume("vm", "backup", true).unwrap();
     let moved = model.remove("backup").unwrap();
     model.insert("vm".into(), moved);
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     let usage = pool.usage().unwrap();
     assert_eq!(usage.len(), 1);
     assert_eq!(
@@ -123,7 +112,7 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
     drop(pool);
     check_with_real_tools(&dir);
     let pool = Pool::open(&dir, options()).unwrap();
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     assert_eq!(pool.info("vm").unwrap().id, id);
 }
 
@@ -172,12 +161,12 @@ fn revert_and_rename_are_refused_while_open_and_change_nothing() {
         transaction,
         "nothing committed"
     );
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
 
     pool.revert_volume("vm", "snap", false).unwrap();
     model.insert("vm".into(), model["snap"].clone());
     drop(snap_handle);
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
 }
 
 #[test]
@@ -199,14 +188,14 @@ fn rename_keeps_content_id_and_ancestry() {
     assert_eq!(info.id, id);
     assert_eq!(pool.info("snap").unwrap().origin.as_deref(), Some("vm2"));
     assert!(pool.volume("vm").is_err());
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     // The renamed volume is written as before (sharing with snap is broken, not lost).
     write(&pool, &mut model, "vm2", BLOCK, 512, 2);
     // A new volume takes the old name: it is nobody's origin.
     pool.create_volume("vm", BLOCK).unwrap();
     model.insert("vm".into(), vec![0; BLOCK as usize]);
     assert_eq!(pool.info("snap").unwrap().origin.as_deref(), Some("vm2"));
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     let snap_info = pool.rename_volume("snap", "snap-renamed").unwrap();
     assert!(snap_info.read_only, "the flag stays");
     let moved = model.remove("snap").unwrap();
@@ -215,7 +204,7 @@ fn rename_keeps_content_id_and_ancestry() {
     drop(pool);
     check_with_real_tools(&dir);
     let pool = Pool::open(&dir, options()).unwrap();
-    assert_model(&pool, &model);
+    assert_volumes_match(&pool, &model);
     assert_eq!(
         pool.info("snap-renamed").unwrap().origin.as_deref(),
         Some("vm2")

@@ -800,6 +800,24 @@ pub fn deterministic_options() -> thin_pool::PoolOptions {
     }
 }
 
+/// Each volume's expected bytes, by name: the model the content tests compare with.
+pub type VolumeModel = BTreeMap<String, Vec<u8>>;
+
+/// The pool lists exactly the model's volumes, each reads whole as the model says (which
+/// opens it, building its index), and every built index equals its tree.
+pub fn assert_volumes_match(pool: &thin_pool::Pool, model: &VolumeModel) {
+    let listed: Vec<String> = pool.list().into_iter().map(|v| v.name).collect();
+    assert_eq!(listed, model.keys().cloned().collect::<Vec<_>>());
+    for (name, expected) in model {
+        let volume = pool.volume(name).unwrap();
+        assert_eq!(volume.size_bytes(), expected.len() as u64, "{name} size");
+        let mut bytes = vec![0u8; expected.len()];
+        volume.read(0, &mut bytes).unwrap();
+        assert!(bytes == *expected, "{name}: content differs from the model");
+    }
+    pool.verify_index().unwrap();
+}
+
 /// A pool's parts in memory (metadata device, data device, catalog), kept so the test can
 /// check the metadata and reopen the pool on the same parts.
 pub struct MemoryParts {
