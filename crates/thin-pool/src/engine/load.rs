@@ -11,6 +11,7 @@ use crate::engine::index::Index;
 use crate::engine::manage::VOLUME_SIZE_MAX_BYTES;
 use crate::engine::shared::VolumeState;
 use crate::error::{Error, Result};
+use crate::format::details::DeviceDetails;
 use crate::format::metadata::PoolMetadata;
 use crate::ids::{BlockTime, Time, VirtualBlock, VolumeId};
 use persistent_data::block_manager::BlockManager;
@@ -149,6 +150,7 @@ pub(super) fn load_volumes(
             md,
             &v.name,
             v.id,
+            &details,
             v.size_bytes,
             block_size_bytes,
             sharing.as_mut(),
@@ -279,11 +281,11 @@ fn check_volume(
     md: &PoolMetadata,
     name: &str,
     id: VolumeId,
+    details: &DeviceDetails,
     size_bytes: u64,
     block_size_bytes: u64,
     mut sharing: Option<&mut Sharing>,
 ) -> Result<()> {
-    let details = md.details(id)?;
     let block_count = check_size(name, size_bytes, block_size_bytes)?;
     let data_blocks = md.data_space_map().block_count();
     let mut mapped = 0u64;
