@@ -19,6 +19,12 @@ pub struct ScratchDir {
 impl ScratchDir {
     /// Create `<tmp>/thinpool-<label>-<pid>-<n>`; `label` names the test for humans.
     pub fn new(label: &str) -> ScratchDir {
+        ScratchDir::new_in(&std::env::temp_dir(), label)
+    }
+
+    /// [`ScratchDir::new`] under `parent` instead of the temporary directory (a test that
+    /// needs another file system, e.g. tmpfs at `/dev/shm`).
+    pub fn new_in(parent: &Path, label: &str) -> ScratchDir {
         let label: String = label
             .chars()
             .map(|c| {
@@ -30,8 +36,7 @@ impl ScratchDir {
             })
             .collect();
         let index = NEXT_INDEX.fetch_add(1, Ordering::Relaxed);
-        let path =
-            std::env::temp_dir().join(format!("thinpool-{label}-{}-{index}", std::process::id()));
+        let path = parent.join(format!("thinpool-{label}-{}-{index}", std::process::id()));
         if path.exists() {
             std::fs::remove_dir_all(&path)
                 .unwrap_or_else(|e| panic!("cannot clear stale {}: {e}", path.display()));

@@ -13,6 +13,8 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod ids;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
 pub use engine::options::{

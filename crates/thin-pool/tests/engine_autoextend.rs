@@ -6,13 +6,11 @@
 //! Method: pools on memory devices (which can grow), written block by block, every block's
 //! contents checked against what was written.
 
-use persistent_data::MemoryDevice;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
 use thin_pool::engine::options::HostFreeProbe;
+use thin_pool::testing::MemoryParts;
 use thin_pool::{Autoextend, Error, ExtendBy, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -26,17 +24,13 @@ fn pattern(b: u64) -> Vec<u8> {
 }
 
 fn pool(data_blocks: u64, metadata_blocks: u64, options: PoolOptions) -> Pool {
-    let pool = Pool::format_parts(
-        Arc::new(MemoryDevice::new(metadata_blocks)),
-        Arc::new(MemoryDataDevice::new(data_blocks * BLOCK)),
-        Box::new(MemoryCatalog::default()),
+    let pool = MemoryParts::new(metadata_blocks, data_blocks * BLOCK).format(
         BLOCK,
         PoolOptions {
             commit_interval: None,
             ..options
         },
-    )
-    .unwrap();
+    );
     pool.create_volume("v", 1024 * BLOCK).unwrap();
     pool
 }

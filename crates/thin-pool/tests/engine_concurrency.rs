@@ -13,7 +13,6 @@
 mod engine_kit;
 
 use engine_kit::{check_metadata, BlockHeader};
-use persistent_data::MemoryDevice;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
@@ -22,8 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::testing::MemoryParts;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -226,22 +224,13 @@ fn concurrent_io_with_snapshots_keeps_every_acknowledged_write() {
     let (report, _rng) = testkit::seed::seeded_rng();
     let seed = report.seed();
     let steps = testkit::seed::case_count(1500);
-    let metadata = Arc::new(MemoryDevice::new(4096));
-    let data = Arc::new(MemoryDataDevice::new(512 * BLOCK));
-    let catalog = Arc::new(MemoryCatalog::default());
+    let parts = MemoryParts::new(4096, 512 * BLOCK);
     let options = PoolOptions {
         commit_interval: Some(Duration::from_millis(15)),
         error_if_no_space: true,
         ..PoolOptions::default()
     };
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options.clone(),
-    )
-    .unwrap();
+    let pool = parts.format(BLOCK, options.clone());
     for v in 0..VOLUMES {
         pool.create_volume(&volume_name(v), BLOCKS * BLOCK).unwrap();
     }
@@ -292,11 +281,11 @@ fn concurrent_io_with_snapshots_keeps_every_acknowledged_write() {
     drop(pool);
     let dir = ScratchDir::new("engine-concurrency");
     check_metadata(
-        metadata.clone(),
+        parts.metadata.clone(),
         Some((&ThinTools::all()[..], &dir.join("metadata"))),
     )
     .unwrap_or_else(|e| panic!("seed {seed}: {e}"));
-    let pool = Pool::open_parts(metadata, data, Box::new(catalog), options, None).unwrap();
+    let pool = parts.reopen(options);
     verify_bases(&pool, &log, "after reopen");
     for t in taken.iter().filter(|t| pool.volume(&t.name).is_ok()) {
         assert_eq!(

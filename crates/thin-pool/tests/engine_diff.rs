@@ -14,11 +14,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::Arc;
 
-use persistent_data::MemoryDevice;
 use rand::Rng;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
 use thin_pool::format::diff::DeltaKind;
+use thin_pool::testing::MemoryParts;
 use thin_pool::{DiffKind, DiffRange, Pool, PoolOptions, VirtualBlock};
 
 const BLOCK: u64 = 65536;
@@ -94,17 +92,13 @@ impl Model {
 }
 
 fn pool() -> Pool {
-    Pool::format_parts(
-        Arc::new(MemoryDevice::new(4096)),
-        Arc::new(MemoryDataDevice::new(4096 * BLOCK)),
-        Box::new(Arc::new(MemoryCatalog::default())),
+    MemoryParts::new(4096, 4096 * BLOCK).format(
         BLOCK,
         PoolOptions {
             commit_interval: None,
             ..PoolOptions::default()
         },
     )
-    .unwrap()
 }
 
 #[test]

@@ -18,19 +18,10 @@ use std::sync::Arc;
 use testkit::fault::{FaultDevice, Ops};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
-use thin_pool::{Error, Pool, PoolMetadata, PoolMode, PoolOptions};
+use thin_pool::testing::{deterministic_options as options, MemoryParts};
+use thin_pool::{Error, Pool, PoolMetadata, PoolMode};
 
 const BLOCK: u64 = 65536;
-
-fn options() -> PoolOptions {
-    PoolOptions {
-        commit_interval: None,
-        error_if_no_space: true,
-        ..PoolOptions::default()
-    }
-}
 
 #[derive(Clone, Copy, Debug)]
 enum Op {
@@ -279,45 +270,34 @@ fn verify_contents(pool: &Pool, model: &Model) -> Result<(), String> {
     Ok(())
 }
 
+/// The pool's memory parts (what survives a failure, to reopen) and the wrappers that fail
+/// the Nth I/O, the pool runs on.
 struct Devices {
+    inner: MemoryParts,
     metadata: Arc<FaultDevice<Arc<MemoryDevice>>>,
     data: Arc<FaultDataDevice>,
-    inner_metadata: Arc<MemoryDevice>,
-    inner_data: Arc<MemoryDataDevice>,
-    catalog: Arc<MemoryCatalog>,
 }
 
 fn setup() -> (Devices, Pool) {
-    let inner_metadata = Arc::new(MemoryDevice::new(512));
-    let inner_data = Arc::new(MemoryDataDevice::new(64 * BLOCK));
-    let d = Devices {
-        metadata: Arc::new(FaultDevice::new(inner_metadata.clone())),
-        data: Arc::new(FaultDataDevice::new(inner_data.clone())),
-        inner_metadata,
-        inner_data,
-        catalog: Arc::new(MemoryCatalog::default()),
-    };
-    let pool = Pool::format_parts(
-        d.metadata.clone(),
-        d.data.clone(),
-        Box::new(d.catalog.clone()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let inner = MemoryParts::new(512, 64 * BLOCK);
+    let metadata = Arc::new(FaultDevice::new(inner.metadata.clone()));
+    let data = Arc::new(FaultDataDevice::new(inner.data.clone()));
+    let pool = inner
+        .with_metadata(metadata.clone())
+        .with_data(data.clone())
+        .format(BLOCK, options());
     pool.create_volume("v0", 6 * BLOCK).unwrap();
     pool.create_volume("v1", 4 * BLOCK).unwrap();
+    let d = Devices {
+        inner,
+        metadata,
+        data,
+    };
     (d, pool)
 }
 
 fn reopen(d: &Devices) -> thin_pool::Result<Pool> {
-    Pool::open_parts(
-        d.inner_metadata.clone(),
-        d.inner_data.clone(),
-        Box::new(d.catalog.clone()),
-        options(),
-        None,
-    )
+    d.inner.try_reopen(options())
 }
 
 fn io_counts() -> (u64, u64, u64, u64) {
@@ -357,7 +337,7 @@ fn nth_metadata_io_failure_makes_the_pool_read_only_with_needs_check() {
         drop(pool);
         let sample = (n - start) % 8 == 1;
         check_metadata(
-            d.inner_metadata.clone(),
+            d.inner.metadata.clone(),
             sample.then_some((&tools[..], &dir.join("metadata"))),
         )
         .unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -367,7 +347,7 @@ fn nth_metadata_io_failure_makes_the_pool_read_only_with_needs_check() {
         assert!(pool.status().needs_check, "{what}: reopened needs_check");
         verify_outcome(&pool, &outcome).unwrap_or_else(|e| panic!("{what}: {e}"));
         drop(pool);
-        PoolMetadata::open(d.inner_metadata.clone())
+        PoolMetadata::open(d.inner.metadata.clone())
             .and_then(|mut md| md.clear_needs_check())
             .unwrap_or_else(|e| panic!("{what}: clearing needs_check: {e}"));
         let pool = reopen(&d).unwrap_or_else(|e| panic!("{what}: reopen: {e}"));
@@ -379,7 +359,7 @@ fn nth_metadata_io_failure_makes_the_pool_read_only_with_needs_check() {
             .unwrap_or_else(|e| panic!("{what}: write after recovery: {e}"));
         pool.verify_index().unwrap();
         drop(pool);
-        check_metadata(d.inner_metadata.clone(), None).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_metadata(d.inner.metadata.clone(), None).unwrap_or_else(|e| panic!("{what}: {e}"));
     }
     println!(
         "{} metadata I/Os, {failures} failures injected",
@@ -412,7 +392,7 @@ fn nth_data_io_failure_fails_only_that_request() {
         pool.close()
             .unwrap_or_else(|e| panic!("{what}: close: {e}"));
         drop(pool);
-        check_metadata(d.inner_metadata.clone(), None).unwrap_or_else(|e| panic!("{what}: {e}"));
+        check_metadata(d.inner.metadata.clone(), None).unwrap_or_else(|e| panic!("{what}: {e}"));
         let pool = reopen(&d).unwrap_or_else(|e| panic!("{what}: reopen: {e}"));
         verify_outcome(&pool, &outcome).unwrap_or_else(|e| panic!("{what}: {e}"));
         pool.verify_index().unwrap();

@@ -10,11 +10,10 @@
 
 mod engine_kit;
 
-use engine_kit::{
-    assert_volumes_match, check_metadata, deterministic_options, MemoryParts, VolumeModel,
-};
+use engine_kit::{assert_volumes_match, check_metadata, VolumeModel};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Barrier};
+use thin_pool::testing::{deterministic_options, MemoryParts};
 use thin_pool::Pool;
 
 const BLOCK: u64 = 65536;

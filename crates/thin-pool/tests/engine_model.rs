@@ -10,46 +10,28 @@
 mod engine_kit;
 
 use engine_kit::check_metadata;
-use persistent_data::{BlockDevice, MemoryDevice};
+use persistent_data::BlockDevice;
 use rand::Rng;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
-use thin_pool::{Pool, PoolOptions};
+use thin_pool::engine::data_device::DataDevice;
+use thin_pool::testing::{deterministic_options as options, MemoryParts};
 
 const BLOCK: u64 = 65536;
-
-fn options() -> PoolOptions {
-    PoolOptions {
-        commit_interval: None,
-        error_if_no_space: true,
-        ..PoolOptions::default()
-    }
-}
 
 #[test]
 fn engine_matches_model() {
     let (_report, mut rng) = testkit::seed::seeded_rng();
     let steps = testkit::seed::case_count(3000);
-    let metadata = Arc::new(MemoryDevice::new(1024));
-    let data = Arc::new(MemoryDataDevice::new(64 * BLOCK));
+    let parts = MemoryParts::new(1024, 64 * BLOCK);
+    let (metadata, data) = (parts.metadata.clone(), parts.data.clone());
     let tools = ThinTools::all();
     let scratch = ScratchDir::new("engine-model");
     let image = scratch.join("metadata");
     let mut reopens = 0u64;
     let tool_reopens = testkit::seed::case_count(6);
-    let catalog = Arc::new(MemoryCatalog::default());
-    let mut pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let mut pool = parts.format(BLOCK, options());
     let mut model: BTreeMap<String, Vec<u8>> = BTreeMap::new();
     let mut next_name = 0;
     for step in 0..steps {
@@ -178,14 +160,7 @@ fn engine_matches_model() {
                 ) {
                     panic!("step {step}: closed pool's metadata fails a check: {e}");
                 }
-                pool = Pool::open_parts(
-                    metadata.clone(),
-                    data.clone(),
-                    Box::new(catalog.clone()),
-                    options(),
-                    None,
-                )
-                .unwrap();
+                pool = parts.reopen(options());
                 for (name, bytes) in &model {
                     let volume = pool.volume(name).unwrap();
                     let mut buf = vec![0; bytes.len()];

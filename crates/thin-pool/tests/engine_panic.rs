@@ -15,16 +15,15 @@
 
 mod engine_kit;
 
-use engine_kit::{check_metadata, deterministic_options, ForkableCatalog};
-use persistent_data::{BlockDevice, MemoryDevice};
+use engine_kit::check_metadata;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
 use thin_pool::engine::options::{FaultHook, FaultPoint};
-use thin_pool::{Pool, PoolMode, PoolOptions};
+use thin_pool::testing::{deterministic_options, MemoryParts};
+use thin_pool::{PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
 const EIO: i32 = 5;
@@ -72,17 +71,8 @@ fn run(trigger: Trigger, scratch: &ScratchDir) {
         fault_hook: Some(hook),
         ..deterministic_options()
     };
-    let metadata: Arc<dyn BlockDevice> = Arc::new(MemoryDevice::new(1024));
-    let data: Arc<dyn DataDevice> = Arc::new(MemoryDataDevice::new(256 * BLOCK));
-    let catalog = ForkableCatalog::new();
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options,
-    )
-    .unwrap();
+    let parts = MemoryParts::default();
+    let pool = parts.format(BLOCK, options);
     pool.create_volume("a", 32 * BLOCK).unwrap();
     pool.create_volume("b", 32 * BLOCK).unwrap();
     let a = pool.volume("a").unwrap();
@@ -173,16 +163,9 @@ fn run(trigger: Trigger, scratch: &ScratchDir) {
     // On disk: exactly the last commit, valid for every checker.
     let tools = ThinTools::all();
     let image = scratch.join(format!("{trigger:?}.metadata"));
-    check_metadata(metadata.clone(), Some((&tools, &image)))
+    check_metadata(parts.metadata.clone(), Some((&tools, &image)))
         .unwrap_or_else(|e| panic!("{trigger:?}: {e}"));
-    let pool = Pool::open_parts(
-        metadata,
-        data,
-        Box::new(catalog),
-        deterministic_options(),
-        None,
-    )
-    .unwrap();
+    let pool = parts.reopen(deterministic_options());
     assert_eq!(pool.mode(), PoolMode::Write, "{trigger:?}");
     assert_eq!(pool.status().transaction_id, committed_transaction);
     let names: Vec<String> = pool.list().into_iter().map(|v| v.name).collect();

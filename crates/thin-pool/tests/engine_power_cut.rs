@@ -17,18 +17,14 @@
 mod engine_kit;
 
 use engine_kit::{
-    check_metadata, decode_sector, CrashDataDevice, ForkableCatalog, PairedMetadata, Power,
-    SectorContent, Stamp,
+    check_metadata, decode_sector, CrashDataDevice, CrashImage, CrashParts, SectorContent, Stamp,
 };
-use persistent_data::BlockDevice;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use testkit::crash::CrashMode;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::data_device::DataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -423,41 +419,21 @@ fn data_power_is_cut(pool: &Pool) -> bool {
 
 /// A pool on a fresh device pair, formatted and set up (not counted as crash points).
 struct Rig {
-    power: Arc<Power>,
-    metadata: Arc<PairedMetadata>,
-    data: Arc<CrashDataDevice>,
-    catalog: Arc<ForkableCatalog>,
+    parts: CrashParts,
     pool: Pool,
     model: Model,
 }
 
 fn rig(passdown: bool) -> Rig {
-    let power = Power::new();
-    let metadata = Arc::new(PairedMetadata::new(METADATA_BLOCKS, power.clone()));
-    let data = Arc::new(CrashDataDevice::new(DATA_BLOCKS * BLOCK, power.clone()));
-    data.set_discard_ignored(!PASSDOWN_WAITS_FOR_COMMIT);
-    let catalog = ForkableCatalog::new();
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options(passdown),
-    )
-    .expect("format");
+    let parts = CrashParts::new(METADATA_BLOCKS, DATA_BLOCKS * BLOCK);
+    parts.data.set_discard_ignored(!PASSDOWN_WAITS_FOR_COMMIT);
+    let pool = parts.format(BLOCK, options(passdown));
     pool.create_volume("v0", 4 * BLOCK).expect("create v0");
     pool.create_volume("v1", 3 * BLOCK).expect("create v1");
     let mut model = Model::new();
     model.insert("v0".into(), zero_sectors(4 * SECTORS_PER_BLOCK));
     model.insert("v1".into(), zero_sectors(3 * SECTORS_PER_BLOCK));
-    Rig {
-        power,
-        metadata,
-        data,
-        catalog,
-        pool,
-        model,
-    }
+    Rig { parts, pool, model }
 }
 
 struct Checkers {
@@ -466,16 +442,9 @@ struct Checkers {
     tool_runs: u64,
 }
 
-/// A crash image: metadata, data and the catalog store as they were at the cut.
-type Images = (
-    Arc<dyn BlockDevice>,
-    Arc<dyn DataDevice>,
-    Arc<ForkableCatalog>,
-);
-
 /// Reopen one crash image and check it against the model. Returns an error message.
 fn verify_image(
-    (metadata, data, catalog): Images,
+    image: CrashImage,
     stopped: &Stopped,
     ops: &[Op],
     passdown: bool,
@@ -489,11 +458,12 @@ fn verify_image(
         None
     };
     check_metadata(
-        metadata.clone(),
+        image.metadata.clone(),
         tools.as_ref().map(|(t, p)| (*t, p.as_path())),
     )
     .map_err(|e| format!("metadata of the crash image: {e}"))?;
-    let pool = Pool::open_parts(metadata, data, Box::new(catalog), options(passdown), None)
+    let pool = image
+        .try_reopen(options(passdown))
         .map_err(|e| format!("reopen failed: {e}"))?;
     let listed: BTreeMap<String, u64> = pool
         .list()
@@ -560,23 +530,14 @@ fn crash_at(
     let total_images = points.len() as u64 * CrashMode::ALL.len() as u64;
     for &n in points {
         let rig = rig(passdown);
-        rig.power.set_cut_after(Some(n));
-        let stopped = execute(&rig.pool, &rig.data, ops, rig.model.clone());
+        rig.parts.power.set_cut_after(Some(n));
+        let stopped = execute(&rig.pool, &rig.parts.data, ops, rig.model.clone());
         for (m, mode) in CrashMode::ALL.into_iter().enumerate() {
             let mut rng = StdRng::seed_from_u64(seed ^ n.wrapping_mul(0x9e37_79b9) ^ m as u64);
-            let metadata: Arc<dyn BlockDevice> =
-                Arc::new(rig.metadata.device.crash_image(mode, &mut rng));
-            let data: Arc<dyn DataDevice> = Arc::new(rig.data.crash_image(mode, &mut rng));
+            let image = rig.parts.image(mode, &mut rng);
             let run_tools = sample_rng.gen_range(0..total_images) < tool_samples;
             images += 1;
-            if let Err(e) = verify_image(
-                (metadata, data, rig.catalog.fork()),
-                &stopped,
-                ops,
-                passdown,
-                checkers,
-                run_tools,
-            ) {
+            if let Err(e) = verify_image(image, &stopped, ops, passdown, checkers, run_tools) {
                 if std::env::var("THINPOOL_TRACE").is_ok() {
                     for (i, op) in ops.iter().enumerate() {
                         eprintln!("op {i}: {op:?}");
@@ -597,10 +558,10 @@ fn crash_at(
 /// The device operations of the setup and of the whole workload.
 fn reference(ops: &[Op], passdown: bool) -> (u64, u64) {
     let rig = rig(passdown);
-    let setup = rig.power.operations();
-    let stopped = execute(&rig.pool, &rig.data, ops, rig.model.clone());
+    let setup = rig.parts.power.operations();
+    let stopped = execute(&rig.pool, &rig.parts.data, ops, rig.model.clone());
     assert!(stopped.failed.is_none());
-    (setup, rig.power.operations())
+    (setup, rig.parts.power.operations())
 }
 
 fn checkers(label: &str) -> Checkers {

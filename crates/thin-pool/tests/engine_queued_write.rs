@@ -12,8 +12,7 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::testing::MemoryParts;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -29,14 +28,7 @@ fn queue_mode_pool() -> Pool {
         no_space_timeout: Duration::from_secs(600),
         ..PoolOptions::default()
     };
-    Pool::format_parts(
-        Arc::new(persistent_data::MemoryDevice::new(1024)),
-        Arc::new(MemoryDataDevice::new(DATA_BLOCKS * BLOCK)),
-        Box::new(MemoryCatalog::default()),
-        BLOCK,
-        options,
-    )
-    .unwrap()
+    MemoryParts::new(1024, DATA_BLOCKS * BLOCK).format(BLOCK, options)
 }
 
 /// Wait for `thread`, failing the test at the deadline instead of hanging.

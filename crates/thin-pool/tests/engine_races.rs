@@ -21,7 +21,7 @@
 mod engine_kit;
 
 use engine_kit::{check_metadata, BlockHeader, ForkableCatalog};
-use persistent_data::{BlockDevice, MemoryDevice};
+use persistent_data::MemoryDevice;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::io;
@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::testing::PoolParts;
 use thin_pool::{Error, Pool, PoolOptions, Volume};
 
 const BLOCK: u64 = 65536;
@@ -176,40 +177,27 @@ impl DataDevice for HookedData {
 // A pool on those devices, reopenable.
 
 struct Env {
-    metadata: Arc<dyn BlockDevice>,
-    data: Arc<HookedData>,
-    catalog: Arc<ForkableCatalog>,
+    parts: PoolParts<MemoryDevice, HookedData, ForkableCatalog>,
     options: PoolOptions,
 }
 
 impl Env {
     fn new(data_blocks: u64, options: PoolOptions) -> (Env, Pool) {
         let env = Env {
-            metadata: Arc::new(MemoryDevice::new(1024)),
-            data: Arc::new(HookedData::new(data_blocks * BLOCK)),
-            catalog: ForkableCatalog::new(),
+            parts: PoolParts::on(
+                Arc::new(MemoryDevice::new(1024)),
+                Arc::new(HookedData::new(data_blocks * BLOCK)),
+                ForkableCatalog::new(),
+            ),
             options,
         };
-        let pool = Pool::format_parts(
-            env.metadata.clone(),
-            env.data.clone(),
-            Box::new(env.catalog.clone()),
-            BLOCK,
-            env.options.clone(),
-        )
-        .expect("format");
+        let pool = env.parts.format(BLOCK, env.options.clone());
         (env, pool)
     }
 
     /// Open the pool again (the previous handle must be dropped).
     fn reopen(&self) -> thin_pool::Result<Pool> {
-        Pool::open_parts(
-            self.metadata.clone(),
-            self.data.clone(),
-            Box::new(self.catalog.clone()),
-            self.options.clone(),
-            None,
-        )
+        self.parts.try_reopen(self.options.clone())
     }
 
     /// Our checker and, when present, both thin_check versions.
@@ -217,7 +205,7 @@ impl Env {
         let dir = ScratchDir::new("engine-races");
         let tools = ThinTools::all();
         check_metadata(
-            self.metadata.clone(),
+            self.parts.metadata.clone(),
             Some((&tools[..], &dir.path().join("metadata"))),
         )
         .unwrap_or_else(|e| panic!("metadata check failed: {e}"));
@@ -288,7 +276,7 @@ fn delete_refuses_a_handle_opened_during_its_commit() {
     let opened: Arc<Mutex<Option<thin_pool::Result<Volume>>>> = Arc::default();
     {
         let (pool, opened) = (pool.clone(), opened.clone());
-        env.data.on_next_flush(move || {
+        env.parts.data.on_next_flush(move || {
             *lock(&opened) = Some(pool.volume("v"));
         });
     }
@@ -347,7 +335,7 @@ fn shrink_refuses_a_write_that_waited_at_the_gate() {
         let (writer, volume) = (writer.clone(), volume.clone());
         // Runs in the resize's data flush, while it holds the gate: the write passes the
         // range check (the old size) and waits at the gate.
-        env.data.on_next_flush(move || {
+        env.parts.data.on_next_flush(move || {
             let handle =
                 std::thread::spawn(move || volume.write(7 * BLOCK, &block_of(1, 7, 2), false));
             // Give the writer time to reach the gate (a window, not an assertion).
@@ -393,7 +381,7 @@ fn read_through_a_stale_lookup_never_returns_another_volume_data() {
     a.write(0, &block_of(1, 0, 1), false).unwrap();
     pool.commit().unwrap();
 
-    let stop = env.data.stop_next_read();
+    let stop = env.parts.data.stop_next_read();
     let reader = {
         let a = a.clone();
         std::thread::spawn(move || {
@@ -457,7 +445,7 @@ fn write_through_a_stale_lookup_never_lands_in_another_volume() {
     a.write(0, &block_of(1, 0, 1), false).unwrap();
     pool.commit().unwrap();
 
-    let stop = env.data.stop_next_write();
+    let stop = env.parts.data.stop_next_write();
     let overwriter = {
         let a = a.clone();
         std::thread::spawn(move || a.write(0, &block_of(1, 0, 2), false))
@@ -511,7 +499,7 @@ fn write_through_a_stale_lookup_never_lands_in_another_volume() {
 fn delete_races_with_opens() {
     let report = testkit::seed_report();
     let (env, pool) = Env::new(64, queue_options());
-    env.data.slow_flush.store(true, Ordering::Relaxed);
+    env.parts.data.slow_flush.store(true, Ordering::Relaxed);
     const OPENERS: u64 = 3;
     const BLOCKS: u64 = 4;
     // The tag of the volume "v" now (0: none).

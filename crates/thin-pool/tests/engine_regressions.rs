@@ -7,25 +7,14 @@
 
 mod engine_kit;
 
-use engine_kit::{
-    decode_sector, CrashDataDevice, ForkableCatalog, PairedMetadata, Power, SectorContent, Stamp,
-};
-use persistent_data::BlockDevice;
+use engine_kit::{decode_sector, CrashParts, SectorContent, Stamp};
 use rand::SeedableRng;
 use std::sync::Arc;
 use testkit::crash::CrashMode;
-use thin_pool::engine::data_device::DataDevice;
+use thin_pool::testing::{deterministic_options as options, MemoryParts};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
-
-fn options() -> PoolOptions {
-    PoolOptions {
-        commit_interval: None,
-        error_if_no_space: true,
-        ..PoolOptions::default()
-    }
-}
 
 fn block_of(tag: u32, generation: u64) -> Vec<u8> {
     (0..BLOCK / 512)
@@ -46,56 +35,17 @@ fn first_sector(pool: &Pool, name: &str) -> SectorContent {
     decode_sector(&buf)
 }
 
-struct Pair {
-    power: Arc<Power>,
-    metadata: Arc<PairedMetadata>,
-    data: Arc<CrashDataDevice>,
-    catalog: Arc<ForkableCatalog>,
+/// A pool of `data_blocks` on a fresh device pair.
+fn crash_pair(data_blocks: u64, options: PoolOptions) -> (CrashParts, Pool) {
+    let pair = CrashParts::new(256, data_blocks * BLOCK);
+    let pool = pair.format(BLOCK, options);
+    (pair, pool)
 }
 
-impl Pair {
-    fn new(data_blocks: u64) -> (Pair, Pool) {
-        Pair::with_options(data_blocks, options())
-    }
-
-    fn with_options(data_blocks: u64, options: PoolOptions) -> (Pair, Pool) {
-        let power = Power::new();
-        let pair = Pair {
-            power: power.clone(),
-            metadata: Arc::new(PairedMetadata::new(256, power.clone())),
-            data: Arc::new(CrashDataDevice::new(data_blocks * BLOCK, power)),
-            catalog: ForkableCatalog::new(),
-        };
-        let pool = Pool::format_parts(
-            pair.metadata.clone(),
-            pair.data.clone(),
-            Box::new(pair.catalog.clone()),
-            BLOCK,
-            options,
-        )
-        .unwrap();
-        (pair, pool)
-    }
-
-    /// Power cut now, every unflushed write lost; reopen.
-    fn crash_and_reopen(&self) -> Pool {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-        let metadata: Arc<dyn BlockDevice> = Arc::new(
-            self.metadata
-                .device
-                .crash_image(CrashMode::DropAll, &mut rng),
-        );
-        let data: Arc<dyn DataDevice> =
-            Arc::new(self.data.crash_image(CrashMode::DropAll, &mut rng));
-        Pool::open_parts(
-            metadata,
-            data,
-            Box::new(self.catalog.fork()),
-            options(),
-            None,
-        )
-        .unwrap()
-    }
+/// Power cut now, every unflushed write lost; reopen.
+fn crash_and_reopen(pair: &CrashParts) -> Pool {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(0);
+    pair.image(CrashMode::DropAll, &mut rng).reopen(options())
 }
 
 /// Found by `engine_power_cut` (seed 7110887850522034436, cut after 103 operations):
@@ -106,7 +56,7 @@ impl Pair {
 /// been freed by another volume, that volume's data would show.
 #[test]
 fn crash_after_grow_data_keeps_no_mapping_without_its_data() {
-    let (pair, pool) = Pair::new(16);
+    let (pair, pool) = crash_pair(16, options());
     pool.create_volume("v0", 2 * BLOCK).unwrap();
     let v0 = pool.volume("v0").unwrap();
     v0.write(0, &block_of(1, 1), true).unwrap();
@@ -116,7 +66,7 @@ fn crash_after_grow_data_keeps_no_mapping_without_its_data() {
     pair.data.grow(24 * BLOCK);
     pool.grow_data(24 * BLOCK).unwrap();
     drop(v0);
-    let reopened = pair.crash_and_reopen();
+    let reopened = crash_and_reopen(&pair);
     let found = first_sector(&reopened, "v0");
     let allowed = [1, 2].map(|generation| {
         SectorContent::Written(Stamp {
@@ -136,7 +86,7 @@ fn crash_after_grow_data_keeps_no_mapping_without_its_data() {
 /// data flush.
 #[test]
 fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
-    let (pair, pool) = Pair::new(16);
+    let (pair, pool) = crash_pair(16, options());
     pool.create_volume("v0", 2 * BLOCK).unwrap();
     let v0 = pool.volume("v0").unwrap();
     v0.write(0, &block_of(1, 1), true).unwrap();
@@ -144,7 +94,7 @@ fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
     v0.write(0, &block_of(1, 2), false).unwrap();
     pool.grow_metadata(None).unwrap();
     drop(v0);
-    let reopened = pair.crash_and_reopen();
+    let reopened = crash_and_reopen(&pair);
     let found = first_sector(&reopened, "v0");
     assert!(
         matches!(found, SectorContent::Written(s) if s.tag == 1 && s.sector == 0),
@@ -163,7 +113,7 @@ fn crash_after_grow_metadata_keeps_no_mapping_without_its_data() {
 /// flush.)
 #[test]
 fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
-    let (pair, pool) = Pair::with_options(
+    let (pair, pool) = crash_pair(
         2,
         PoolOptions {
             discard_passdown: false,
@@ -185,7 +135,7 @@ fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
         v1.write(0, &block_of(2, 3), false).unwrap();
     }));
     pool.snapshot("v0", "s", false).unwrap();
-    let reopened = pair.crash_and_reopen();
+    let reopened = crash_and_reopen(&pair);
     let found = first_sector(&reopened, "v1");
     assert!(
         matches!(found, SectorContent::Zero)
@@ -208,7 +158,7 @@ fn crash_after_snapshot_keeps_no_mapping_queued_after_its_data_flush() {
 /// (zeros here). The discard must wait until the commit that frees the block is durable.
 #[test]
 fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
-    let (pair, pool) = Pair::new(8);
+    let (pair, pool) = crash_pair(8, options());
     pool.create_volume("v0", 2 * BLOCK).unwrap();
     let v0 = pool.volume("v0").unwrap();
     v0.write(0, &block_of(1, 1), true).unwrap();
@@ -226,20 +176,11 @@ fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
     assert!(pool.commit().is_err(), "the power cut fails the commit");
     drop((v0, s));
     let mut rng = rand::rngs::StdRng::seed_from_u64(0);
-    let metadata: Arc<dyn BlockDevice> = Arc::new(
-        pair.metadata
-            .device
-            .crash_image(CrashMode::DropAll, &mut rng),
-    );
-    let data: Arc<dyn DataDevice> = Arc::new(pair.data.image_keeping_all());
-    let reopened = Pool::open_parts(
-        metadata,
-        data,
-        Box::new(pair.catalog.fork()),
-        options(),
-        None,
-    )
-    .unwrap();
+    let image = pair.image(CrashMode::DropAll, &mut rng);
+    // Every data write kept, the discard's zeros too.
+    let reopened = image
+        .with_data(Arc::new(pair.data.image_keeping_all()))
+        .reopen(options());
     let found = first_sector(&reopened, "s");
     assert!(
         matches!(found, SectorContent::Written(s) if s.tag == 1 && s.sector == 0),
@@ -254,17 +195,9 @@ fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
 /// split, which no other test reaches deterministically.)
 #[test]
 fn failed_provisioning_write_gives_its_reserved_block_back() {
-    let data = Arc::new(engine_kit::FaultDataDevice::new(Arc::new(
-        thin_pool::engine::data_device::MemoryDataDevice::new(16 * BLOCK),
-    )));
-    let pool = Pool::format_parts(
-        Arc::new(persistent_data::MemoryDevice::new(512)),
-        data.clone(),
-        Box::new(thin_pool::engine::catalog::MemoryCatalog::default()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let parts = MemoryParts::new(512, 16 * BLOCK);
+    let data = Arc::new(engine_kit::FaultDataDevice::new(parts.data.clone()));
+    let pool = parts.with_data(data.clone()).format(BLOCK, options());
     pool.create_volume("v", 4 * BLOCK).unwrap();
     let volume = pool.volume("v").unwrap();
     data.fail_nth(testkit::fault::Ops::WRITE, data.counts().writes + 1);
@@ -284,19 +217,11 @@ fn failed_provisioning_write_gives_its_reserved_block_back() {
 #[test]
 fn metadata_failure_drops_the_abandoned_mappings_from_the_index() {
     use testkit::fault::{FaultDevice, Ops};
-    let metadata = Arc::new(FaultDevice::new(Arc::new(
-        persistent_data::MemoryDevice::new(512),
-    )));
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        Arc::new(thin_pool::engine::data_device::MemoryDataDevice::new(
-            16 * BLOCK,
-        )),
-        Box::new(thin_pool::engine::catalog::MemoryCatalog::default()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let parts = MemoryParts::new(512, 16 * BLOCK);
+    let metadata = Arc::new(FaultDevice::new(parts.metadata.clone()));
+    let pool = parts
+        .with_metadata(metadata.clone())
+        .format(BLOCK, options());
     pool.create_volume("v", 4 * BLOCK).unwrap();
     let volume = pool.volume("v").unwrap();
     volume.write(0, &block_of(1, 1), true).unwrap();

@@ -9,14 +9,11 @@
 
 mod engine_kit;
 
-use engine_kit::{check_metadata, CrashDataDevice, ForkableCatalog, PairedMetadata, Power};
-use persistent_data::BlockDevice;
+use engine_kit::{check_metadata, CrashParts};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use testkit::crash::CrashMode;
-use thin_pool::engine::data_device::DataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -31,32 +28,19 @@ enum Operation {
 }
 
 fn options() -> PoolOptions {
-    engine_kit::deterministic_options()
+    thin_pool::testing::deterministic_options()
 }
 
 struct Rig {
-    power: Arc<Power>,
-    metadata: Arc<PairedMetadata>,
-    data: Arc<CrashDataDevice>,
-    catalog: Arc<ForkableCatalog>,
+    parts: CrashParts,
     pool: Pool,
 }
 
 /// The pool before the operation: vm (6 blocks written, 2 of them after the snapshot, and
 /// grown), snap (its snapshot, 4 blocks).
 fn rig() -> (Rig, Contents) {
-    let power = Power::new();
-    let metadata = Arc::new(PairedMetadata::new(256, power.clone()));
-    let data = Arc::new(CrashDataDevice::new(64 * BLOCK, power.clone()));
-    let catalog = ForkableCatalog::new();
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options(),
-    )
-    .unwrap();
+    let parts = CrashParts::new(256, 64 * BLOCK);
+    let pool = parts.format(BLOCK, options());
     pool.create_volume("vm", 8 * BLOCK).unwrap();
     let vm = pool.volume("vm").unwrap();
     let mut contents = Contents::new();
@@ -77,13 +61,7 @@ fn rig() -> (Rig, Contents) {
     pool.resize_volume("vm", 10 * BLOCK).unwrap();
     bytes.resize(10 * BLOCK as usize, 0);
     contents.insert("vm".into(), bytes);
-    let rig = Rig {
-        power,
-        metadata,
-        data,
-        catalog,
-        pool,
-    };
+    let rig = Rig { parts, pool };
     (rig, contents)
 }
 
@@ -127,9 +105,9 @@ fn read_all(pool: &Pool) -> Contents {
 
 fn crash_everywhere(operation: Operation) -> usize {
     let (reference, before) = rig();
-    let setup = reference.power.operations();
+    let setup = reference.parts.power.operations();
     run(&reference.pool, operation).unwrap();
-    let total = reference.power.operations();
+    let total = reference.parts.power.operations();
     assert_eq!(read_all(&reference.pool), after(&before, operation));
     drop(reference);
     assert!(total > setup, "{operation:?} wrote nothing");
@@ -137,23 +115,17 @@ fn crash_everywhere(operation: Operation) -> usize {
     let mut images = 0;
     for cut in setup..=total {
         let (rig, before) = rig();
-        rig.power.set_cut_after(Some(cut));
+        rig.parts.power.set_cut_after(Some(cut));
         let result = run(&rig.pool, operation);
         for (m, mode) in CrashMode::ALL.into_iter().enumerate() {
             let mut rng = StdRng::seed_from_u64(cut.wrapping_mul(31) ^ m as u64);
-            let metadata: Arc<dyn BlockDevice> =
-                Arc::new(rig.metadata.device.crash_image(mode, &mut rng));
-            let data: Arc<dyn DataDevice> = Arc::new(rig.data.crash_image(mode, &mut rng));
+            let image = rig.parts.image(mode, &mut rng);
             let context = format!("{operation:?}, cut after {cut} ({setup}..{total}), {mode:?}");
-            check_metadata(metadata.clone(), None).unwrap_or_else(|e| panic!("{context}: {e}"));
-            let pool = Pool::open_parts(
-                metadata,
-                data,
-                Box::new(rig.catalog.fork()),
-                options(),
-                None,
-            )
-            .unwrap_or_else(|e| panic!("{context}: reopen: {e}"));
+            check_metadata(image.metadata.clone(), None)
+                .unwrap_or_else(|e| panic!("{context}: {e}"));
+            let pool = image
+                .try_reopen(options())
+                .unwrap_or_else(|e| panic!("{context}: reopen: {e}"));
             let found = read_all(&pool);
             let expected_after = after(&before, operation);
             assert!(

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::testing::{MemoryParts, PoolParts};
 use thin_pool::{Error, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -40,31 +40,15 @@ fn read_block(pool: &Pool, name: &str, b: u64) -> Option<BlockHeader> {
 }
 
 struct Small {
-    metadata: Arc<MemoryDevice>,
-    data: Arc<MemoryDataDevice>,
-    catalog: Arc<MemoryCatalog>,
+    parts: MemoryParts,
     pool: Pool,
 }
 
 fn small_pool(data_blocks: u64, options: PoolOptions) -> Small {
-    let metadata = Arc::new(MemoryDevice::new(512));
-    let data = Arc::new(MemoryDataDevice::new(data_blocks * BLOCK));
-    let catalog = Arc::new(MemoryCatalog::default());
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options,
-    )
-    .unwrap();
+    let parts = MemoryParts::new(512, data_blocks * BLOCK);
+    let pool = parts.format(BLOCK, options);
     pool.create_volume("v", 32 * BLOCK).unwrap();
-    Small {
-        metadata,
-        data,
-        catalog,
-        pool,
-    }
+    Small { parts, pool }
 }
 
 fn base_options() -> PoolOptions {
@@ -109,7 +93,7 @@ fn error_if_no_space_fails_at_once_then_growth_resumes() {
     assert_eq!(s.pool.mode(), PoolMode::Write);
     assert!(v.write(9 * BLOCK, &block(1, 9, 1), false).is_err());
     // Growth.
-    s.data.grow(12 * BLOCK);
+    s.parts.data.grow(12 * BLOCK);
     assert_eq!(s.pool.grow_data(12 * BLOCK).unwrap(), 12);
     assert_eq!(s.pool.mode(), PoolMode::Write);
     for b in 9..13 {
@@ -120,15 +104,8 @@ fn error_if_no_space_fails_at_once_then_growth_resumes() {
     drop(v);
     s.pool.verify_index().unwrap();
     s.pool.close().unwrap();
-    check_metadata(s.metadata.clone(), None).unwrap();
-    let reopened = Pool::open_parts(
-        s.metadata.clone(),
-        s.data.clone(),
-        Box::new(s.catalog.clone()),
-        base_options(),
-        None,
-    )
-    .unwrap();
+    check_metadata(s.parts.metadata.clone(), None).unwrap();
+    let reopened = s.parts.reopen(base_options());
     assert_eq!(read_block(&reopened, "v", 0), None);
     assert_eq!(read_block(&reopened, "v", 3).unwrap().generation, 2);
     for b in (1..13).filter(|&b| b != 3) {
@@ -199,7 +176,7 @@ fn growing_the_data_device_completes_queued_writes() {
         writers.iter().all(|w| !w.is_finished()),
         "queued writes wait"
     );
-    s.data.grow(8 * BLOCK);
+    s.parts.data.grow(8 * BLOCK);
     s.pool.grow_data(8 * BLOCK).unwrap();
     for w in writers {
         let waited = w
@@ -216,27 +193,23 @@ fn growing_the_data_device_completes_queued_writes() {
     drop(v);
     s.pool.verify_index().unwrap();
     s.pool.close().unwrap();
-    check_metadata(s.metadata.clone(), None).unwrap();
+    check_metadata(s.parts.metadata.clone(), None).unwrap();
 }
 
 #[test]
 fn out_of_metadata_space_until_the_metadata_device_grows() {
-    let metadata = Arc::new(MemoryDevice::new(160));
-    let data = Arc::new(SparseDataDevice::new(1 << 36));
-    let catalog = Arc::new(MemoryCatalog::default());
+    let parts = PoolParts::on(
+        Arc::new(MemoryDevice::new(160)),
+        Arc::new(SparseDataDevice::new(1 << 36)),
+        Arc::new(MemoryCatalog::default()),
+    );
+    let metadata = &parts.metadata;
     let options = PoolOptions {
         zero_new_blocks: false,
         error_if_no_space: true,
         ..base_options()
     };
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK,
-        options.clone(),
-    )
-    .unwrap();
+    let pool = parts.format(BLOCK, options.clone());
     pool.create_volume("v", 1 << 34).unwrap();
     let v = pool.volume("v").unwrap();
     let sector = |b: u64| block(1, b, 1)[..512].to_vec();
@@ -288,7 +261,7 @@ fn out_of_metadata_space_until_the_metadata_device_grows() {
     let dir = ScratchDir::new("engine-space-metadata");
     let tools = ThinTools::all();
     check_metadata(metadata.clone(), Some((&tools[..], &dir.join("metadata")))).unwrap();
-    let pool = Pool::open_parts(metadata, data, Box::new(catalog), options, None).unwrap();
+    let pool = parts.reopen(options);
     let v = pool.volume("v").unwrap();
     for b in (0..written).step_by(7).chain([written - 1]) {
         v.read(b * BLOCK, &mut buf).unwrap();

@@ -9,30 +9,20 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
-use thin_pool::{Pool, PoolMetadata, PoolOptions, VolumeId};
+use thin_pool::testing::MemoryParts;
+use thin_pool::{PoolMetadata, PoolOptions, VolumeId};
 
 const BLOCK: u64 = 65536;
 const VOLUME_BLOCKS: u64 = 64;
 
 #[test]
 fn usage_during_writes_and_commits_is_consistent_and_exact_after() {
-    let metadata: Arc<dyn persistent_data::BlockDevice> =
-        Arc::new(persistent_data::MemoryDevice::new(2048));
-    let data = Arc::new(MemoryDataDevice::new(512 * BLOCK));
+    let parts = MemoryParts::new(2048, 512 * BLOCK);
     let options = PoolOptions {
         commit_interval: None,
         ..PoolOptions::default()
     };
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data,
-        Box::new(MemoryCatalog::default()),
-        BLOCK,
-        options,
-    )
-    .unwrap();
+    let pool = parts.format(BLOCK, options);
     pool.create_volume("origin", VOLUME_BLOCKS * BLOCK).unwrap();
     let origin = pool.volume("origin").unwrap();
     for block in 0..VOLUME_BLOCKS / 2 {
@@ -91,7 +81,7 @@ fn usage_during_writes_and_commits_is_consistent_and_exact_after() {
     drop(pool);
 
     // The model: every volume's mappings from the reopened metadata.
-    let md = PoolMetadata::open(metadata).unwrap();
+    let md = PoolMetadata::open(parts.metadata).unwrap();
     let mut mappings: BTreeMap<VolumeId, Vec<u64>> = BTreeMap::new();
     let mut references: HashMap<u64, u64> = HashMap::new();
     for id in md.volumes() {

@@ -12,28 +12,19 @@
 
 mod engine_kit;
 
-use engine_kit::{check_metadata, MemoryParts};
-use persistent_data::MemoryDevice;
+use engine_kit::check_metadata;
 use rand::{Rng, RngCore};
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
+use thin_pool::engine::data_device::DataDevice;
 use thin_pool::engine::options::{FaultHook, FaultPoint};
+use thin_pool::testing::{deterministic_options as options, MemoryParts};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
 const SECTOR: u64 = 512;
-
-fn options() -> PoolOptions {
-    PoolOptions {
-        commit_interval: None,
-        error_if_no_space: true,
-        ..PoolOptions::default()
-    }
-}
 
 fn read_whole(pool: &Pool, name: &str, size: usize) -> Vec<u8> {
     let mut buf = vec![0; size];
@@ -221,15 +212,9 @@ fn writes_without_fua_never_commit_and_overwrites_proceed_during_a_commit() {
         })),
         ..options()
     };
-    let data = Arc::new(MemoryDataDevice::new(256 * BLOCK));
-    let pool = Pool::format_parts(
-        Arc::new(MemoryDevice::new(1024)),
-        data.clone(),
-        Box::new(MemoryCatalog::default()),
-        BLOCK,
-        options,
-    )
-    .unwrap();
+    let parts = MemoryParts::default();
+    let data = &parts.data;
+    let pool = parts.format(BLOCK, options);
     pool.create_volume("v", 64 * BLOCK).unwrap();
     let volume = pool.volume("v").unwrap();
     volume

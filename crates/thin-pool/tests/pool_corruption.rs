@@ -29,10 +29,11 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thin_pool::engine::catalog::{Catalog, CatalogStore, MemoryCatalog};
-use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::engine::data_device::{DataCounters, DataDevice};
 use thin_pool::format::check::{check, check_before_open, CheckOptions, Rule};
 use thin_pool::format::dump::metadata::{dump, DumpOptions};
 use thin_pool::format::dump::XmlWriter;
+use thin_pool::testing::MemoryParts;
 use thin_pool::{Pool, PoolMode, PoolOptions, VolumeId};
 
 const BLOCK_BYTES: u64 = 64 * 1024;
@@ -104,17 +105,9 @@ fn options(read_only: bool) -> PoolOptions {
 }
 
 fn build() -> Image {
-    let metadata = Arc::new(MemoryDevice::new(METADATA_BLOCKS));
-    let data = Arc::new(MemoryDataDevice::new(DATA_BLOCKS * BLOCK_BYTES));
-    let catalog = Arc::new(MemoryCatalog::default());
-    let pool = Pool::format_parts(
-        metadata.clone(),
-        data.clone(),
-        Box::new(catalog.clone()),
-        BLOCK_BYTES,
-        options(false),
-    )
-    .unwrap();
+    let parts = MemoryParts::new(METADATA_BLOCKS, DATA_BLOCKS * BLOCK_BYTES);
+    let (metadata, data, catalog) = (&parts.metadata, &parts.data, &parts.catalog);
+    let pool = parts.format(BLOCK_BYTES, options(false));
     pool.create_volume("a", VOLUME_BYTES).unwrap();
     write_blocks(&pool, "a", 0..400, 0);
     pool.snapshot("a", "a1", false).unwrap();

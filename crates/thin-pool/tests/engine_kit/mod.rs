@@ -26,6 +26,8 @@ use testkit::tools::ThinTools;
 use thin_pool::engine::catalog::{Catalog, CatalogStore};
 use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::format::check::{check, CheckOptions};
+use thin_pool::testing::PoolParts;
+use thin_pool::Pool;
 
 /// Sector size of the data device.
 pub const SECTOR: usize = 512;
@@ -449,6 +451,9 @@ impl DataDevice for FaultDataDevice {
     fn refresh_size(&self) -> io::Result<u64> {
         self.inner.refresh_size()
     }
+    fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        self.inner.grow_to(size_bytes)
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -791,15 +796,6 @@ pub fn check_metadata(
     Ok(())
 }
 
-/// Pool options for deterministic tests: no commit thread.
-pub fn deterministic_options() -> thin_pool::PoolOptions {
-    thin_pool::PoolOptions {
-        commit_interval: None,
-        error_if_no_space: true,
-        ..thin_pool::PoolOptions::default()
-    }
-}
-
 /// Each volume's expected bytes, by name: the model the content tests compare with.
 pub type VolumeModel = BTreeMap<String, Vec<u8>>;
 
@@ -818,45 +814,53 @@ pub fn assert_volumes_match(pool: &thin_pool::Pool, model: &VolumeModel) {
     pool.verify_index().unwrap();
 }
 
-/// A pool's parts in memory (metadata device, data device, catalog), kept so the test can
-/// check the metadata and reopen the pool on the same parts.
-pub struct MemoryParts {
-    pub metadata: Arc<MemoryDevice>,
-    pub data: Arc<MemoryDataDevice>,
-    pub catalog: Arc<thin_pool::engine::catalog::MemoryCatalog>,
+// ---------------------------------------------------------------------------------------
+// A pool's parts on one power supply.
+
+/// What a power cut left of [`CrashParts`]: both devices' images and a fork of the catalog,
+/// to reopen the pool on.
+pub type CrashImage = PoolParts<MemoryDevice, MemoryDataDevice, ForkableCatalog>;
+
+/// A pool's parts on one [`Power`]: a metadata and a data device that keep unflushed writes
+/// apart, and a catalog store that each crash image forks.
+pub struct CrashParts {
+    /// The power both devices count against.
+    pub power: Arc<Power>,
+    /// The metadata device.
+    pub metadata: Arc<PairedMetadata>,
+    /// The data device.
+    pub data: Arc<CrashDataDevice>,
+    /// The catalog store.
+    pub catalog: Arc<ForkableCatalog>,
 }
 
-impl MemoryParts {
-    /// `metadata_blocks` of metadata and `data_bytes` of data, nothing formatted yet.
-    pub fn new(metadata_blocks: u64, data_bytes: u64) -> MemoryParts {
-        MemoryParts {
-            metadata: Arc::new(MemoryDevice::new(metadata_blocks)),
-            data: Arc::new(MemoryDataDevice::new(data_bytes)),
-            catalog: Arc::new(Default::default()),
+impl CrashParts {
+    /// `metadata_blocks` of metadata and `data_bytes` of data, zeroed, on fresh power.
+    pub fn new(metadata_blocks: u64, data_bytes: u64) -> CrashParts {
+        let power = Power::new();
+        CrashParts {
+            metadata: Arc::new(PairedMetadata::new(metadata_blocks, power.clone())),
+            data: Arc::new(CrashDataDevice::new(data_bytes, power.clone())),
+            catalog: ForkableCatalog::new(),
+            power,
         }
     }
 
-    /// A new pool of `block_size` data blocks on these parts.
-    pub fn format(&self, block_size: u64, options: thin_pool::PoolOptions) -> thin_pool::Pool {
-        thin_pool::Pool::format_parts(
+    /// Formats a new pool on these parts (see [`PoolParts::format`]).
+    pub fn format(&self, block_size_bytes: u64, options: thin_pool::PoolOptions) -> Pool {
+        PoolParts::on(
             self.metadata.clone(),
             self.data.clone(),
-            Box::new(self.catalog.clone()),
-            block_size,
-            options,
+            self.catalog.clone(),
         )
-        .unwrap()
+        .format(block_size_bytes, options)
     }
 
-    /// Opens the pool these parts hold again (after the last handle was dropped).
-    pub fn reopen(&self, options: thin_pool::PoolOptions) -> thin_pool::Pool {
-        thin_pool::Pool::open_parts(
-            self.metadata.clone(),
-            self.data.clone(),
-            Box::new(self.catalog.clone()),
-            options,
-            None,
-        )
-        .unwrap()
+    /// The parts as a power cut now could leave them (see [`CrashMode`]): the metadata
+    /// image drawn from `rng` first, then the data image.
+    pub fn image<R: Rng + ?Sized>(&self, mode: CrashMode, rng: &mut R) -> CrashImage {
+        let metadata = Arc::new(self.metadata.device.crash_image(mode, rng));
+        let data = Arc::new(self.data.crash_image(mode, rng));
+        PoolParts::on(metadata, data, self.catalog.fork())
     }
 }
