@@ -7,10 +7,14 @@
 //!   test so that it can check the metadata, look at the data and reopen the same pool;
 //! - [`PoolParts`]: the same for parts of the test's own making (devices that fail, crash
 //!   or wait), so every test formats and reopens a pool the same way.
+//! - [`data_device_contract`]: one suite of the `DataDevice` contract, for every data
+//!   device, real or fake.
 //!
 //! Every helper panics, naming what failed, instead of returning an error: these are
 //! set-up steps, not behaviour under test (use [`PoolParts::try_reopen`] where a refused
 //! open is what the test checks).
+
+pub mod data_device_contract;
 
 use crate::engine::catalog::{CatalogStore, MemoryCatalog};
 use crate::engine::data_device::{DataDevice, MemoryDataDevice};

@@ -62,6 +62,14 @@ fn assert_model(pool: &Pool, parts: &MemoryParts, model: &Model) {
     check_metadata(parts.metadata.clone(), None).unwrap();
 }
 
+/// [`assert_model`] on `pool`, then on the pool reopened on the same parts.
+fn assert_model_across_reopen(pool: Pool, parts: &MemoryParts, model: &Model) {
+    assert_model(&pool, parts, model);
+    drop(pool);
+    let pool = parts.reopen(deterministic_options());
+    assert_model(&pool, parts, model);
+}
+
 /// The mapped blocks `list` gives for every volume.
 fn mapped(pool: &Pool) -> BTreeMap<String, u64> {
     pool.list()
@@ -127,10 +135,7 @@ fn snapshot_of_a_snapshot_never_opened() {
     write(&pool, &mut model, "v", 7 * BLOCK, BLOCK as usize, 4);
     snapshot(&pool, &mut model, "s2", "s3");
     write(&pool, &mut model, "s1", 20 * BLOCK, 512, 5);
-    assert_model(&pool, &parts, &model);
-    drop(pool);
-    let pool = parts.reopen(deterministic_options());
-    assert_model(&pool, &parts, &model);
+    assert_model_across_reopen(pool, &parts, &model);
 }
 
 /// A snapshot never opened is deleted: the blocks only it still maps (the origin broke
@@ -152,10 +157,7 @@ fn snapshot_never_opened_then_deleted() {
     model.remove("s");
     pool.commit().unwrap();
     assert_eq!(pool.status().data_used_blocks, used_before);
-    assert_model(&pool, &parts, &model);
-    drop(pool);
-    let pool = parts.reopen(deterministic_options());
-    assert_model(&pool, &parts, &model);
+    assert_model_across_reopen(pool, &parts, &model);
 }
 
 /// Revert to a snapshot never opened, of a volume whose index is built and of one whose
@@ -197,10 +199,7 @@ fn revert_and_rename_of_unbuilt_volumes() {
     model.insert("v2".to_string(), moved);
     write(&pool, &mut model, "v2", 9 * BLOCK, 4096, 5);
     write(&pool, &mut model, "w2", 0, 4096, 6);
-    assert_model(&pool, &parts, &model);
-    drop(pool);
-    let pool = parts.reopen(deterministic_options());
-    assert_model(&pool, &parts, &model);
+    assert_model_across_reopen(pool, &parts, &model);
 }
 
 /// Shrink and grow a snapshot never opened: its index, built afterwards, has the new size
@@ -228,10 +227,7 @@ fn resize_of_a_volume_without_an_index() {
     bytes.truncate((20 * BLOCK) as usize);
     bytes.resize((40 * BLOCK) as usize, 0);
     write(&pool, &mut model, "s", 39 * BLOCK, 512, 2);
-    assert_model(&pool, &parts, &model);
-    drop(pool);
-    let pool = parts.reopen(deterministic_options());
-    assert_model(&pool, &parts, &model);
+    assert_model_across_reopen(pool, &parts, &model);
 }
 
 /// Several threads open a snapshot never opened at the same moment: one index is built
@@ -345,8 +341,5 @@ fn first_opens_race_writes_and_commits_of_the_origin() {
             );
         }
     }
-    assert_model(&pool, &parts, &model);
-    drop(pool);
-    let pool = parts.reopen(deterministic_options());
-    assert_model(&pool, &parts, &model);
+    assert_model_across_reopen(pool, &parts, &model);
 }

@@ -171,6 +171,18 @@ impl DataDevice for HookedData {
     fn counters(&self) -> &DataCounters {
         self.inner.counters()
     }
+    fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        self.inner.grow_to(size_bytes)
+    }
+}
+
+/// With no hook armed, it keeps the data device contract, as the engine expects of any.
+#[test]
+fn hooked_data_keeps_the_data_device_contract() {
+    use thin_pool::testing::data_device_contract::{conforms, Subject, DEVICE_BYTES};
+    conforms("HookedData", || {
+        Some(Subject::new(Arc::new(HookedData::new(DEVICE_BYTES))))
+    });
 }
 
 // ---------------------------------------------------------------------------------------

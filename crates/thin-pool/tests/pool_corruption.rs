@@ -209,7 +209,10 @@ impl OverlayData {
     fn range(&self, offset: u64, len: u64) -> io::Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.base.len() as u64 => Ok(()),
-            _ => Err(io::Error::other("beyond the data device")),
+            _ => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "beyond the data device",
+            )),
         }
     }
 
@@ -275,6 +278,21 @@ impl DataDevice for OverlayData {
     fn grow_to(&self, _size_bytes: u64) -> io::Result<u64> {
         Ok(self.size_bytes())
     }
+}
+
+/// It keeps the data device contract (it cannot grow, and counts nothing).
+#[test]
+fn overlay_data_keeps_the_data_device_contract() {
+    use thin_pool::testing::data_device_contract::{conforms, Growth, Subject, DEVICE_BYTES};
+    conforms("OverlayData", || {
+        let base = Arc::new(vec![0u8; DEVICE_BYTES as usize]);
+        let device = Arc::new(OverlayData::new(base));
+        Some(
+            Subject::new(device)
+                .without_counters()
+                .growing(Growth::Fixed),
+        )
+    });
 }
 
 // ---------------------------------------------------------------------------------------

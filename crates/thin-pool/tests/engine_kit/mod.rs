@@ -5,7 +5,8 @@
 //! Power cuts over a device pair: one [`Power`] counts the writes and flushes of both the
 //! metadata device ([`PairedMetadata`], around testkit's `CrashDevice`) and the data device
 //! ([`CrashDataDevice`]). Once the limit is reached every further operation of either device
-//! fails, and the test builds both crash images at the same cut.
+//! fails, and the test builds both crash images at the same cut ([`CrashParts`] holds such a
+//! pair with its catalog, formats a pool on it and makes the images to reopen).
 //!
 //! Contents: every 512-byte sector the power-cut tests write starts with a header naming the
 //! volume, the virtual sector and a generation, and is filled with bytes derived from it, so a
