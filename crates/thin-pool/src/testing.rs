@@ -22,7 +22,7 @@ use crate::{Pool, PoolOptions, Result};
 use persistent_data::{BlockDevice, MemoryDevice};
 use std::sync::Arc;
 
-/// The data block size of [`memory_pool`] and of most tests (64 KiB, dm-thin's default).
+/// The data block size of [`memory_pool`] and of most tests (64 KiB).
 pub const BLOCK_BYTES: u64 = 64 * 1024;
 
 /// Metadata blocks of [`memory_pool`] (4 MiB).
