@@ -2,7 +2,8 @@
 //! default; this crate's own integration tests turn it on through a dev-dependency on
 //! itself).
 //!
-//! - [`memory_pool`]: a formatted pool in memory, nothing to keep;
+//! - [`memory_pool`]: a formatted pool in memory, nothing to keep; [`dir_pool`]: one in a
+//!   directory's files;
 //! - [`MemoryParts`]: a metadata device, a data device and a catalog in memory, kept by the
 //!   test so that it can check the metadata, look at the data and reopen the same pool;
 //! - [`PoolParts`]: the same for parts of the test's own making (devices that fail, crash
@@ -18,8 +19,9 @@ pub mod data_device_contract;
 
 use crate::engine::catalog::{CatalogStore, MemoryCatalog};
 use crate::engine::data_device::{DataDevice, MemoryDataDevice};
-use crate::{Pool, PoolOptions, Result};
+use crate::{CreateOptions, Pool, PoolOptions, Result};
 use persistent_data::{BlockDevice, MemoryDevice};
+use std::path::Path;
 use std::sync::Arc;
 
 /// The data block size of [`memory_pool`] and of most tests (64 KiB).
@@ -50,6 +52,18 @@ pub fn memory_pool() -> Pool {
 /// [`memory_pool`] with other options.
 pub fn memory_pool_with(options: PoolOptions) -> Pool {
     MemoryParts::default().format(BLOCK_BYTES, options)
+}
+
+/// A new, empty pool in the directory `dir` (its files, as `thinpool create` makes them):
+/// `data_bytes` of data in blocks of [`BLOCK_BYTES`], the metadata sized by default.
+pub fn dir_pool(dir: &Path, data_bytes: u64, options: PoolOptions) -> Pool {
+    let create = CreateOptions {
+        data_size_bytes: data_bytes,
+        block_size_bytes: BLOCK_BYTES,
+        metadata_size_bytes: None,
+    };
+    Pool::create(dir, &create, options)
+        .unwrap_or_else(|e| panic!("creating a pool in {}: {e}", dir.display()))
 }
 
 /// The parts a pool runs on: a metadata device, a data device and a catalog store, kept

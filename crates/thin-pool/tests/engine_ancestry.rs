@@ -11,7 +11,8 @@
 
 use std::path::Path;
 use testkit::scratch::ScratchDir;
-use thin_pool::{CreateOptions, Pool, PoolOptions};
+use thin_pool::testing::dir_pool;
+use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
 
@@ -23,12 +24,7 @@ fn options() -> PoolOptions {
 }
 
 fn create(dir: &Path) -> Pool {
-    let create = CreateOptions {
-        data_size_bytes: 64 * BLOCK,
-        block_size_bytes: BLOCK,
-        metadata_size_bytes: None,
-    };
-    Pool::create(dir, &create, options()).unwrap()
+    dir_pool(dir, 64 * BLOCK, options())
 }
 
 fn origin(pool: &Pool, name: &str) -> Option<String> {

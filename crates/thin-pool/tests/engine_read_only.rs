@@ -9,7 +9,8 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use testkit::scratch::ScratchDir;
-use thin_pool::{CreateOptions, Error, Pool, PoolMode, PoolOptions};
+use thin_pool::testing::dir_pool;
+use thin_pool::{Error, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
 
@@ -31,16 +32,7 @@ fn files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 fn a_read_only_open_writes_nothing_and_refuses_every_change() {
     let scratch = ScratchDir::new("read-only-open");
     let dir = scratch.path();
-    let pool = Pool::create(
-        dir,
-        &CreateOptions {
-            data_size_bytes: 64 * BLOCK,
-            block_size_bytes: BLOCK,
-            metadata_size_bytes: None,
-        },
-        PoolOptions::default(),
-    )
-    .unwrap();
+    let pool = dir_pool(dir, 64 * BLOCK, PoolOptions::default());
     pool.create_volume("vm", 8 * BLOCK).unwrap();
     let volume = pool.volume("vm").unwrap();
     volume.write(BLOCK, &[7u8; 4096], true).unwrap();

@@ -13,7 +13,8 @@ use engine_kit::{assert_volumes_match, VolumeModel};
 use std::path::Path;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::{CreateOptions, Error, Pool, PoolOptions};
+use thin_pool::testing::dir_pool;
+use thin_pool::{Error, Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
 
@@ -25,12 +26,7 @@ fn options() -> PoolOptions {
 }
 
 fn create(dir: &Path) -> Pool {
-    let create = CreateOptions {
-        data_size_bytes: 256 * BLOCK,
-        block_size_bytes: BLOCK,
-        metadata_size_bytes: None,
-    };
-    Pool::create(dir, &create, options()).unwrap()
+    dir_pool(dir, 256 * BLOCK, options())
 }
 
 /// Each volume's expected bytes.
