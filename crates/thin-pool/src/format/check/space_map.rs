@@ -290,14 +290,18 @@ pub(super) fn compare_counts(
     if tally.overflow_seen != stored.overflow.len() {
         report_overflow_orphans(walker, structure, stored);
     }
+    let summary = &mut walker.report.summary;
     match structure {
-        Structure::DataSpaceMap => walker.report.summary.data_bad_count_blocks += tally.bad_blocks,
-        _ => walker.report.summary.metadata_leaked_blocks += tally.leaked_blocks,
+        Structure::DataSpaceMap => {
+            summary.data_bad_count_blocks += tally.bad_blocks;
+            summary.data_leaked_blocks += tally.leaked_blocks;
+        }
+        _ => summary.metadata_leaked_blocks += tally.leaked_blocks,
     }
 }
 
-/// A stored count that differs from the expected one: a data block's is always fatal; a
-/// metadata block's is a leak (non-fatal) when no reference was found, fatal otherwise.
+/// A stored count that differs from the expected one: a leak (non-fatal) when no reference
+/// was found, fatal otherwise.
 fn count_problem(
     structure: Structure,
     bitmap: u64,
@@ -306,6 +310,7 @@ fn count_problem(
     expected_count: u32,
 ) -> Problem {
     let (severity, rule) = match structure {
+        Structure::DataSpaceMap if expected_count == 0 => (Severity::NonFatal, Rule::DataLeak),
         Structure::DataSpaceMap => (Severity::Fatal, Rule::DataCount),
         _ if expected_count == 0 => (Severity::NonFatal, Rule::MetadataLeak),
         _ if stored_count > expected_count => (Severity::Fatal, Rule::MetadataOverCount),
@@ -315,7 +320,7 @@ fn count_problem(
         Structure::DataSpaceMap => (Some(bitmap), Some(block)),
         _ => (Some(block), None),
     };
-    let leaked = if rule == Rule::MetadataLeak {
+    let leaked = if matches!(rule, Rule::MetadataLeak | Rule::DataLeak) {
         " (leaked)"
     } else {
         ""
