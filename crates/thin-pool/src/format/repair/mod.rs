@@ -3,8 +3,9 @@
 //! [`Restorer`] writes as new metadata (or a dump writer prints).
 //!
 //! ```text
-//!   roots     the superblock's settings and roots (a damaged superblock: given settings,
-//!             roots from a scan of the device), the metadata snapshot's as a fallback
+//!   roots     the superblock's settings and roots, the metadata snapshot's as a fallback
+//!             (a damaged superblock: given settings, its roots if they are nodes); when no
+//!             root is a readable node, the roots a scan of the whole device finds
 //!   walk      the details tree and the mapping tree, every trusted node, damage skipped
 //!   emit      one device after another, mappings in ascending order, mapped_blocks as
 //!             recovered; the new space maps are the restorer's, counted from these trees
@@ -105,8 +106,9 @@ pub fn recover(
     let bm = BlockManager::new(device, CACHE_BLOCKS);
     let plan = roots::plan(&bm, options)?;
     let mut walker = Walker::new(&bm);
-    let details = read_details(&mut walker, &plan);
-    let roots = read_top_level(&mut walker, &plan)?;
+    let mut found = None;
+    let details = read_details(&mut walker, &plan, &mut found);
+    let roots = read_top_level(&mut walker, &plan, &mut found)?;
     let data_block_count = match plan.data_block_count {
         Some(count) => count,
         None => highest_mapped(&bm, &roots).map_or(0, |block| block + 1),
@@ -146,14 +148,38 @@ pub fn recover(
     Ok(recovery)
 }
 
+/// The first of `roots`, then of the roots a scan finds (made once, on first need), that
+/// is a trusted node.
+fn first_readable(
+    walker: &Walker<'_>,
+    roots: &[MetadataBlock],
+    scanned: impl Fn(&roots::Found) -> &[MetadataBlock],
+    found: &mut Option<roots::Found>,
+    value_size: usize,
+) -> Option<MetadataBlock> {
+    let readable = |root: &&MetadataBlock| walker.root_is_readable(**root, value_size);
+    if let Some(&root) = roots.iter().find(readable) {
+        return Some(root);
+    }
+    let found = found.get_or_insert_with(|| roots::scan(walker.block_manager()));
+    scanned(found).iter().find(readable).copied()
+}
+
 /// The details of the first details root that is a trusted node (none: no details).
-fn read_details(walker: &mut Walker<'_>, plan: &Plan) -> BTreeMap<u32, DeviceDetails> {
+fn read_details(
+    walker: &mut Walker<'_>,
+    plan: &Plan,
+    found: &mut Option<roots::Found>,
+) -> BTreeMap<u32, DeviceDetails> {
     let mut details = BTreeMap::new();
-    let root = plan
-        .details_roots
-        .iter()
-        .find(|&&root| walker.root_is_readable(root, DETAILS_VALUE_SIZE));
-    if let Some(&root) = root {
+    let root = first_readable(
+        walker,
+        &plan.details_roots,
+        |f| &f.details_roots,
+        found,
+        DETAILS_VALUE_SIZE,
+    );
+    if let Some(root) = root {
         walker.entries(root, DETAILS_VALUE_SIZE, &mut |key, value| {
             let Some(id) = volume_id(key) else {
                 return false;
@@ -169,12 +195,16 @@ fn read_details(walker: &mut Walker<'_>, plan: &Plan) -> BTreeMap<u32, DeviceDet
 fn read_top_level(
     walker: &mut Walker<'_>,
     plan: &Plan,
+    found: &mut Option<roots::Found>,
 ) -> Result<BTreeMap<u32, MetadataBlock>, Error> {
-    let &root = plan
-        .mapping_roots
-        .iter()
-        .find(|&&root| walker.root_is_readable(root, MAPPING_VALUE_SIZE))
-        .ok_or(Error::NoMappingTree)?;
+    let root = first_readable(
+        walker,
+        &plan.mapping_roots,
+        |f| &f.mapping_roots,
+        found,
+        MAPPING_VALUE_SIZE,
+    )
+    .ok_or(Error::NoMappingTree)?;
     let mut roots = BTreeMap::new();
     walker.entries(root, MAPPING_VALUE_SIZE, &mut |key, value| {
         let block = u64::unpack(value);

@@ -7,8 +7,10 @@
 //! - A damaged superblock gives no settings that can be trusted (as with `thin_repair`, the
 //!   data block size must then be given; the transaction id, time and data device size are
 //!   rebuilt from the trees unless given). Its roots are still tried first (a root is a node
-//!   whose own checksum and location say it is one), then the roots a scan of the whole
-//!   metadata device finds (see [`scan`]).
+//!   whose own checksum and location say it is one).
+//!
+//! When no root of the plan is a readable node, the repair scans the whole metadata device
+//! for roots ([`scan`]).
 
 use super::{Error, RepairOptions};
 use crate::format::superblock::{Superblock, Unchecked};
@@ -28,8 +30,8 @@ pub const MAPPING_VALUE_SIZE: usize = 8;
 pub enum RootSource {
     /// A good superblock (and its metadata snapshot).
     Superblock,
-    /// A damaged superblock's roots, then a scan of the device.
-    Scan,
+    /// A damaged superblock's roots (then a scan of the device).
+    DamagedSuperblock,
 }
 
 /// What a repair starts from.
@@ -89,11 +91,8 @@ pub fn plan(bm: &BlockManager, options: &RepairOptions) -> Result<Plan, Error> {
         details_roots.push(raw.device_details_root);
         mapping_roots.push(raw.data_mapping_root);
     }
-    let found = scan(bm);
-    details_roots.extend(found.details_roots);
-    mapping_roots.extend(found.mapping_roots);
     Ok(Plan {
-        source: RootSource::Scan,
+        source: RootSource::DamagedSuperblock,
         time: None,
         transaction_id: options.transaction_id,
         data_block_size_sectors,
@@ -157,7 +156,7 @@ pub fn scan(bm: &BlockManager) -> Found {
             mappings.push((root, tree_keys(&nodes, root)));
         }
     }
-    details.sort_by(|a, b| (b.0, b.1, b.2, b.3).cmp(&(a.0, a.1, a.2, a.3)));
+    details.sort_by_key(|d| std::cmp::Reverse(*d));
     let best_keys: HashSet<u64> = details
         .first()
         .map(|d| tree_keys(&nodes, d.3).into_iter().collect())

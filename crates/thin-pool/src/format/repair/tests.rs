@@ -138,7 +138,7 @@ fn a_damaged_superblock_needs_the_data_block_size() {
         ..RepairOptions::default()
     };
     let recovery = recover(device, &options, &mut out).unwrap();
-    assert_eq!(recovery.source, RootSource::Scan);
+    assert_eq!(recovery.source, RootSource::DamagedSuperblock);
     assert_eq!(out.devices, before.devices);
     assert_eq!(out.superblock.data_block_count, 2_000);
 }

@@ -64,6 +64,11 @@ impl<'a> Walker<'a> {
         }
     }
 
+    /// The block manager it reads through.
+    pub fn block_manager(&self) -> &'a BlockManager {
+        self.bm
+    }
+
     /// Whether `root` is a trusted node on its own (readable, well formed), without walking
     /// below it.
     pub fn root_is_readable(&self, root: MetadataBlock, value_size: usize) -> bool {
