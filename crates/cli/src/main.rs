@@ -1,8 +1,8 @@
 //! The `thinpool` binary: argument parsing and one module per subcommand.
 //!
 //! Offline metadata commands take the same arguments as the thin-provisioning-tools they
-//! mirror (`thin_check`, `thin_dump`, `thin_restore`, `thin_metadata_size`), so scripts can
-//! switch between them.
+//! mirror (`thin_check`, `thin_dump`, `thin_restore`, `thin_repair`, `thin_metadata_size`),
+//! so scripts can switch between them; `-V` on them prints the tools' version they follow.
 #![forbid(unsafe_code)]
 
 mod commands;
@@ -31,6 +31,8 @@ enum Command {
     Dump(commands::dump::Args),
     /// Build pool metadata from an XML dump (like thin_restore).
     Restore(commands::restore::Args),
+    /// Rebuild damaged pool metadata from what can be read (like thin_repair).
+    Repair(commands::repair::Args),
     /// Estimate the metadata size a pool needs (like thin_metadata_size).
     MetadataSize(commands::metadata_size::Args),
     /// Create a pool in a directory.
@@ -58,11 +60,16 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    if commands::asks_tools_version(std::env::args_os()) {
+        println!("{}", commands::TOOLS_VERSION);
+        return ExitCode::SUCCESS;
+    }
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Check(args) => commands::check::run(args),
         Command::Dump(args) => commands::dump::run(args),
         Command::Restore(args) => commands::restore::run(args),
+        Command::Repair(args) => commands::repair::run(args),
         Command::MetadataSize(args) => commands::metadata_size::run(args),
         Command::Create(args) => commands::create::run(args),
         Command::Import(args) => commands::import::run(args),

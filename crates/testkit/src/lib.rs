@@ -24,6 +24,7 @@ pub mod crash;
 pub mod fault;
 pub mod fixtures;
 pub mod loop_device;
+pub mod metadata_patch;
 pub mod nbd_client;
 pub mod process;
 pub mod qemu_img;

@@ -9,13 +9,16 @@
 
 use persistent_data::btree::node::{Node, HEADER_SIZE};
 use persistent_data::btree::Value;
-use persistent_data::checksum::{self, BlockKind};
-use persistent_data::space_map::core::{decode_field, encode_field, ENTRIES_PER_BITMAP};
+use persistent_data::checksum::BlockKind;
+use persistent_data::space_map::core::{decode_field, ENTRIES_PER_BITMAP};
 use persistent_data::space_map::disk::decode_index_block;
 use persistent_data::space_map::IndexEntry;
-use persistent_data::{Block, BlockDevice, FileDevice, MetadataBlock, BLOCK_SIZE};
+use persistent_data::{BlockDevice, FileDevice, MetadataBlock};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use testkit::metadata_patch::{
+    bitmap_field, patch, put_u32, put_u64, read_block, set_bitmap_count, u64_at, value_at,
+};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::format::check::{check, CheckOptions, LeafOccupancy, Report, Rule};
@@ -35,57 +38,6 @@ struct Layout {
     overflowed: u64,
     metadata_bitmap: u64,
     data_bitmap: u64,
-}
-
-fn read_block(path: &Path, block: u64) -> Box<Block> {
-    let device = FileDevice::open(path, false).unwrap();
-    let mut data = Box::new([0u8; BLOCK_SIZE]);
-    device.read(MetadataBlock::new(block), &mut data).unwrap();
-    data
-}
-
-fn write_block(path: &Path, block: u64, data: &Block) {
-    let device = FileDevice::open(path, true).unwrap();
-    device.write(MetadataBlock::new(block), data).unwrap();
-    device.flush().unwrap();
-}
-
-/// Patch `block` with `edit`, then re-stamp it as `restamp` (None: leave the checksum).
-fn patch(path: &Path, block: u64, restamp: Option<BlockKind>, edit: impl FnOnce(&mut Block)) {
-    let mut data = read_block(path, block);
-    edit(&mut data);
-    if let Some(kind) = restamp {
-        checksum::stamp(&mut data, kind);
-    }
-    write_block(path, block, &data);
-}
-
-fn put_u32(data: &mut Block, at: usize, value: u32) {
-    data[at..at + 4].copy_from_slice(&value.to_le_bytes());
-}
-
-fn put_u64(data: &mut Block, at: usize, value: u64) {
-    data[at..at + 8].copy_from_slice(&value.to_le_bytes());
-}
-
-fn u64_at(data: &Block, at: usize) -> u64 {
-    u64::from_le_bytes(data[at..at + 8].try_into().unwrap())
-}
-
-fn bitmap_field(data: &Block, entry: u64) -> u64 {
-    (u64_at(data, 16 + (entry / 32) as usize * 8) >> ((entry % 32) * 2)) & 3
-}
-
-fn set_bitmap_count(data: &mut Block, entry: u64, count: u32) {
-    let at = 16 + (entry / 32) as usize * 8;
-    let shift = (entry % 32) * 2;
-    let word = (u64_at(data, at) & !(3 << shift)) | (encode_field(count) << shift);
-    put_u64(data, at, word);
-}
-
-/// Offset of value `i` in a node with `max` entries of `value_size` bytes.
-fn value_at(max: usize, value_size: usize, i: usize) -> usize {
-    HEADER_SIZE + 8 * max + value_size * i
 }
 
 fn build(path: &Path) -> Layout {

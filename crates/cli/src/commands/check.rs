@@ -6,8 +6,17 @@
 //! on stderr, then `TRANSACTION_ID=` and `METADATA_FREE_BLOCKS=` on stdout; `-q` silences
 //! both. When stderr is a terminal and the metadata is large, a progress bar replaces the
 //! phase lines.
+//!
+//! Leaks, as thin_check 1.1.0 (what LVM's `thin_check -q --clear-needs-check-flag` at
+//! activation relies on): blocks with a stored count that nothing references are non-fatal;
+//! with `--auto-repair` or `--clear-needs-check-flag` they are freed in place
+//! (`check::repair_leaks`), and the check passes if nothing else was wrong. Anything fatal
+//! is never repaired here (`thinpool repair` rebuilds). `--clear-needs-check-flag` and
+//! `--auto-repair` are refused with `-m` (a metadata snapshot is not what the pool opens),
+//! and `--auto-repair` with `--skip-mappings` or `--super-block-only` (the counts are not
+//! checked then), each as a usage error (exit 2), as 1.1.0 refuses them.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use persistent_data::{BlockDevice, FileDevice};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -17,7 +26,7 @@ use std::time::{Duration, Instant};
 use thin_pool::format::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
 use thin_pool::PoolMetadata;
 
-use super::ToolsVersion;
+use super::{ToolsVersion, ToolsVersionFlag};
 
 /// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).
 const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
@@ -40,14 +49,17 @@ pub struct Args {
     /// Only return a non-zero exit code if a fatal error is found.
     #[arg(long = "ignore-non-fatal-errors")]
     ignore_non_fatal_errors: bool,
-    /// Clear the needs_check flag in the superblock after a clean check.
-    #[arg(long = "clear-needs-check-flag")]
+    /// Clear the needs_check flag in the superblock after a clean check (leaks repaired).
+    #[arg(long = "clear-needs-check-flag", conflicts_with = "metadata_snap")]
     clear_needs_check_flag: bool,
     /// Check the metadata snapshot's trees (on a live pool).
     #[arg(short = 'm', long = "metadata-snap")]
     metadata_snap: bool,
-    /// Auto repair trivial issues (not supported).
-    #[arg(long = "auto-repair")]
+    /// Auto repair trivial issues: free leaked metadata and data blocks.
+    #[arg(
+        long = "auto-repair",
+        conflicts_with_all = ["metadata_snap", "skip_mappings", "super_block_only"]
+    )]
     auto_repair: bool,
     /// Whose leaf occupancy rule to apply: 1 lets bottom-level mapping leaves be less than a
     /// third full; 0.9.0 (the kernel's invariant) wants every non-root node a third full.
@@ -57,13 +69,16 @@ pub struct Args {
         default_value = "0.9.0"
     )]
     tools_version: ToolsVersion,
+    #[command(flatten)]
+    version: ToolsVersionFlag,
 }
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    if args.auto_repair {
-        bail!("--auto-repair is not supported");
+    if args.version.print() {
+        return Ok(ExitCode::SUCCESS);
     }
+    let repair = args.auto_repair || args.clear_needs_check_flag;
     let device = FileDevice::open(&args.input, false)
         .with_context(|| format!("cannot open {}", args.input.display()))?;
     let device: Arc<dyn BlockDevice> = Arc::new(device);
@@ -79,14 +94,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         data_device_bytes: None,
     };
     let mut display = Display::new(args.quiet);
-    let report = check::check(device, &options, &mut |progress| display.update(progress));
+    let mut report = check::check(device, &options, &mut |progress| display.update(progress));
     display.finish();
     if !args.quiet {
-        print_report(&report);
+        print_report(&report, repair);
+    }
+    if repair && report.fatal_count == 0 && has_leaks(&report) {
+        report = repair_leaks(&args.input, &options, report, args.quiet)?;
     }
     let passed = report.passes(args.ignore_non_fatal_errors);
     if passed && args.clear_needs_check_flag && report.summary.flags & 1 != 0 {
         clear_needs_check(&args.input)?;
+        if !args.quiet {
+            eprintln!("Cleared needs_check flag");
+        }
     }
     Ok(if passed {
         ExitCode::SUCCESS
@@ -95,7 +116,37 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     })
 }
 
-fn print_report(report: &Report) {
+fn has_leaks(report: &Report) -> bool {
+    report.summary.metadata_leaked_blocks > 0 || report.summary.data_leaked_blocks > 0
+}
+
+/// Free the leaks in place (`--auto-repair`, `--clear-needs-check-flag`); returns the check
+/// of the repaired metadata.
+fn repair_leaks(
+    path: &std::path::Path,
+    options: &CheckOptions,
+    report: Report,
+    quiet: bool,
+) -> anyhow::Result<Report> {
+    if !quiet {
+        if report.summary.data_leaked_blocks > 0 {
+            eprintln!("Repairing data leaks.");
+        }
+        if report.summary.metadata_leaked_blocks > 0 {
+            eprintln!("Repairing metadata leaks.");
+        }
+    }
+    let device = FileDevice::open(path, true)
+        .with_context(|| format!("cannot open {} for writing", path.display()))?;
+    let repair = check::repair_leaks(Arc::new(device), options, report)
+        .with_context(|| format!("repairing the leaks of {}", path.display()))?;
+    if !quiet && !repair.report.is_clean() {
+        print_report(&repair.report, true);
+    }
+    Ok(repair.report)
+}
+
+fn print_report(report: &Report, repairing: bool) {
     let mut stderr = std::io::stderr().lock();
     for problem in &report.problems {
         let _ = writeln!(stderr, "{problem}");
@@ -110,12 +161,19 @@ fn print_report(report: &Report) {
             report.summary.metadata_leaked_blocks
         );
     }
-    if report.summary.data_bad_count_blocks > 0 {
+    let data_leaked = report.summary.data_leaked_blocks;
+    if data_leaked > 0 {
+        let _ = writeln!(stderr, "{data_leaked} data blocks have leaked.");
+    }
+    if report.summary.data_bad_count_blocks > data_leaked {
         let _ = writeln!(
             stderr,
             "{} data blocks have bad reference counts.",
-            report.summary.data_bad_count_blocks
+            report.summary.data_bad_count_blocks - data_leaked
         );
+    }
+    if has_leaks(report) && report.fatal_count == 0 && !repairing {
+        let _ = writeln!(stderr, "perhaps you wanted to run with --auto-repair");
     }
     if report.fatal_count + report.non_fatal_count > 0 {
         let _ = writeln!(

@@ -1,9 +1,11 @@
 //! `thinpool dump`: print pool metadata as XML or human-readable text, byte for byte as
 //! `thin_dump` 1.1.0 prints it (or 0.9.0 with `--tools-version 0.9.0`), with its arguments.
 //!
-//! Errors exit with status 64, like the 1.x tools. `--repair` is not supported.
+//! Errors exit with status 64, like the 1.x tools. `--repair` dumps what can be recovered
+//! from damaged metadata (`thin_pool::format::repair`: every trusted mapping, devices
+//! expanded, no `<def>`s), with the superblock overrides when the superblock is damaged.
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use persistent_data::{FileDevice, MetadataBlock};
 use std::fs::File;
 use std::io::{BufWriter, Write};
@@ -12,8 +14,9 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use thin_pool::format::dump::metadata::{self, DumpOptions, Source};
 use thin_pool::format::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::repair::{self, RepairOptions};
 
-use super::{tools_exit, SuperblockOverrides, ToolsVersion};
+use super::{tools_exit, SuperblockOverrides, ToolsVersion, ToolsVersionFlag};
 
 /// Output format.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,8 +58,8 @@ pub struct Args {
     /// Suppress output messages, return only the exit code.
     #[arg(short = 'q', long = "quiet")]
     quiet: bool,
-    /// Repair the metadata while dumping it (not supported).
-    #[arg(short = 'r', long = "repair")]
+    /// Dump what can be recovered from damaged metadata.
+    #[arg(short = 'r', long = "repair", conflicts_with_all = ["metadata_snap", "skip_mappings", "dev_id"])]
     repair: bool,
     /// Do not dump the mappings.
     #[arg(long = "skip-mappings")]
@@ -70,18 +73,20 @@ pub struct Args {
     /// 0.9.0 expands every device.
     #[arg(long = "tools-version", value_name = "VERSION", default_value = "1")]
     tools_version: ToolsVersion,
+    #[command(flatten)]
+    version: ToolsVersionFlag,
 }
 
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if args.version.print() {
+        return Ok(ExitCode::SUCCESS);
+    }
     Ok(tools_exit(dump_file(&args), args.quiet))
 }
 
 fn dump_file(args: &Args) -> anyhow::Result<()> {
-    if args.repair {
-        bail!("--repair is not supported");
-    }
     let device = FileDevice::open(&args.input, false)
         .with_context(|| format!("cannot open {}", args.input.display()))?;
     let options = DumpOptions {
@@ -110,6 +115,16 @@ fn dump_file(args: &Args) -> anyhow::Result<()> {
         Format::Xml => Box::new(XmlWriter::with_flavour(output, options.flavour)),
         Format::HumanReadable => Box::new(HumanWriter::with_flavour(output, options.flavour)),
     };
+    if args.repair {
+        let options = RepairOptions {
+            transaction_id: args.overrides.transaction_id,
+            data_block_size_sectors: args.overrides.data_block_size,
+            data_block_count: args.overrides.nr_data_blocks,
+        };
+        repair::recover(Arc::new(device), &options, visitor.as_mut())
+            .with_context(|| format!("recovering {}", args.input.display()))?;
+        return Ok(());
+    }
     metadata::dump(Arc::new(device), &options, visitor.as_mut())
         .with_context(|| format!("dumping {}", args.input.display()))
 }

@@ -38,6 +38,8 @@ pub struct Args {
         value_parser = parse_style
     )]
     numeric_only: Option<OutputStyle>,
+    #[command(flatten)]
+    version: super::ToolsVersionFlag,
 }
 
 fn parse_size(text: &str) -> Result<u64, String> {
@@ -59,6 +61,9 @@ fn parse_style(text: &str) -> Result<OutputStyle, String> {
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if args.version.print() {
+        return Ok(ExitCode::SUCCESS);
+    }
     let request = Request {
         data_block_size_bytes: args.block_size_bytes,
         pool_size_bytes: args.pool_size_bytes,

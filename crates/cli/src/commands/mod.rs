@@ -10,6 +10,7 @@ pub mod import;
 pub mod list;
 pub mod metadata_size;
 pub mod metadata_snap;
+pub mod repair;
 pub mod restore;
 pub mod serve;
 pub mod space;
@@ -17,7 +18,51 @@ pub mod status;
 pub mod trim;
 pub mod volume;
 
+use std::ffi::OsString;
 use std::process::ExitCode;
+
+/// What `-V`/`--version` of the drop-in subcommands (`check`, `dump`, `restore`, `repair`,
+/// `metadata-size`) prints, as `thin_check -V` prints its own: the thin-provisioning-tools
+/// release whose arguments, output and exit codes they follow, so that scripts and LVM,
+/// which enable options by the version they read, treat them as that release.
+/// (`thinpool --version` prints thinpool's own version.)
+pub const TOOLS_VERSION: &str = "1.1.0";
+
+/// The drop-in subcommands, by their command-line names.
+const DROP_IN_COMMANDS: [&str; 5] = ["check", "dump", "restore", "repair", "metadata-size"];
+
+/// `-V`/`--version` of a drop-in subcommand (listed in its `--help`).
+#[derive(clap::Args, Debug)]
+pub struct ToolsVersionFlag {
+    /// Print the version of thin-provisioning-tools this command follows, and exit.
+    #[arg(short = 'V', long = "version")]
+    version: bool,
+}
+
+impl ToolsVersionFlag {
+    /// Print [`TOOLS_VERSION`] if the flag was given; returns whether it was.
+    pub fn print(&self) -> bool {
+        if self.version {
+            println!("{TOOLS_VERSION}");
+        }
+        self.version
+    }
+}
+
+/// Whether the command line (program name first) asks a drop-in subcommand for its version:
+/// `-V` or `--version` after the subcommand's name (and before any `--`). Checked before
+/// parsing, as `thin_check -V` needs no other argument, though the subcommands require some.
+pub fn asks_tools_version(args: impl IntoIterator<Item = OsString>) -> bool {
+    let mut args = args.into_iter().skip(1);
+    let Some(command) = args.next() else {
+        return false;
+    };
+    if !DROP_IN_COMMANDS.iter().any(|name| command == *name) {
+        return false;
+    }
+    args.take_while(|arg| arg != "--")
+        .any(|arg| arg == "-V" || arg == "--version")
+}
 
 /// Which release of thin-provisioning-tools `check` and `dump` imitate.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]

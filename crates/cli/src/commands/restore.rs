@@ -25,7 +25,7 @@ use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
 use thin_pool::format::restore::{self, RestoreOptions};
 use thin_pool::PoolMetadata;
 
-use super::{tools_exit, SuperblockOverrides};
+use super::{tools_exit, SuperblockOverrides, ToolsVersionFlag};
 
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
@@ -41,11 +41,16 @@ pub struct Args {
     quiet: bool,
     #[command(flatten)]
     overrides: SuperblockOverrides,
+    #[command(flatten)]
+    version: ToolsVersionFlag,
 }
 
 /// Run the command. Failures print `thinpool: <error with context>` (unless `-q`) and exit
 /// with status 64, as the 1.x tools do.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    if args.version.print() {
+        return Ok(ExitCode::SUCCESS);
+    }
     Ok(tools_exit(restore_file(&args), args.quiet))
 }
 

@@ -307,109 +307,119 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
 
     fn run(&mut self, left: &mut Side, right: &mut Side) -> Result<()> {
         loop {
-            let (l, r) = match (left.last().copied(), right.last().copied()) {
+            match (left.last().copied(), right.last().copied()) {
                 (None, None) => return Ok(()),
-                (Some(l), Some(r)) => (l, r),
                 (Some(l), None) => {
                     left.pop();
-                    match l {
-                        Item::Subtree(s) => self.expand(left, s)?,
-                        Item::Entry { key, value } => self.ranges.push(
-                            key,
-                            DeltaKind::LeftOnly,
-                            Some(data_block(value)),
-                            None,
-                        ),
-                    }
-                    continue;
+                    self.one_side(left, l, DeltaKind::LeftOnly)?;
                 }
                 (None, Some(r)) => {
                     right.pop();
-                    match r {
-                        Item::Subtree(s) => self.expand(right, s)?,
-                        Item::Entry { key, value } => self.ranges.push(
-                            key,
-                            DeltaKind::RightOnly,
-                            None,
-                            Some(data_block(value)),
-                        ),
-                    }
-                    continue;
+                    self.one_side(right, r, DeltaKind::RightOnly)?;
                 }
-            };
-            match (l, r) {
-                (Item::Entry { key: lk, value: lv }, Item::Entry { key: rk, value: rv }) => {
-                    let (ld, rd) = (data_block(lv), data_block(rv));
-                    if lk < rk {
-                        left.pop();
-                        self.ranges.push(lk, DeltaKind::LeftOnly, Some(ld), None);
-                    } else if rk < lk {
-                        right.pop();
-                        self.ranges.push(rk, DeltaKind::RightOnly, None, Some(rd));
-                    } else {
-                        left.pop();
-                        right.pop();
-                        let kind = if ld == rd {
-                            DeltaKind::Same
-                        } else {
-                            DeltaKind::Different
-                        };
-                        self.ranges.push(lk, kind, Some(ld), Some(rd));
-                    }
-                }
-                (Item::Entry { key, value }, Item::Subtree(s)) => {
-                    if u128::from(key) < s.interval.0 {
-                        left.pop();
-                        self.ranges
-                            .push(key, DeltaKind::LeftOnly, Some(data_block(value)), None);
-                    } else {
-                        right.pop();
-                        self.expand(right, s)?;
-                    }
-                }
-                (Item::Subtree(s), Item::Entry { key, value }) => {
-                    if u128::from(key) < s.interval.0 {
-                        right.pop();
-                        self.ranges
-                            .push(key, DeltaKind::RightOnly, None, Some(data_block(value)));
-                    } else {
-                        left.pop();
-                        self.expand(left, s)?;
-                    }
-                }
-                (Item::Subtree(a), Item::Subtree(b)) => {
-                    if a.block == b.block {
-                        // Shared: the same entries on both sides, and no other entry of
-                        // either side lies among their keys.
-                        left.pop();
-                        right.pop();
-                        if self.ranges.list_same {
-                            let interval = (
-                                a.interval.0.max(b.interval.0),
-                                a.interval.1.min(b.interval.1),
-                            );
-                            self.emit_shared(a.block, a.height, interval)?;
-                        }
-                        continue;
-                    }
-                    let expand_left = if a.interval.1 <= b.interval.0 {
-                        true
-                    } else if b.interval.1 <= a.interval.0 {
-                        false
-                    } else if a.height != b.height {
-                        a.height > b.height
-                    } else {
-                        a.interval.0 <= b.interval.0
-                    };
-                    if expand_left {
-                        left.pop();
-                        self.expand(left, a)?;
-                    } else {
-                        right.pop();
-                        self.expand(right, b)?;
-                    }
+                (Some(l), Some(r)) => self.both_sides(left, right, l, r)?,
+            }
+        }
+    }
+
+    /// An item (already popped) of one side only: its entries are `kind`.
+    fn one_side(&mut self, side: &mut Side, item: Item, kind: DeltaKind) -> Result<()> {
+        match item {
+            Item::Subtree(s) => self.expand(side, s)?,
+            Item::Entry { key, value } => {
+                let block = Some(data_block(value));
+                match kind {
+                    DeltaKind::LeftOnly => self.ranges.push(key, kind, block, None),
+                    _ => self.ranges.push(key, kind, None, block),
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// The next items of both sides (still on their stacks): take the lower one, or both.
+    fn both_sides(&mut self, left: &mut Side, right: &mut Side, l: Item, r: Item) -> Result<()> {
+        match (l, r) {
+            (Item::Entry { key: lk, value: lv }, Item::Entry { key: rk, value: rv }) => {
+                let (ld, rd) = (data_block(lv), data_block(rv));
+                if lk < rk {
+                    left.pop();
+                    self.ranges.push(lk, DeltaKind::LeftOnly, Some(ld), None);
+                } else if rk < lk {
+                    right.pop();
+                    self.ranges.push(rk, DeltaKind::RightOnly, None, Some(rd));
+                } else {
+                    left.pop();
+                    right.pop();
+                    let kind = if ld == rd {
+                        DeltaKind::Same
+                    } else {
+                        DeltaKind::Different
+                    };
+                    self.ranges.push(lk, kind, Some(ld), Some(rd));
+                }
+                Ok(())
+            }
+            (Item::Entry { key, .. }, Item::Subtree(s)) => {
+                if u128::from(key) < s.interval.0 {
+                    left.pop();
+                    self.one_side(left, l, DeltaKind::LeftOnly)
+                } else {
+                    right.pop();
+                    self.expand(right, s)
+                }
+            }
+            (Item::Subtree(s), Item::Entry { key, .. }) => {
+                if u128::from(key) < s.interval.0 {
+                    right.pop();
+                    self.one_side(right, r, DeltaKind::RightOnly)
+                } else {
+                    left.pop();
+                    self.expand(left, s)
+                }
+            }
+            (Item::Subtree(a), Item::Subtree(b)) => self.subtrees(left, right, a, b),
+        }
+    }
+
+    /// Two subtrees: skip them if they are the same block, else expand the one that comes
+    /// first (or, overlapping, the higher one).
+    fn subtrees(
+        &mut self,
+        left: &mut Side,
+        right: &mut Side,
+        a: Subtree,
+        b: Subtree,
+    ) -> Result<()> {
+        if a.block == b.block {
+            // Shared: the same entries on both sides, and no other entry of either side
+            // lies among their keys.
+            left.pop();
+            right.pop();
+            if self.ranges.list_same {
+                let interval = (
+                    a.interval.0.max(b.interval.0),
+                    a.interval.1.min(b.interval.1),
+                );
+                self.emit_shared(a.block, a.height, interval)?;
+            }
+            return Ok(());
+        }
+        let expand_left = if a.interval.1 <= b.interval.0 {
+            true
+        } else if b.interval.1 <= a.interval.0 {
+            false
+        } else if a.height != b.height {
+            a.height > b.height
+        } else {
+            a.interval.0 <= b.interval.0
+        };
+        if expand_left {
+            left.pop();
+            self.expand(left, a)
+        } else {
+            right.pop();
+            self.expand(right, b)
         }
     }
 }

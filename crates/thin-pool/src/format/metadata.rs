@@ -558,6 +558,27 @@ impl PoolMetadata {
         device.flush().map_err(io)
     }
 
+    /// Drop every count of blocks a check found no reference to (leaks: `thin_check
+    /// --auto-repair`), and commit. The caller passes only leaked blocks: a referenced block
+    /// given here would be freed under its references.
+    pub fn release_leaks(&mut self, metadata: &[MetadataBlock], data: &[DataBlock]) -> Result<()> {
+        self.check_not_failed()?;
+        self.change(|md| {
+            for &block in metadata {
+                while md.tm.count(block) > 0 {
+                    md.tm.dec(block)?;
+                }
+            }
+            for &block in data {
+                while md.data.count(block) > 0 {
+                    writer::DataRefCounter::dec(&mut md.data, block)?;
+                }
+            }
+            Ok(())
+        })?;
+        self.commit()
+    }
+
     /// Clear the needs_check flag (after a clean check) and commit.
     pub fn clear_needs_check(&mut self) -> Result<()> {
         self.superblock.flags &= !NEEDS_CHECK_FLAG;

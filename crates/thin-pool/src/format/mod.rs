@@ -7,8 +7,8 @@
 //!
 //! Order: `superblock` and `details` (codecs) → `writer` (formatting, building the volume
 //! trees, committing: shared by both writers) → `metadata` (dm-thin's operations, one at a
-//! time) → `check`, `diff`, `dump`, `restore`, `metadata_size` (the tools; `restore` writes through
-//! `writer` too).
+//! time) → `check`, `diff`, `dump`, `restore`, `repair`, `metadata_size` (the tools; `restore` writes
+//! through `writer` too, `repair` through `restore`'s `Restorer`).
 
 pub mod check;
 pub mod details;
@@ -16,6 +16,7 @@ pub mod diff;
 pub mod dump;
 pub mod metadata;
 pub mod metadata_size;
+pub mod repair;
 pub mod restore;
 pub mod superblock;
 pub mod writer;

@@ -18,9 +18,9 @@
 //! mappings. Each node is read once (a visited mark per metadata block), so the check reads
 //! about as many blocks as the metadata holds.
 //!
-//! Severity follows thin_check 1.x: an unreferenced metadata block with a stored count is
-//! a leak (non-fatal: the exit code is still non-zero unless non-fatal errors are ignored);
-//! every other broken rule is fatal, a count too high on a referenced block included
+//! Severity follows thin_check 1.x: an unreferenced metadata or data block with a stored
+//! count is a leak (non-fatal: the exit code is still non-zero unless non-fatal errors are
+//! ignored; `leaks` frees them in place for `--auto-repair`); every other broken rule is fatal, a count too high on a referenced block included
 //! (0.9.0 calls that non-fatal too). Reference counts are compared only when the trees
 //! were walked without a fatal problem (a broken tree makes every count below it suspect).
 //!
@@ -31,13 +31,15 @@
 //! reads anything else itself: the report is the same with or without the reader.
 //!
 //! Files: `superblock` (block 0 and the metadata snapshot's), `trees` (details and mapping
-//! trees of one superblock), `space_map` (stored counts against recomputed ones), `tree`
+//! trees of one superblock), `space_map` (stored counts against recomputed ones), `leaks`
+//! (freeing leaked blocks in place), `tree`
 //! (the btree walk all of them use), `counts` (the recomputed reference counts),
 //! `read_ahead` (the reader thread), `report` (what is found).
 //!
 //! Callers: the `thinpool check` command, and tests that run it after every commit.
 
 mod counts;
+mod leaks;
 mod read_ahead;
 mod report;
 mod space_map;
@@ -47,6 +49,7 @@ mod tests;
 mod tree;
 mod trees;
 
+pub use leaks::{repair_leaks, LeakRepair};
 pub use report::{Problem, Report, Rule, Severity, Structure, Summary, PROBLEMS_MAX};
 
 use crate::format::superblock as superblock_codec;

@@ -2,7 +2,7 @@
 //! the block and the broken [`Rule`], and a [`Summary`] of the metadata.
 //!
 //! Severities follow thin_check: a fatal problem makes the metadata unusable; a non-fatal
-//! one (a metadata leak) still gives a non-zero exit unless `--ignore-non-fatal-errors`;
+//! one (a metadata or data leak) still gives a non-zero exit unless `--ignore-non-fatal-errors`;
 //! a warning (our stricter checks, e.g. an unknown superblock version, which the tools accept)
 //! never changes the outcome.
 
@@ -91,8 +91,12 @@ pub enum Rule {
     MetadataOverCount,
     /// §11.13: a metadata block's stored count is lower than its references.
     MetadataUnderCount,
-    /// §11.14: a data block's stored count differs from the leaves referencing it.
+    /// §11.14: a data block's stored count differs from the leaves referencing it (fatal),
+    /// a block with references included.
     DataCount,
+    /// §11.14: a data block no leaf references has a stored count (a leak: non-fatal, as
+    /// thin_check 1.x says; `--auto-repair` frees it).
+    DataLeak,
     /// The data space map's `nr_blocks` is more than its bitmaps could be (each is a
     /// metadata block) or, when the data device is known, more than it holds.
     DataDeviceSize,
@@ -126,6 +130,7 @@ impl fmt::Display for Rule {
             Rule::MetadataOverCount => f.write_str("metadata reference count too high"),
             Rule::MetadataUnderCount => f.write_str("metadata reference count too low"),
             Rule::DataCount => f.write_str("data reference count"),
+            Rule::DataLeak => f.write_str("data leak"),
             Rule::DataDeviceSize => f.write_str("data space map size"),
         }
     }
@@ -227,8 +232,10 @@ pub struct Summary {
     pub node_count: u64,
     /// Metadata blocks whose stored count exceeds their references.
     pub metadata_leaked_blocks: u64,
-    /// Data blocks whose stored count differs from their references.
+    /// Data blocks whose stored count differs from their references (leaks included).
     pub data_bad_count_blocks: u64,
+    /// Of those, blocks no leaf references (leaks).
+    pub data_leaked_blocks: u64,
 }
 
 /// The result of a check.

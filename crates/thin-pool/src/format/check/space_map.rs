@@ -223,81 +223,127 @@ pub(super) fn compare_counts(
         let Some(data) = walker.read(location, BlockKind::Bitmap, structure, None) else {
             continue;
         };
-        let first = index as u64 * ENTRIES_PER_BITMAP;
-        let mut next = 0;
-        while next < ENTRIES_PER_BITMAP {
-            // Most words of 32 entries hold exactly the expected small counts: compare them
-            // whole, and look at each entry only where they differ.
-            if next % WORD_ENTRIES == 0
-                && word_matches(&data, next, first + next, stored.block_count, expected)
-            {
-                next += WORD_ENTRIES;
-                continue;
-            }
-            let entry = next;
-            next += 1;
-            let block = first + entry;
-            let field = bitmap_entry(&data, entry);
-            if block >= stored.block_count {
-                if field != 0 {
-                    walker.problem(
-                        Severity::Fatal,
-                        structure,
-                        None,
-                        Some(location),
-                        Rule::BitmapTail,
-                        format!(
-                            "entry for block {block}, beyond the map's {} blocks, is in use",
-                            stored.block_count
-                        ),
-                    );
-                }
-                continue;
-            }
-            let stored_count = if field == 3 {
-                let Some(&count) = stored.overflow.get(&block) else {
-                    walker.problem(
-                        Severity::Fatal,
-                        structure,
-                        None,
-                        Some(location),
-                        Rule::OverflowMismatch,
-                        format!("bitmap says block {block} has 3 or more references, the overflow tree has no entry"),
-                    );
-                    continue;
-                };
-                tally.overflow_seen += 1;
-                count
-            } else {
-                decode_field(field)
-            };
-            let expected_count = if block < expected.len() {
-                expected.get(block)
-            } else {
-                0
-            };
-            if stored_count != expected_count {
-                tally.bad_blocks += 1;
-                if expected_count == 0 {
-                    tally.leaked_blocks += 1;
-                }
-                let problem =
-                    count_problem(structure, location, block, stored_count, expected_count);
-                walker.report.push(problem);
-            }
-        }
+        let bitmap = Bitmap {
+            structure,
+            location,
+            first: index as u64 * ENTRIES_PER_BITMAP,
+            data: &data,
+        };
+        compare_bitmap(walker, &bitmap, stored, expected, &mut tally);
     }
     if tally.overflow_seen != stored.overflow.len() {
         report_overflow_orphans(walker, structure, stored);
     }
+    let summary = &mut walker.report.summary;
     match structure {
-        Structure::DataSpaceMap => walker.report.summary.data_bad_count_blocks += tally.bad_blocks,
-        _ => walker.report.summary.metadata_leaked_blocks += tally.leaked_blocks,
+        Structure::DataSpaceMap => {
+            summary.data_bad_count_blocks += tally.bad_blocks;
+            summary.data_leaked_blocks += tally.leaked_blocks;
+        }
+        _ => summary.metadata_leaked_blocks += tally.leaked_blocks,
     }
 }
 
-/// A stored count that differs from the expected one: a data block's is always fatal; a
-/// metadata block's is a leak (non-fatal) when no reference was found, fatal otherwise.
+/// One bitmap block being compared.
+struct Bitmap<'a> {
+    structure: Structure,
+    location: u64,
+    /// The block its first entry counts.
+    first: u64,
+    data: &'a Block,
+}
+
+/// Compare the entries of one bitmap with the recomputed counts.
+fn compare_bitmap(
+    walker: &mut Walker<'_>,
+    bitmap: &Bitmap<'_>,
+    stored: &StoredSpaceMap,
+    expected: &Counts,
+    tally: &mut Tally,
+) {
+    let mut next = 0;
+    while next < ENTRIES_PER_BITMAP {
+        // Most words of 32 entries hold exactly the expected small counts: compare them
+        // whole, and look at each entry only where they differ.
+        if next % WORD_ENTRIES == 0
+            && word_matches(
+                bitmap.data,
+                next,
+                bitmap.first + next,
+                stored.block_count,
+                expected,
+            )
+        {
+            next += WORD_ENTRIES;
+            continue;
+        }
+        compare_entry(walker, bitmap, next, stored, expected, tally);
+        next += 1;
+    }
+}
+
+/// Compare entry `entry` of a bitmap with its recomputed count.
+fn compare_entry(
+    walker: &mut Walker<'_>,
+    bitmap: &Bitmap<'_>,
+    entry: u64,
+    stored: &StoredSpaceMap,
+    expected: &Counts,
+    tally: &mut Tally,
+) {
+    let (structure, location) = (bitmap.structure, bitmap.location);
+    let block = bitmap.first + entry;
+    let field = bitmap_entry(bitmap.data, entry);
+    if block >= stored.block_count {
+        if field != 0 {
+            walker.problem(
+                Severity::Fatal,
+                structure,
+                None,
+                Some(location),
+                Rule::BitmapTail,
+                format!(
+                    "entry for block {block}, beyond the map's {} blocks, is in use",
+                    stored.block_count
+                ),
+            );
+        }
+        return;
+    }
+    let stored_count = if field == 3 {
+        let Some(&count) = stored.overflow.get(&block) else {
+            walker.problem(
+                Severity::Fatal,
+                structure,
+                None,
+                Some(location),
+                Rule::OverflowMismatch,
+                format!("bitmap says block {block} has 3 or more references, the overflow tree has no entry"),
+            );
+            return;
+        };
+        tally.overflow_seen += 1;
+        count
+    } else {
+        decode_field(field)
+    };
+    let expected_count = if block < expected.len() {
+        expected.get(block)
+    } else {
+        0
+    };
+    if stored_count != expected_count {
+        tally.bad_blocks += 1;
+        if expected_count == 0 {
+            tally.leaked_blocks += 1;
+        }
+        let problem = count_problem(structure, location, block, stored_count, expected_count);
+        walker.report.push(problem);
+    }
+}
+
+/// A stored count that differs from the expected one: a leak (non-fatal) when no reference
+/// was found, fatal otherwise.
 fn count_problem(
     structure: Structure,
     bitmap: u64,
@@ -306,6 +352,7 @@ fn count_problem(
     expected_count: u32,
 ) -> Problem {
     let (severity, rule) = match structure {
+        Structure::DataSpaceMap if expected_count == 0 => (Severity::NonFatal, Rule::DataLeak),
         Structure::DataSpaceMap => (Severity::Fatal, Rule::DataCount),
         _ if expected_count == 0 => (Severity::NonFatal, Rule::MetadataLeak),
         _ if stored_count > expected_count => (Severity::Fatal, Rule::MetadataOverCount),
@@ -315,7 +362,7 @@ fn count_problem(
         Structure::DataSpaceMap => (Some(bitmap), Some(block)),
         _ => (Some(block), None),
     };
-    let leaked = if rule == Rule::MetadataLeak {
+    let leaked = if matches!(rule, Rule::MetadataLeak | Rule::DataLeak) {
         " (leaked)"
     } else {
         ""

@@ -2,7 +2,6 @@
 //! devices' leaf sequences into runs of leaves that always occur together, and marks the
 //! runs that more than one sequence lists (those become `<def>`s).
 
-use super::metadata::ReadError;
 use persistent_data::MetadataBlock;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
@@ -51,8 +50,9 @@ impl Gatherer {
         self.prev = Some(block);
     }
 
-    /// The runs by first leaf, each with whether it is shared.
-    pub(super) fn gather(mut self) -> Result<BTreeMap<u64, (Vec<u64>, bool)>, ReadError> {
+    /// The runs by first leaf, each with whether it is shared. Leaves that form a cycle are
+    /// corrupt metadata (the error names the first leaf of the run).
+    pub(super) fn gather(mut self) -> persistent_data::Result<BTreeMap<u64, (Vec<u64>, bool)>> {
         self.new_seq();
         let mut extra_tails = Vec::new();
         for (&block, successors) in &self.successors {
@@ -80,8 +80,7 @@ impl Gatherer {
                     return Err(persistent_data::Error::corrupt(
                         MetadataBlock::new(head),
                         "mapping leaves form a cycle",
-                    )
-                    .into());
+                    ));
                 }
                 block = *self.successors[&block]
                     .first()

@@ -23,7 +23,7 @@
 
 use std::io::Write;
 
-use super::{DeviceInfo, DumpVisitor, Error, Flavour, Mapping, Position, SuperblockInfo};
+use super::{DeviceInfo, DumpVisitor, Error, Event, Flavour, Mapping, Position, SuperblockInfo};
 
 /// Writes a dump in the human-readable format. Flushes the output at
 /// [`DumpVisitor::superblock_end`].
@@ -57,8 +57,7 @@ impl<W: Write> HumanWriter<W> {
 
 impl<W: Write> DumpVisitor for HumanWriter<W> {
     fn superblock_begin(&mut self, superblock: &SuperblockInfo) -> Result<(), Error> {
-        self.position
-            .expect(Position::BeforeSuperblock, "superblock_begin");
+        self.position.advance(Event::SuperblockBegin);
         let flags = match self.flavour {
             Flavour::V1 => u32::from(superblock.needs_check()),
             Flavour::V0_9 => superblock.flags,
@@ -74,35 +73,30 @@ impl<W: Write> DumpVisitor for HumanWriter<W> {
             superblock.data_block_size_sectors,
             superblock.data_block_count
         )?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn superblock_end(&mut self) -> Result<(), Error> {
-        self.position
-            .expect(Position::InSuperblock, "superblock_end");
+        self.position.advance(Event::SuperblockEnd);
         writeln!(self.output, "end superblock")?;
         self.output.flush()?;
-        self.position = Position::Done;
         Ok(())
     }
 
     fn def_begin(&mut self, name: &str) -> Result<(), Error> {
-        self.position.expect(Position::InSuperblock, "def_begin");
+        self.position.advance(Event::DefBegin);
         writeln!(self.output, "def: {name}")?;
-        self.position = Position::InDef;
         Ok(())
     }
 
     fn def_end(&mut self) -> Result<(), Error> {
-        self.position.expect(Position::InDef, "def_end");
+        self.position.advance(Event::DefEnd);
         writeln!(self.output)?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn device_begin(&mut self, device: &DeviceInfo) -> Result<(), Error> {
-        self.position.expect(Position::InSuperblock, "device_begin");
+        self.position.advance(Event::DeviceBegin);
         writeln!(
             self.output,
             "device: {}\nmapped_blocks: {}\ntransaction: {}\ncreation time: {}\nsnap time: {}",
@@ -112,19 +106,17 @@ impl<W: Write> DumpVisitor for HumanWriter<W> {
             device.creation_time,
             device.snap_time
         )?;
-        self.position = Position::InDevice;
         Ok(())
     }
 
     fn device_end(&mut self) -> Result<(), Error> {
-        self.position.expect(Position::InDevice, "device_end");
+        self.position.advance(Event::DeviceEnd);
         writeln!(self.output)?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn mapping(&mut self, mapping: &Mapping) -> Result<(), Error> {
-        self.position.expect_mapping_container();
+        self.position.advance(Event::Mapping);
         if mapping.length == 1 && self.flavour == Flavour::V0_9 {
             writeln!(
                 self.output,
@@ -146,7 +138,7 @@ impl<W: Write> DumpVisitor for HumanWriter<W> {
     }
 
     fn reference(&mut self, name: &str) -> Result<(), Error> {
-        self.position.expect(Position::InDevice, "reference");
+        self.position.advance(Event::Reference);
         writeln!(self.output, "    ref: {name}")?;
         Ok(())
     }

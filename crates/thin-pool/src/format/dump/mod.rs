@@ -163,7 +163,8 @@ pub trait DumpVisitor {
     fn reference(&mut self, name: &str) -> Result<(), Error>;
 }
 
-/// Where the writers are in the event grammar; used to assert the call order.
+/// Where the writers are in the event grammar (module docs); both writers advance it on
+/// every event, so the order is asserted in one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Position {
     BeforeSuperblock,
@@ -173,21 +174,35 @@ enum Position {
     Done,
 }
 
-impl Position {
-    /// Asserts that the writer is at `expected` before handling `event`.
-    fn expect(self, expected: Position, event: &str) {
-        assert!(
-            self == expected,
-            "dump event {event} out of order: writer is at {self:?}, expected {expected:?}"
-        );
-    }
+/// One event of [`DumpVisitor`], for [`Position::advance`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Event {
+    SuperblockBegin,
+    SuperblockEnd,
+    DefBegin,
+    DefEnd,
+    DeviceBegin,
+    DeviceEnd,
+    Mapping,
+    Reference,
+}
 
-    /// Asserts that a mapping may come now (inside a def or a device).
-    fn expect_mapping_container(self) {
-        assert!(
-            matches!(self, Position::InDef | Position::InDevice),
-            "mapping outside a def or device: writer is at {self:?}"
-        );
+impl Position {
+    /// Asserts that `event` may come now (the grammar of the module docs), and moves to the
+    /// position after it.
+    fn advance(&mut self, event: Event) {
+        use Position::{BeforeSuperblock, Done, InDef, InDevice, InSuperblock};
+        *self = match (*self, event) {
+            (BeforeSuperblock, Event::SuperblockBegin) => InSuperblock,
+            (InSuperblock, Event::SuperblockEnd) => Done,
+            (InSuperblock, Event::DefBegin) => InDef,
+            (InDef, Event::DefEnd) => InSuperblock,
+            (InSuperblock, Event::DeviceBegin) => InDevice,
+            (InDevice, Event::DeviceEnd) => InSuperblock,
+            (at @ (InDef | InDevice), Event::Mapping) => at,
+            (InDevice, Event::Reference) => InDevice,
+            (at, event) => panic!("dump event {event:?} out of order: writer is at {at:?}"),
+        };
     }
 }
 

@@ -477,3 +477,39 @@ fn parser_streams_large_dumps() {
     xml::parse(input, &mut count).unwrap();
     assert_eq!(count.0, mapping_count);
 }
+
+#[test]
+fn both_writers_assert_the_event_grammar() {
+    // A mapping before any device, a reference inside a def, an end without a begin.
+    type Misuse = fn(&mut dyn DumpVisitor) -> Result<(), Error>;
+    let misuses: [Misuse; 3] = [
+        |v| {
+            v.superblock_begin(&SuperblockInfo::default())?;
+            v.mapping(&Mapping::single(0, 0, 0))
+        },
+        |v| {
+            v.superblock_begin(&SuperblockInfo::default())?;
+            v.def_begin("1")?;
+            v.reference("1")
+        },
+        |v| v.device_end(),
+    ];
+    for misuse in misuses {
+        for human in [false, true] {
+            let result = std::panic::catch_unwind(|| {
+                let mut visitor: Box<dyn DumpVisitor> = if human {
+                    Box::new(HumanWriter::new(Vec::new()))
+                } else {
+                    Box::new(XmlWriter::new(Vec::new()))
+                };
+                let _ = misuse(visitor.as_mut());
+            });
+            let message = result.expect_err("out of order must panic");
+            let text = message
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default();
+            assert!(text.contains("out of order"), "{text}");
+        }
+    }
+}

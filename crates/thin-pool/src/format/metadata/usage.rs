@@ -71,6 +71,40 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
     source: &S,
     mapping_root: MetadataBlock,
 ) -> Result<BTreeMap<VolumeId, VolumeUsage>> {
+    let roots = volume_roots(source, mapping_root)?;
+    let mut walk = Walk {
+        source,
+        nodes: Vec::new(),
+        found: HashMap::new(),
+    };
+    let root_nodes: Vec<usize> = roots
+        .iter()
+        .map(|&(_, root)| walk.visit(root, 0))
+        .collect::<Result<_>>()?;
+    let mut nodes = walk.nodes;
+    count_paths_and_mappings(&mut nodes, &roots, &root_nodes);
+    let exclusive = exclusive_blocks(&nodes);
+    let mut usage = BTreeMap::new();
+    for (&(id, _), &node) in roots.iter().zip(&root_nodes) {
+        let mapped_blocks = nodes[node].mappings;
+        let exclusive_blocks = exclusive.get(&id.get()).copied().unwrap_or(0);
+        usage.insert(
+            id,
+            VolumeUsage {
+                mapped_blocks,
+                exclusive_blocks,
+                shared_blocks: mapped_blocks.saturating_sub(exclusive_blocks),
+            },
+        );
+    }
+    Ok(usage)
+}
+
+/// The volumes of the top level and their roots, in id order.
+fn volume_roots<S: BlockSource + ?Sized>(
+    source: &S,
+    mapping_root: MetadataBlock,
+) -> Result<Vec<(VolumeId, MetadataBlock)>> {
     let mut roots = Vec::new();
     btree::walk::<u64, _>(source, mapping_root, &mut |key, root| {
         let id = u32::try_from(key)
@@ -85,19 +119,17 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
         roots.push((VolumeId::new(id), MetadataBlock::new(root)));
         Ok(())
     })?;
-    let mut walk = Walk {
-        source,
-        nodes: Vec::new(),
-        found: HashMap::new(),
-    };
-    let root_nodes: Vec<usize> = roots
-        .iter()
-        .map(|&(_, root)| walk.visit(root, 0))
-        .collect::<Result<_>>()?;
-    let mut nodes = walk.nodes;
+    Ok(roots)
+}
 
+/// Each node's paths from the top (and its owner when it has one) and mappings below it.
+fn count_paths_and_mappings(
+    nodes: &mut [NodeInfo],
+    roots: &[(VolumeId, MetadataBlock)],
+    root_nodes: &[usize],
+) {
     // Paths from the top: a parent is always higher than its children.
-    for (&(id, _), &node) in roots.iter().zip(&root_nodes) {
+    for (&(id, _), &node) in roots.iter().zip(root_nodes) {
         add_paths(&mut nodes[node], 1, id.get());
     }
     let mut order: Vec<usize> = (0..nodes.len()).collect();
@@ -116,7 +148,10 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
         });
         nodes[i].mappings = below.saturating_add(nodes[i].data_blocks.len() as u64);
     }
+}
 
+/// Data blocks only one volume refers to, by volume.
+fn exclusive_blocks(nodes: &[NodeInfo]) -> HashMap<u32, u64> {
     // How many mappings refer to each data block (0, 1, or 2 for more), then the blocks
     // of single-path leaves referred to once are their owner's alone.
     let mut counts = BlockCounts::default();
@@ -130,21 +165,7 @@ pub fn volume_usage<S: BlockSource + ?Sized>(
             *exclusive.entry(node.owner).or_default() += alone;
         }
     }
-
-    let mut usage = BTreeMap::new();
-    for (&(id, _), &node) in roots.iter().zip(&root_nodes) {
-        let mapped_blocks = nodes[node].mappings;
-        let exclusive_blocks = exclusive.get(&id.get()).copied().unwrap_or(0);
-        usage.insert(
-            id,
-            VolumeUsage {
-                mapped_blocks,
-                exclusive_blocks,
-                shared_blocks: mapped_blocks.saturating_sub(exclusive_blocks),
-            },
-        );
-    }
-    Ok(usage)
+    exclusive
 }
 
 /// Data blocks per page of [`BlockCounts`].

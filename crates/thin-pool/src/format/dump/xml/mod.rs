@@ -29,7 +29,7 @@ pub use parse::parse;
 
 use std::io::Write;
 
-use super::{DeviceInfo, DumpVisitor, Error, Flavour, Mapping, Position, SuperblockInfo};
+use super::{DeviceInfo, DumpVisitor, Error, Event, Flavour, Mapping, Position, SuperblockInfo};
 
 /// Writes a dump as `thin_dump` XML. Flushes the output at [`DumpVisitor::superblock_end`].
 #[derive(Debug)]
@@ -72,8 +72,7 @@ impl<W: Write> XmlWriter<W> {
 
 impl<W: Write> DumpVisitor for XmlWriter<W> {
     fn superblock_begin(&mut self, superblock: &SuperblockInfo) -> Result<(), Error> {
-        self.position
-            .expect(Position::BeforeSuperblock, "superblock_begin");
+        self.position.advance(Event::SuperblockBegin);
         let out = &mut self.output;
         write!(
             out,
@@ -92,39 +91,34 @@ impl<W: Write> DumpVisitor for XmlWriter<W> {
             " version=\"{}\" data_block_size=\"{}\" nr_data_blocks=\"{}\">",
             superblock.version, superblock.data_block_size_sectors, superblock.data_block_count
         )?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn superblock_end(&mut self) -> Result<(), Error> {
-        self.position
-            .expect(Position::InSuperblock, "superblock_end");
+        self.position.advance(Event::SuperblockEnd);
         match self.flavour {
             Flavour::V1 => write!(self.output, "</superblock>")?,
             Flavour::V0_9 => writeln!(self.output, "</superblock>")?,
         }
         self.output.flush()?;
-        self.position = Position::Done;
         Ok(())
     }
 
     fn def_begin(&mut self, name: &str) -> Result<(), Error> {
-        self.position.expect(Position::InSuperblock, "def_begin");
+        self.position.advance(Event::DefBegin);
         self.unsupported("<def>")?;
         writeln!(self.output, "  <def name=\"{}\">", Escaped(name))?;
-        self.position = Position::InDef;
         Ok(())
     }
 
     fn def_end(&mut self) -> Result<(), Error> {
-        self.position.expect(Position::InDef, "def_end");
+        self.position.advance(Event::DefEnd);
         writeln!(self.output, "  </def>")?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn device_begin(&mut self, device: &DeviceInfo) -> Result<(), Error> {
-        self.position.expect(Position::InSuperblock, "device_begin");
+        self.position.advance(Event::DeviceBegin);
         writeln!(
             self.output,
             "  <device dev_id=\"{}\" mapped_blocks=\"{}\" transaction=\"{}\" creation_time=\"{}\" snap_time=\"{}\">",
@@ -134,19 +128,17 @@ impl<W: Write> DumpVisitor for XmlWriter<W> {
             device.creation_time,
             device.snap_time
         )?;
-        self.position = Position::InDevice;
         Ok(())
     }
 
     fn device_end(&mut self) -> Result<(), Error> {
-        self.position.expect(Position::InDevice, "device_end");
+        self.position.advance(Event::DeviceEnd);
         writeln!(self.output, "  </device>")?;
-        self.position = Position::InSuperblock;
         Ok(())
     }
 
     fn mapping(&mut self, mapping: &Mapping) -> Result<(), Error> {
-        self.position.expect_mapping_container();
+        self.position.advance(Event::Mapping);
         assert!(mapping.length >= 1, "empty mapping run");
         if mapping.length == 1 {
             writeln!(
@@ -165,7 +157,7 @@ impl<W: Write> DumpVisitor for XmlWriter<W> {
     }
 
     fn reference(&mut self, name: &str) -> Result<(), Error> {
-        self.position.expect(Position::InDevice, "reference");
+        self.position.advance(Event::Reference);
         self.unsupported("<ref>")?;
         writeln!(self.output, "    <ref name=\"{}\"/>", Escaped(name))?;
         Ok(())

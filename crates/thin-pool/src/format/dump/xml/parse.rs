@@ -72,62 +72,18 @@ pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), 
             continue;
         }
         let empty = reader.kind() == TagKind::Empty;
-        match reader.name() {
-            "superblock" => {
-                if state != State::Top {
-                    return Err(misplaced(&reader, "may appear only once, at the top"));
+        match start_tag(&reader, state, &mut definitions, visitor)? {
+            Opened::Element(inside) => {
+                state = inside;
+                if empty {
+                    state = close(state, visitor)?;
                 }
-                visitor.superblock_begin(&superblock(&reader)?)?;
-                state = State::Superblock;
             }
-            "def" => {
-                if state != State::Superblock {
-                    return Err(misplaced(&reader, "must be directly inside <superblock>"));
-                }
-                let [name] = attributes(&reader, "def", ["name"])?;
-                let name = required(&reader, "def", "name", name)?;
-                if !definitions.insert(name.to_owned()) {
-                    return Err(reader.error(ParseProblem::DuplicateDefinition(name.to_owned())));
-                }
-                visitor.def_begin(name)?;
-                state = State::Def;
-            }
-            "device" => {
-                if state != State::Superblock {
-                    return Err(misplaced(&reader, "must be directly inside <superblock>"));
-                }
-                visitor.device_begin(&device(&reader)?)?;
-                state = State::Device;
-            }
-            "single_mapping" | "range_mapping" => {
-                if !matches!(state, State::Def | State::Device) {
-                    return Err(misplaced(&reader, "outside a <device> or <def>"));
-                }
-                visitor.mapping(&mapping(&reader)?)?;
+            Opened::Leaf(name) => {
                 if !empty {
-                    open_leaf = Some(leaf_name(reader.name()));
+                    open_leaf = Some(name);
                 }
-                continue;
             }
-            "ref" => {
-                if state != State::Device {
-                    return Err(misplaced(&reader, "outside a <device>"));
-                }
-                let [name] = attributes(&reader, "ref", ["name"])?;
-                let name = required(&reader, "ref", "name", name)?;
-                if !definitions.contains(name) {
-                    return Err(reader.error(ParseProblem::UndefinedReference(name.to_owned())));
-                }
-                visitor.reference(name)?;
-                if !empty {
-                    open_leaf = Some("ref");
-                }
-                continue;
-            }
-            other => return Err(reader.error(ParseProblem::UnknownTag(other.to_owned()))),
-        }
-        if empty {
-            state = close(state, visitor)?;
         }
     }
 
@@ -144,6 +100,71 @@ pub fn parse<R: BufRead>(input: R, visitor: &mut dyn DumpVisitor) -> Result<(), 
             open: open.to_owned(),
         },
     })
+}
+
+/// What a start tag opened: an element that holds others (the state inside it), or a leaf
+/// element (a mapping or a reference, by tag name) whose end tag must come next unless it
+/// was written empty.
+enum Opened {
+    Element(State),
+    Leaf(&'static str),
+}
+
+/// Handle the start tag `reader` is at, in `state`: check where it is, tell the visitor.
+fn start_tag<R: BufRead>(
+    reader: &TagReader<R>,
+    state: State,
+    definitions: &mut HashSet<String>,
+    visitor: &mut dyn DumpVisitor,
+) -> Result<Opened, Error> {
+    match reader.name() {
+        "superblock" => {
+            if state != State::Top {
+                return Err(misplaced(reader, "may appear only once, at the top"));
+            }
+            visitor.superblock_begin(&superblock(reader)?)?;
+            Ok(Opened::Element(State::Superblock))
+        }
+        "def" => {
+            if state != State::Superblock {
+                return Err(misplaced(reader, "must be directly inside <superblock>"));
+            }
+            let [name] = attributes(reader, "def", ["name"])?;
+            let name = required(reader, "def", "name", name)?;
+            if !definitions.insert(name.to_owned()) {
+                return Err(reader.error(ParseProblem::DuplicateDefinition(name.to_owned())));
+            }
+            visitor.def_begin(name)?;
+            Ok(Opened::Element(State::Def))
+        }
+        "device" => {
+            if state != State::Superblock {
+                return Err(misplaced(reader, "must be directly inside <superblock>"));
+            }
+            visitor.device_begin(&device(reader)?)?;
+            Ok(Opened::Element(State::Device))
+        }
+        "single_mapping" | "range_mapping" => {
+            if !matches!(state, State::Def | State::Device) {
+                return Err(misplaced(reader, "outside a <device> or <def>"));
+            }
+            visitor.mapping(&mapping(reader)?)?;
+            Ok(Opened::Leaf(leaf_name(reader.name())))
+        }
+        "ref" => {
+            if state != State::Device {
+                return Err(misplaced(reader, "outside a <device>"));
+            }
+            let [name] = attributes(reader, "ref", ["name"])?;
+            let name = required(reader, "ref", "name", name)?;
+            if !definitions.contains(name) {
+                return Err(reader.error(ParseProblem::UndefinedReference(name.to_owned())));
+            }
+            visitor.reference(name)?;
+            Ok(Opened::Leaf("ref"))
+        }
+        other => Err(reader.error(ParseProblem::UnknownTag(other.to_owned()))),
+    }
 }
 
 /// Closes the open element; returns the state after it.
