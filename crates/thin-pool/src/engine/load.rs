@@ -275,8 +275,9 @@ fn check_mapped_count(name: &str, id: VolumeId, details: u64, mapped: u64) -> Re
 
 /// Check one volume's mappings at activation: each bounded (`check_mapping`), the count
 /// the details give. With `sharing` (a read-write open), a mapping the volume would write in
-/// place (not older than its last snapshot) must be its data block's only reference, and
-/// no other volume's mapping checked so far may share it.
+/// place (not older than its last snapshot) must be its data block's only reference (a held
+/// metadata snapshot's references aside), and no other volume's mapping checked so far may
+/// share it.
 fn check_volume(
     md: &PoolMetadata,
     name: &str,
@@ -288,6 +289,11 @@ fn check_volume(
 ) -> Result<()> {
     let block_count = check_size(name, size_bytes, block_size_bytes)?;
     let data_blocks = md.data_space_map().block_count();
+    // A held metadata snapshot keeps the old copies of the leaves shadowed since it was
+    // taken, and each copy holds a reference to its data blocks: those references are the
+    // snapshot's, not sharing (dm-thin writes such a block in place, a metadata snapshot
+    // keeps metadata, not data). Sharing between live mappings is still found by `claim`.
+    let snapshot_held = md.metadata_snap().is_some();
     let mut mapped = 0u64;
     md.walk_mappings(id, &mut |block, mapping| {
         check_mapping(name, size_bytes, block_count, data_blocks, block, mapping)?;
@@ -297,7 +303,8 @@ fn check_volume(
             // block must be this volume's alone.
             let in_place = mapping.time().get() >= details.snapshotted_time;
             let references = md.data_space_map().count(data_block);
-            if !sharing.claim(data_block, in_place) || (in_place && references > 1) {
+            let counted_shared = in_place && references > 1 && !snapshot_held;
+            if !sharing.claim(data_block, in_place) || counted_shared {
                 return Err(Error::Corrupt(format!(
                     "volume {name:?} maps block {block} to data block {data_block} at time {}, not before its snapshot time {}, so it would write it in place, but another mapping shares that block ({references} references)",
                     mapping.time().get(),
