@@ -536,7 +536,14 @@ dm message kp 0 'set_transaction_id 0 5'
         thinpool_ok(&args);
         let metadata_dev = metadata_loop.path().to_str().unwrap();
         thinpool_ok(&["check", metadata_dev]);
-        assert_eq!(status(&pool)["transaction_id"].as_u64(), Some(5));
+        let imported_status = status(&pool);
+        assert_eq!(imported_status["transaction_id"].as_u64(), Some(5));
+        assert_eq!(
+            imported_status["data_used_blocks"].as_u64(),
+            Some(kernel_status.used_data_blocks),
+            "used data blocks, thinpool's against the kernel's ({})",
+            kernel_status.line
+        );
         let imported = served_images(&pool);
         for (index, name) in names.iter().enumerate() {
             assert_same_bytes(
@@ -626,5 +633,69 @@ dm message kp 0 'set_transaction_id 0 5'
         "kernel round trip kernel → thinpool → kernel: {} + {} volumes compared",
         names.len(),
         volumes.len()
+    );
+}
+
+/// A metadata snapshot the kernel reserved and left held, with writes after it: the
+/// kernel's copy-on-write of a btree leaf shared with the snapshot raises the reference
+/// count of every data block in that leaf (both leaves map it), while the live mapping's
+/// time still says "write in place" (dm-thin decides sharing by time, not by count). Both
+/// thin_check versions accept such metadata; thinpool must open it and read what the
+/// kernel wrote, and see the held snapshot.
+#[test]
+#[ignore = "thinpool refuses the pool: engine/load.rs check_volume counts the held metadata \
+            snapshot's references as sharing (\"would write it in place, but another mapping \
+            shares that block (2 references)\"); crates/thin-pool/src/engine is not this \
+            branch's to change"]
+fn a_metadata_snapshot_the_kernel_holds_opens_in_thinpool() {
+    let report = seed_report();
+    let seed = report.seed();
+    let uml = Uml::find();
+    let temp = ScratchDir::new("kernel-held-snap");
+    let pool = temp.join("pool");
+    create_pool(&pool, &["--data-size", "16M", "--block-size", "64K"]);
+    create_volume(&pool, "a", "4M");
+    let id = volumes(&pool)[0].id;
+    let result = temp.join("result");
+    std::fs::create_dir_all(&result).unwrap();
+    std::fs::write(result.join("first"), pattern(seed, 64 * KIB as usize)).unwrap();
+    std::fs::write(result.join("second"), pattern(seed + 1, 64 * KIB as usize)).unwrap();
+    let data_sectors = 16 * MIB / 512;
+    let script = format!(
+        "{GUEST_PRELUDE}pool_up p /dev/ubda /dev/ubdb 128 {data_sectors}
+thin_up a p {id} {sectors}
+dd if=first of=/dev/mapper/a bs=64k seek=0 conv=notrunc,fsync status=none
+dm message p 0 reserve_metadata_snap
+dd if=second of=/dev/mapper/a bs=64k seek=1 conv=notrunc,fsync status=none
+dd if=second of=/dev/mapper/a bs=64k seek=0 conv=notrunc,fsync status=none
+image /dev/mapper/a kernel-a
+dm status p > status
+dm remove a
+dm remove p
+",
+        sectors = 4 * MIB / 512
+    );
+    Boot::new(&uml, &result)
+        .modules(&DM_THIN_MODULES)
+        .disk(&pool.join("metadata"))
+        .disk(&pool.join("data"))
+        .script(&script)
+        .run()
+        .assert_success();
+    let kernel = kernel_pool_status(&result.join("status"));
+    assert_ne!(kernel.held_metadata_root, "-", "{}", kernel.line);
+    thin_check_both(&pool.join("metadata"));
+    thinpool_ok(&["check", pool.join("metadata").to_str().unwrap()]);
+    let ours = status(&pool);
+    assert_eq!(
+        ours["metadata_snap"].as_u64().map(|root| root.to_string()),
+        Some(kernel.held_metadata_root.clone()),
+        "the held metadata snapshot: {ours}"
+    );
+    let images = served_images(&pool);
+    assert_same_bytes(
+        "a: thinpool's read of what the kernel wrote",
+        &images["a"],
+        &read(&result.join("kernel-a")),
     );
 }
