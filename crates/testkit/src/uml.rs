@@ -620,7 +620,7 @@ mod tests {
         assert!(!outcome.timed_out);
         let outcome = Boot::new(&uml, &dir.join("b"))
             .script("sleep 3600\n")
-            .timeout(Duration::from_secs(15))
+            .timeout(Duration::from_secs(10))
             .run();
         assert!(outcome.timed_out);
         assert_eq!(outcome.script_status, None);
