@@ -1,10 +1,11 @@
 //! Goal: the real kernel's dm-thin (Linux 6.1 in User-Mode Linux, `testkit::uml`) and
 //! thinpool run the same pools, both ways, checked by content.
 //!
-//! - thinpool → kernel → thinpool (file pools, 64 KiB and 8 MiB blocks, in one boot):
+//! - thinpool → kernel → thinpool (file pools with 64 KiB and 8 MiB blocks and a pool on
+//!   loop devices, which the kernel opens as its disks too, all in one boot):
 //!   thinpool makes volumes and a snapshot with seeded content written through `thinpool
 //!   serve`; the kernel activates each pool (`dmsetup create` with a `thin-pool` table over
-//!   the pool's `metadata` and `data` files as ubd disks, a `thin` table per volume by thin
+//!   the pool's metadata and data files or devices as ubd disks, a `thin` table per volume by thin
 //!   id) and every volume reads what thinpool served; its transaction id and used data
 //!   blocks are thinpool's. The kernel then writes, discards, snapshots (`create_snap`),
 //!   deletes that snapshot, reserves and releases a metadata snapshot and removes its
@@ -141,7 +142,12 @@ fn kernel_pool_status(path: &Path) -> KernelPoolStatus {
 struct PoolCase {
     label: String,
     dir: PathBuf,
+    /// The metadata and data files, or the loop devices the pool was created on (the
+    /// kernel gets the same paths as ubd disks).
+    metadata: PathBuf,
+    data: PathBuf,
     block: u64,
+    data_bytes: u64,
     /// What thinpool served before the kernel ran.
     before: BTreeMap<String, Vec<u8>>,
     volumes: Vec<Volume>,
@@ -149,8 +155,7 @@ struct PoolCase {
 
 impl PoolCase {
     fn data_sectors(&self) -> u64 {
-        let len = std::fs::metadata(self.dir.join("data")).unwrap().len();
-        len / self.block * self.block / 512
+        self.data_bytes / 512
     }
 
     fn volume(&self, name: &str) -> &Volume {
@@ -160,20 +165,47 @@ impl PoolCase {
 
 /// A thinpool pool with volumes `a` and `b` and snapshot `s` of `a`, seeded through NBD:
 /// partial and whole blocks, a discard, overwrites of shared blocks after the snapshot.
-fn make_thinpool_pool(root: &Path, label: &str, block: u64, seed: u64) -> PoolCase {
+/// On files in the pool directory, or on `devices` (metadata, data: loop devices).
+fn make_thinpool_pool(
+    root: &Path,
+    label: &str,
+    block: u64,
+    seed: u64,
+    devices: Option<(&Path, &Path)>,
+) -> PoolCase {
     let dir = root.join(label);
     let p = dir.to_str().unwrap();
     let volume_size = 4 * block.max(2 * MIB);
     let data_size = 8 * volume_size;
-    create_pool(
-        &dir,
-        &[
-            "--data-size",
-            &data_size.to_string(),
-            "--block-size",
-            &block.to_string(),
-        ],
-    );
+    let block_arg = block.to_string();
+    let (metadata, data) = match devices {
+        None => {
+            create_pool(
+                &dir,
+                &[
+                    "--data-size",
+                    &data_size.to_string(),
+                    "--block-size",
+                    &block_arg,
+                ],
+            );
+            (dir.join("metadata"), dir.join("data"))
+        }
+        Some((metadata, data)) => {
+            create_pool(
+                &dir,
+                &[
+                    "--metadata-device",
+                    metadata.to_str().unwrap(),
+                    "--data-device",
+                    data.to_str().unwrap(),
+                    "--block-size",
+                    &block_arg,
+                ],
+            );
+            (metadata.to_path_buf(), data.to_path_buf())
+        }
+    };
     for name in ["a", "b"] {
         create_volume(&dir, name, &volume_size.to_string());
     }
@@ -210,14 +242,18 @@ fn make_thinpool_pool(root: &Path, label: &str, block: u64, seed: u64) -> PoolCa
     s.flush();
     s.disconnect();
     assert!(served.stop().success());
-    thinpool_ok(&["check", dir.join("metadata").to_str().unwrap()]);
+    thinpool_ok(&["check", metadata.to_str().unwrap()]);
     let before = served_images(&dir);
     let volumes = volumes(&dir);
     assert_eq!(volumes.len(), 3);
+    let data_bytes = status(&dir)["data_total_blocks"].as_u64().unwrap() * block;
     PoolCase {
         label: label.to_string(),
         dir,
+        metadata,
+        data,
         block,
+        data_bytes,
         before,
         volumes,
     }
@@ -288,10 +324,28 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
     let seed = report.seed();
     let uml = Uml::find();
     let temp = ScratchDir::new("kernel-dm-thin");
-    let cases = [
-        make_thinpool_pool(temp.path(), "p64k", 64 * KIB, seed),
-        make_thinpool_pool(temp.path(), "p8m", 8 * MIB, seed ^ 0x55),
+    let mut cases = vec![
+        make_thinpool_pool(temp.path(), "p64k", 64 * KIB, seed, None),
+        make_thinpool_pool(temp.path(), "p8m", 8 * MIB, seed ^ 0x55, None),
     ];
+    // A pool on loop devices, which the kernel opens as its disks too (the loop devices
+    // stay attached, so the pool's devices.json keeps naming them).
+    let test = "thinpool_pools_run_in_the_kernel_and_come_back";
+    let metadata_file = temp.join("loop-metadata");
+    let data_file = temp.join("loop-data");
+    drop(sized_file(&metadata_file, 4 * MIB));
+    drop(sized_file(&data_file, 64 * MIB));
+    let loops = LoopDevice::attach(&metadata_file, test)
+        .and_then(|metadata| Some((metadata, LoopDevice::attach(&data_file, test)?)));
+    if let Some((metadata, data)) = &loops {
+        cases.push(make_thinpool_pool(
+            temp.path(),
+            "l64k",
+            64 * KIB,
+            seed ^ 0xaa,
+            Some((metadata.path(), data.path())),
+        ));
+    }
     let result = temp.join("result");
     std::fs::create_dir_all(&result).unwrap();
     let kernel_write = pattern(seed ^ 0xdead, 96 * KIB as usize);
@@ -300,9 +354,7 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
     let mut boot = Boot::new(&uml, &result).modules(&DM_THIN_MODULES);
     let mut script = GUEST_PRELUDE.to_string();
     for (index, case) in cases.iter().enumerate() {
-        boot = boot
-            .disk(&case.dir.join("metadata"))
-            .disk(&case.dir.join("data"));
+        boot = boot.disk(&case.metadata).disk(&case.data);
         let letter = |n: usize| (b'a' + n as u8) as char;
         script.push_str(&guest_round_trip(
             case,
@@ -362,8 +414,8 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
         );
 
         // thinpool takes the pool back.
-        thinpool_ok(&["check", case.dir.join("metadata").to_str().unwrap()]);
-        thin_check_both(&case.dir.join("metadata"));
+        thinpool_ok(&["check", case.metadata.to_str().unwrap()]);
+        thin_check_both(&case.metadata);
         let ours_after = status(&case.dir);
         assert_eq!(
             ours_after["transaction_id"], ours["transaction_id"],
