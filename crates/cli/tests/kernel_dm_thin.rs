@@ -120,6 +120,8 @@ fn thin_check_both(metadata: &Path) {
 /// The fields of `dmsetup status POOL`'s thin-pool line after "0 LENGTH thin-pool".
 struct KernelPoolStatus {
     transaction_id: u64,
+    used_metadata_blocks: u64,
+    total_metadata_blocks: u64,
     used_data_blocks: u64,
     held_metadata_root: String,
     line: String,
@@ -130,8 +132,11 @@ fn kernel_pool_status(path: &Path) -> KernelPoolStatus {
     let fields: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(fields.get(2), Some(&"thin-pool"), "status: {line}");
     let used_data = fields[5].split('/').next().unwrap();
+    let (used_metadata, total_metadata) = fields[4].split_once('/').unwrap();
     KernelPoolStatus {
         transaction_id: fields[3].parse().unwrap(),
+        used_metadata_blocks: used_metadata.parse().unwrap(),
+        total_metadata_blocks: total_metadata.parse().unwrap(),
         used_data_blocks: used_data.parse().unwrap(),
         held_metadata_root: fields[6].to_string(),
         line: line.trim().to_string(),
@@ -148,6 +153,8 @@ struct PoolCase {
     data: PathBuf,
     block: u64,
     data_bytes: u64,
+    /// `thinpool status --json` before the kernel ran.
+    status_before: serde_json::Value,
     /// What thinpool served before the kernel ran.
     before: BTreeMap<String, Vec<u8>>,
     volumes: Vec<Volume>,
@@ -246,7 +253,8 @@ fn make_thinpool_pool(
     let before = served_images(&dir);
     let volumes = volumes(&dir);
     assert_eq!(volumes.len(), 3);
-    let data_bytes = status(&dir)["data_total_blocks"].as_u64().unwrap() * block;
+    let status_before = status(&dir);
+    let data_bytes = status_before["data_total_blocks"].as_u64().unwrap() * block;
     PoolCase {
         label: label.to_string(),
         dir,
@@ -254,6 +262,7 @@ fn make_thinpool_pool(
         data,
         block,
         data_bytes,
+        status_before,
         before,
         volumes,
     }
@@ -372,7 +381,7 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
     let mut compared = 0;
     for case in &cases {
         let l = &case.label;
-        let ours = status(&case.dir);
+        let ours = &case.status_before;
         let first = kernel_pool_status(&result.join(format!("{l}-status-first")));
         assert_eq!(
             first.transaction_id,
@@ -381,6 +390,26 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
             first.line
         );
         assert_eq!(first.held_metadata_root, "-", "{l}: {}", first.line);
+        // The kernel counts its metadata reserve, min(4096 blocks, 10%), as used.
+        assert_eq!(
+            first.total_metadata_blocks,
+            ours["metadata_total_blocks"].as_u64().unwrap(),
+            "{l}: {}",
+            first.line
+        );
+        let reserve = (first.total_metadata_blocks / 10).min(4096);
+        assert_eq!(
+            first.used_metadata_blocks,
+            ours["metadata_used_blocks"].as_u64().unwrap() + reserve,
+            "{l}: the kernel's used metadata against thinpool's plus the reserve ({})",
+            first.line
+        );
+        assert_eq!(
+            first.used_data_blocks,
+            ours["data_used_blocks"].as_u64().unwrap(),
+            "{l}: used data blocks ({})",
+            first.line
+        );
         let held = kernel_pool_status(&result.join(format!("{l}-status-held")));
         assert_ne!(held.held_metadata_root, "-", "{l}: {}", held.line);
         let last = kernel_pool_status(&result.join(format!("{l}-status-last")));
