@@ -17,7 +17,10 @@
 //!   kernel makes a pool from zeroed metadata, two thins, ext4 on one, a snapshot of each,
 //!   and moves the transaction id; `thinpool import` takes it over and every volume reads
 //!   what the kernel read; thinpool writes and snapshots; the kernel activates it again and
-//!   reads exactly what thinpool served, ext4 passes `fsck -n` and mounts with its files.
+//!   reads exactly what thinpool served, ext4 passes `fsck -n` and mounts with its files,
+//!   and a kernel write to the origin of thinpool's snapshot leaves the snapshot as it was
+//!   (the time fields thinpool wrote make the kernel copy). In the first direction too, the
+//!   kernel's write to a block `a` shares with thinpool's snapshot `s` leaves `s` alone.
 //!
 //! Skips nothing: UML comes from `scripts/fetch-uml` (a missing kernel fails the test).
 
@@ -436,6 +439,26 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
             &after_a[a_offset..a_offset + kernel_write.len()],
             &kernel_write,
         );
+        // Its write to a copied the block a shares with thinpool's snapshot s: s is as it
+        // was but for the kernel's own write to s.
+        let after_s = read(&result.join(format!("{l}-after-s")));
+        let s_offset = (3 * case.block) as usize;
+        let s_end = s_offset + kernel_write.len();
+        assert_same_bytes(
+            &format!("{l}/s before the kernel's write to it"),
+            &after_s[..s_offset],
+            &case.before["s"][..s_offset],
+        );
+        assert_same_bytes(
+            &format!("{l}/s after the kernel's write to it"),
+            &after_s[s_end..],
+            &case.before["s"][s_end..],
+        );
+        assert_same_bytes(
+            &format!("{l}/s: the kernel's write"),
+            &after_s[s_offset..s_end],
+            &kernel_write,
+        );
         let after_b = read(&result.join(format!("{l}-after-b")));
         assert!(
             after_b[..case.block as usize].iter().all(|&byte| byte == 0),
@@ -479,6 +502,7 @@ fn guest_activate_and_image(
     volumes: &[Volume],
     ext4: &[&str],
     prefix: &str,
+    extra: &str,
 ) -> String {
     let mut script = format!(
         "pool_up {label} /dev/ubda /dev/ubdb {} {data_sectors}\ndm status {label} > {prefix}-status\n",
@@ -501,6 +525,7 @@ fn guest_activate_and_image(
             ));
         }
     }
+    script.push_str(extra);
     for volume in volumes {
         script.push_str(&format!("dm remove {label}-{}\n", volume.name));
     }
@@ -674,6 +699,8 @@ dm message kp 0 'set_transaction_id 0 5'
 
     // 4. The kernel activates it again and sees exactly that; ext4 is clean.
     let result2 = temp.join("result-again");
+    std::fs::create_dir_all(&result2).unwrap();
+    std::fs::copy(result.join("raw-more"), result2.join("raw-more")).unwrap();
     let script = format!(
         "{GUEST_PRELUDE}{}",
         guest_activate_and_image(
@@ -682,7 +709,12 @@ dm message kp 0 'set_transaction_id 0 5'
             data_sectors,
             &volumes,
             &["fs", "fs-snap", "fs-thinpool-snap"],
-            "again"
+            "again",
+            // The kernel overwrites the origin of thinpool's snapshot: the time fields
+            // thinpool wrote must make it copy, leaving the snapshot as it was.
+            "dd if=raw-more of=/dev/mapper/tp-raw bs=4096 seek=0 conv=notrunc,fsync status=none\n\
+             image /dev/mapper/tp-raw late-raw\n\
+             image /dev/mapper/tp-raw-thinpool-snap late-raw-thinpool-snap\n",
         )
     );
     Boot::new(&uml, &result2)
@@ -702,6 +734,23 @@ dm message kp 0 'set_transaction_id 0 5'
             &ours[name],
         );
     }
+    let raw_more = read(&result.join("raw-more"));
+    let late_raw = read(&result2.join("late-raw"));
+    assert_same_bytes(
+        "raw: the kernel's write",
+        &late_raw[..raw_more.len()],
+        &raw_more,
+    );
+    assert_same_bytes(
+        "raw: beyond the kernel's write",
+        &late_raw[raw_more.len()..],
+        &ours["raw"][raw_more.len()..],
+    );
+    assert_same_bytes(
+        "raw-thinpool-snap after the kernel wrote its origin",
+        &read(&result2.join("late-raw-thinpool-snap")),
+        &ours["raw-thinpool-snap"],
+    );
     for name in ["fs", "fs-snap", "fs-thinpool-snap"] {
         let hello = String::from_utf8(read(&result2.join(format!("again-{name}-hello")))).unwrap();
         assert_eq!(hello, format!("hello from the kernel {seed}\n"), "{name}");
