@@ -15,6 +15,8 @@
 //!   served pool (`thinpool serve`), polling with a deadline.
 //! - [`loop_device`]: loop devices over test files, detached when dropped.
 //! - [`qemu_img`]: `qemu-img` map, convert and compare as a client of our servers.
+//! - [`uml`]: the real Linux kernel (User-Mode Linux, fetched by `scripts/fetch-uml`) booted
+//!   with test files as disks and a script as init, killed by process group on timeout.
 //!
 //! Nothing here is used outside `[dev-dependencies]`.
 #![forbid(unsafe_code)]
@@ -31,6 +33,7 @@ pub mod qemu_img;
 pub mod scratch;
 pub mod seed;
 pub mod tools;
+pub mod uml;
 
 pub use crash::{CrashDevice, CrashMode};
 pub use fault::{FaultDevice, Ops};
