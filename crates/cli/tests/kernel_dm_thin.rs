@@ -773,10 +773,6 @@ dm message kp 0 'set_transaction_id 0 5'
 /// thin_check versions accept such metadata; thinpool must open it and read what the
 /// kernel wrote, and see the held snapshot.
 #[test]
-#[ignore = "thinpool refuses the pool: engine/load.rs check_volume counts the held metadata \
-            snapshot's references as sharing (\"would write it in place, but another mapping \
-            shares that block (2 references)\"); crates/thin-pool/src/engine is not this \
-            branch's to change"]
 fn a_metadata_snapshot_the_kernel_holds_opens_in_thinpool() {
     let report = seed_report();
     let seed = report.seed();
