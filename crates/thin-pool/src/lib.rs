@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod ids;
+pub mod owner;
 
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
 pub use engine::options::{
