@@ -185,8 +185,10 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("metadata");
         std::fs::write(&path, vec![0u8; 4096 * 8]).unwrap();
-        // A child process holds the lock (flock(1) from util-linux), as a server would.
+        // A child process holds the lock (flock(1) from util-linux, which becomes `sleep`
+        // without forking, so killing it frees the lock), as a server would.
         let mut child = std::process::Command::new("flock")
+            .arg("--no-fork")
             .arg(&path)
             .args(["sleep", "30"])
             .spawn()
@@ -200,7 +202,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         let found = holder(&path).unwrap();
-        let error = open_for_writing(&path).err().expect("refused while held");
+        let error = open_for_writing(&path).expect_err("refused while held");
         let text = error.to_string();
         assert!(matches!(error, Error::Locked { .. }), "{text}");
         assert_eq!(found.pid, child.id(), "flock(1) took the lock");
