@@ -402,10 +402,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let _ = fail_watch.join();
     start_shutdown_watchdog(signals)?;
     drop(target);
-    let code = shut_down(control, servers, &pool);
+    // Before the pool closes: no scrape renders a closed pool.
     if let Some(listener) = metrics_listener {
         listener.stop();
     }
+    let code = shut_down(control, servers, &pool);
     if let Some(pid_file) = pid_file {
         pid_file.remove();
     }
