@@ -151,6 +151,17 @@ fn aliases_of_the_pools_devices_cannot_serve_it_twice() {
         "{error}"
     );
     assert!(!twin.join("nbd.sock").exists());
+    // Nor can `restore -o` write the served metadata, through its device or an alias.
+    let xml = scratch.join("any.xml");
+    std::fs::write(&xml, "").unwrap();
+    for device in [&metadata, &metadata_alias] {
+        let error = thinpool_err(&["restore", "-i", xml.to_str().unwrap(), "-o", &device.arg()]);
+        assert!(
+            error.contains(&format!("held by pid {}", served.pid())),
+            "{}: {error}",
+            device.arg()
+        );
+    }
     let (status, log) = served.stop_with_log();
     assert!(status.success(), "{log}");
     // Once the first server is gone, the aliases are the same pool's devices: they open.
