@@ -144,6 +144,7 @@ impl PoolDir {
             return Ok(());
         }
         let shown = self.path.display();
+        check_path_components(&self.path)?;
         let real = std::fs::canonicalize(&self.path)
             .with_context(|| format!("cannot resolve pool directory {shown}"))?;
         let metadata = std::fs::metadata(&real)
@@ -272,6 +273,115 @@ impl PoolDir {
         }
         Ok(())
     }
+}
+
+/// Most symbolic links followed while checking a path (as Linux's `MAXSYMLINKS`).
+const SYMLINKS_MAX: usize = 40;
+
+/// Refuses a path to a pool directory that goes through an entry someone else could
+/// change: every directory it passes (the working directory's too, for a relative path, and
+/// those a symbolic link leads through) must be one only the caller or root can write, or
+/// a sticky one owned by the caller or root (as `/tmp`), and then the entry taken from it
+/// (a directory or a symbolic link) must be the caller's or root's, since in a sticky
+/// directory an entry's owner may still replace it. A link owned by another user in `/tmp`
+/// is refused: its owner could point it elsewhere between this check and a later open
+/// (issue 20, finding 6: root's catalog went into that user's directory). What passes
+/// cannot change under the caller, so going through the path again later finds the same
+/// directory. A part of the path that does not exist yet ends the walk (`create` makes it).
+fn check_path_components(path: &Path) -> anyhow::Result<()> {
+    use std::collections::VecDeque;
+    use std::path::Component;
+    let shown = path.display();
+    let me = current_uid();
+    let trusted = |uid: u32| uid == me || uid == 0;
+    let absolute = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .context("cannot read the working directory")?
+            .join(path)
+    };
+    let mut pending: VecDeque<std::ffi::OsString> = VecDeque::new();
+    let push_front = |pending: &mut VecDeque<std::ffi::OsString>, target: &Path| {
+        for component in target.components().rev() {
+            match component {
+                Component::RootDir => pending.push_front("/".into()),
+                Component::Normal(name) => pending.push_front(name.to_os_string()),
+                Component::ParentDir => pending.push_front("..".into()),
+                Component::CurDir | Component::Prefix(_) => {}
+            }
+        }
+    };
+    push_front(&mut pending, &absolute);
+    let mut current = PathBuf::from("/");
+    let mut links = 0;
+    while let Some(name) = pending.pop_front() {
+        if name == "/" {
+            current = PathBuf::from("/");
+            continue;
+        }
+        if name == ".." {
+            current.pop();
+            continue;
+        }
+        let parent = std::fs::metadata(&current)
+            .with_context(|| format!("cannot examine {}", current.display()))?;
+        let entry_path = current.join(&name);
+        let entry = match std::fs::symlink_metadata(&entry_path) {
+            Ok(entry) => entry,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(error) => {
+                return Err(error)
+                    .with_context(|| format!("cannot examine {}", entry_path.display()))
+            }
+        };
+        let mode = parent.mode() & 0o7777;
+        let others_write =
+            mode & OTHERS_WRITE != 0 || (!trusted(parent.uid()) && mode & 0o200 != 0);
+        if others_write {
+            let skip = "--allow-shared-dir skips this check, at that risk";
+            if mode & STICKY == 0 || !trusted(parent.uid()) {
+                let why = if mode & STICKY == 0 {
+                    "not sticky"
+                } else {
+                    "sticky but not yours or root's"
+                };
+                bail!(
+                    "refusing pool directory {shown}: its parent {} is writable by other users \
+                     and {why} (mode {mode:04o}, owner uid {}), so they could replace {} with a \
+                     link to a directory of theirs. Give a path that only you or root can \
+                     change (`chmod go-w {}`, or keep the pool elsewhere); {skip}",
+                    current.display(),
+                    parent.uid(),
+                    entry_path.display(),
+                    current.display()
+                );
+            }
+            if !trusted(entry.uid()) {
+                bail!(
+                    "refusing pool directory {shown}: the path goes through {}, which belongs \
+                     to uid {} in the shared directory {}, so its owner could point it \
+                     elsewhere (e.g. at a directory of theirs). Give the pool directory's own \
+                     path; {skip}",
+                    entry_path.display(),
+                    entry.uid(),
+                    current.display()
+                );
+            }
+        }
+        if entry.file_type().is_symlink() {
+            links += 1;
+            if links > SYMLINKS_MAX {
+                bail!("refusing pool directory {shown}: too many symbolic links");
+            }
+            let target = std::fs::read_link(&entry_path)
+                .with_context(|| format!("cannot read link {}", entry_path.display()))?;
+            push_front(&mut pending, &target);
+        } else {
+            current = entry_path;
+        }
+    }
+    Ok(())
 }
 
 /// The caller's effective user id.

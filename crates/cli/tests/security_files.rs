@@ -658,3 +658,78 @@ fn volume_names_follow_lvm_rule() {
     );
     assert_eq!(listing.lines().count(), 5, "{listing}");
 }
+
+/// Issue 20, finding 6: `--pool` through another user's symbolic link. The directory check
+/// resolved the path once and later opens went through it again, so a link in a
+/// world-writable directory that its owner flipped in between sent root's catalog into that
+/// user's directory. Now a path through an entry another user can change is refused before
+/// anything is opened: a link owned by nobody in a sticky, world-writable directory (as in
+/// `/tmp`), a link in a directory nobody owns; a link of root's own in the sticky directory
+/// is followed as before.
+#[test]
+fn a_pool_path_through_another_users_link_is_refused() {
+    if !require_root("a_pool_path_through_another_users_link_is_refused") {
+        return;
+    }
+    let scratch = Scratch::new("pool-link");
+    let pool = scratch.join("pool");
+    thinpool_ok(&["create", "--pool", p(&pool), "--data-size", "16M"]);
+    // A shared directory like /tmp: world-writable and sticky, root's.
+    let shared = scratch.join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let theirs = shared.join("theirs");
+    nobody_does("ln", &["-s", p(&pool), p(&theirs)]);
+    assert_eq!(
+        std::fs::symlink_metadata(&theirs).unwrap().uid(),
+        NOBODY_UID
+    );
+    let catalogs_before = catalogs(&pool);
+    for command in [
+        &["list"][..],
+        &["status"],
+        &["volume", "create", "v", "--size", "1M"],
+    ] {
+        let mut args = command.to_vec();
+        args.extend(["--pool", p(&theirs)]);
+        let error = thinpool_err(&args);
+        assert!(
+            error.contains("refusing pool directory") && error.contains("belongs to uid 65534"),
+            "{args:?}: {error}"
+        );
+    }
+    assert_eq!(catalogs(&pool), catalogs_before, "nothing was written");
+    // A directory of nobody's holding a link of root's: nobody can replace the link.
+    let nobody_dir = scratch.join("nobody-dir");
+    std::fs::create_dir(&nobody_dir).unwrap();
+    std::os::unix::fs::chown(&nobody_dir, Some(NOBODY_UID), Some(NOBODY_GID)).unwrap();
+    let link = nobody_dir.join("pool");
+    std::os::unix::fs::symlink(&pool, &link).unwrap();
+    let error = thinpool_err(&["list", "--pool", p(&link)]);
+    assert!(
+        error.contains("refusing pool directory") && error.contains("writable by other users"),
+        "{error}"
+    );
+    // Root's own link in the sticky directory: only root can change it; followed.
+    let mine = shared.join("mine");
+    std::os::unix::fs::symlink(&pool, &mine).unwrap();
+    thinpool_ok(&["list", "--pool", p(&mine)]);
+    thinpool_ok(&["list", "--pool", p(&pool)]);
+}
+
+/// The names of the `catalog-N.json` files in `pool`, with their contents.
+fn catalogs(pool: &Path) -> Vec<(String, Vec<u8>)> {
+    let mut found: Vec<(String, Vec<u8>)> = std::fs::read_dir(pool)
+        .unwrap()
+        .map(|entry| entry.unwrap())
+        .filter(|entry| entry.file_name().to_string_lossy().starts_with("catalog-"))
+        .map(|entry| {
+            (
+                entry.file_name().to_string_lossy().into_owned(),
+                std::fs::read(entry.path()).unwrap(),
+            )
+        })
+        .collect();
+    found.sort();
+    found
+}

@@ -331,3 +331,49 @@ fn metrics_stay_off_unless_asked() {
         "{help}"
     );
 }
+
+/// Issue 20, finding 9: the listener served one connection at a time, each up to its 5 s
+/// deadline, so idle connections delayed a scrape by 5 s each (10 of them by 51 s, 40 by
+/// 205 s). Now each connection has a thread, and one past the bound closes the oldest: a
+/// scrape behind 40 idle connections is answered well within one connection's deadline
+/// several times over (curl's limit below is 4 deadlines; serving them in turn takes 40).
+/// At shutdown the listener stops and closes its connections.
+#[test]
+fn idle_connections_do_not_delay_a_scrape() {
+    require_tool("curl", "curl");
+    let temp = ScratchDir::new("serve-metrics-idle");
+    let pool = temp.join("pool");
+    create_pool(&pool, &["--data-size", "64M"]);
+    create_volume(&pool, "m", "16M");
+    let served = serve(&pool, &["--metrics", "127.0.0.1:0"]);
+    let url = metrics_url(&served);
+    let address = url
+        .strip_prefix("http://")
+        .and_then(|rest| rest.strip_suffix("/metrics"))
+        .expect("http://ADDR/metrics")
+        .to_string();
+    for round in [10, 40] {
+        let idle: Vec<TcpStream> = (0..round)
+            .map(|_| TcpStream::connect(&address).expect("connect"))
+            .collect();
+        let out = run_ok(
+            "curl",
+            &["-sS", "--max-time", "20", "-w", "\n%{http_code}", &url],
+            Duration::from_secs(60),
+        );
+        let (body, code) = out.rsplit_once('\n').expect("curl printed a status");
+        assert_eq!(code, "200", "{round} idle connections: {body}");
+        assert!(
+            Scrape::parse(body).value("thinpool_mode{mode=\"rw\"}") == 1.0,
+            "{round}: {body}"
+        );
+        drop(idle);
+    }
+    // Idle connections open at shutdown are closed with the listener.
+    let _idle: Vec<TcpStream> = (0..5)
+        .map(|_| TcpStream::connect(&address).expect("connect"))
+        .collect();
+    let (status, log) = served.stop_with_log();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("metrics listener closed"), "{log}");
+}

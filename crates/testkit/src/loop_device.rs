@@ -60,6 +60,38 @@ impl LoopDevice {
         Some(device)
     }
 
+    /// `losetup DEVICE FILE`: attaches `file` at a given, free device (e.g. the number
+    /// another test device just gave up, to play a renumbering). Fails the test if losetup
+    /// refuses (this is only called once loop devices are known to work).
+    pub fn attach_at(device: &Path, file: &Path) -> LoopDevice {
+        let device_arg = device.display().to_string();
+        let file_arg = file.display().to_string();
+        // A device just detached may stay busy a moment (udev still has it open).
+        let mut output = run_tool(losetup(), &[&device_arg, &file_arg], LOSETUP_TIMEOUT);
+        for _ in 0..50 {
+            if output.status.success() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+            output = run_tool(losetup(), &[&device_arg, &file_arg], LOSETUP_TIMEOUT);
+        }
+        assert!(
+            output.status.success(),
+            "losetup {device_arg} {file_arg}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        LoopDevice {
+            device: device.to_path_buf(),
+            file: file.to_path_buf(),
+        }
+    }
+
+    /// Detaches the device now (as dropping the guard does), e.g. to attach another file
+    /// at its number.
+    pub fn detach(self) {
+        drop(self);
+    }
+
     /// The device, e.g. `/dev/loop3`.
     pub fn path(&self) -> &Path {
         &self.device

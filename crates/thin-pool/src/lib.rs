@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod format;
 pub mod ids;
+pub mod owner;
 #[cfg(feature = "testing")]
 pub mod testing;
 

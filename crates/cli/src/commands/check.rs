@@ -197,7 +197,7 @@ fn print_report(report: &Report, repairing: bool) {
 }
 
 fn clear_needs_check(path: &std::path::Path) -> anyhow::Result<()> {
-    let device = FileDevice::open(path, true)
+    let (device, _claim) = thin_pool::owner::open_for_writing(path)
         .with_context(|| format!("cannot open {} for writing", path.display()))?;
     let mut metadata = PoolMetadata::open(Arc::new(device))
         .with_context(|| format!("opening {}", path.display()))?;

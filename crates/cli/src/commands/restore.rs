@@ -63,7 +63,8 @@ fn restore_file(args: &Args) -> anyhow::Result<()> {
             args.output.display()
         );
     }
-    let device = FileDevice::open(&args.output, true)
+    // With the pool's claim, held to the end: refused while a server holds the pool.
+    let (device, _claim) = thin_pool::owner::open_for_writing(&args.output)
         .with_context(|| format!("cannot open output {}", args.output.display()))?;
     if device_block_count(&device) < 8 {
         bail!("output {} is too small for metadata", args.output.display());

@@ -183,7 +183,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Taken at once, so that no later code mistakes them for its own.
     let activated = systemd::Activated::from_env()?;
     if let Some(path) = &args.pid_file {
-        systemd::PidFile::check(path)?;
+        systemd::PidFile::check(path, &args.pool.resolve().path)?;
     }
     // Certificates are checked before the pool is touched: a bad file stops start-up.
     let tls = args.tls.load()?;
@@ -351,10 +351,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None => None,
     };
     let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
-    let metrics_bound = match (metrics_address, metrics) {
+    let metrics_listener = match (metrics_address, metrics) {
         (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
         _ => None,
     };
+    let metrics_bound = metrics_listener
+        .as_ref()
+        .map(metrics::MetricsListener::address);
     if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
         tracing::warn!(
             "{}",
@@ -367,7 +370,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let pid_file = args
         .pid_file
         .as_deref()
-        .map(systemd::PidFile::write)
+        .map(|path| systemd::PidFile::write(path, &dir.path))
         .transpose()?;
     print_banner(
         &dir,
@@ -399,6 +402,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let _ = fail_watch.join();
     start_shutdown_watchdog(signals)?;
     drop(target);
+    // Before the pool closes: no scrape renders a closed pool.
+    if let Some(listener) = metrics_listener {
+        listener.stop();
+    }
     let code = shut_down(control, servers, &pool);
     if let Some(pid_file) = pid_file {
         pid_file.remove();

@@ -75,7 +75,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod data;
+mod identity;
 pub use data::{BlockDataDevice, QueueLimits};
+pub use identity::{lock_backing_file, DeviceIdentity, LoopBacking};
 
 /// The file in a pool directory that names the pool's devices.
 pub const DEVICES_FILE: &str = "devices.json";
@@ -92,6 +94,13 @@ pub struct DevicePaths {
     /// Open the data device with `O_DIRECT`.
     #[serde(default)]
     pub direct_io: bool,
+    /// What identifies the metadata device ([`DeviceIdentity`]); recorded at create, or at
+    /// the first read-write open of a pool recorded before identities were.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata_identity: Option<DeviceIdentity>,
+    /// What identifies the data device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_identity: Option<DeviceIdentity>,
 }
 
 impl DevicePaths {
@@ -102,6 +111,8 @@ impl DevicePaths {
             metadata_device: metadata_device.to_path_buf(),
             data_device: data_device.to_path_buf(),
             direct_io,
+            metadata_identity: None,
+            data_identity: None,
         }
     }
 
@@ -176,11 +187,19 @@ pub(super) fn open_block_device(path: &Path, writable: bool, flags: i32) -> Resu
 
 fn busy_or(path: &Path, e: io::Error) -> Error {
     if e.raw_os_error() == Some(libc::EBUSY) {
-        Error::Locked {
-            path: format!(
-                "{} (opened exclusively elsewhere: another thinpool, a mount or the kernel's device mapper)",
-                path.display()
-            ),
+        match crate::owner::holder(path) {
+            Some(holder) => Error::Locked {
+                path: format!(
+                    "{} (opened exclusively elsewhere: held by {holder})",
+                    path.display()
+                ),
+            },
+            None => Error::Locked {
+                path: format!(
+                    "{} (opened exclusively elsewhere: another thinpool, a mount or the kernel's device mapper)",
+                    path.display()
+                ),
+            },
         }
     } else {
         io_error(format!("opening {}", path.display()))(e)
@@ -255,6 +274,8 @@ impl Pool {
             )));
         }
         let metadata = open_metadata_device(&devices.metadata_device, true)?;
+        let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+        let (devices, lock) = claim(devices, &metadata, &mut data, false)?;
         if holds_pool_metadata(&metadata)? {
             return Err(Error::Invalid(format!(
                 "{} already holds dm-thin pool metadata: `thinpool import` takes that pool over; \
@@ -262,7 +283,6 @@ impl Pool {
                 devices.metadata_device.display()
             )));
         }
-        let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
         let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
         let data_blocks = check_layout(block_size_bytes, data.size_bytes(), metadata_blocks)?;
         std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
@@ -280,15 +300,74 @@ impl Pool {
         drop(md);
         // Last: the pool exists once its devices are named.
         devices.store(dir)?;
-        open_on(metadata, data, dir, options)
+        open_on(metadata, data, dir, options, lock)
     }
 
     /// Open the pool whose devices `dir` names.
     pub fn open_devices(dir: &Path, devices: &DevicePaths, options: PoolOptions) -> Result<Pool> {
         let metadata = open_metadata_device(&devices.metadata_device, !options.read_only)?;
-        let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
-        open_on(Arc::new(metadata), data, dir, options)
+        let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+        let (claimed, lock) = claim(devices, &metadata, &mut data, true)?;
+        // A pool recorded before identities were gets them now (read-write opens only).
+        if claimed != *devices && !options.read_only {
+            claimed.store(dir)?;
+        }
+        open_on(Arc::new(metadata), data, dir, options, lock)
     }
+}
+
+/// Checks that the devices open are the ones `devices` recorded (when it recorded their
+/// identities: `check`), and takes the locks every alias of them shares: an exclusive
+/// `flock` on a loop device's backing file (the metadata device's is returned, to be held
+/// as the pool's lock; the data device's is held by the data device). Returns `devices`
+/// with the identities found.
+fn claim(
+    devices: &DevicePaths,
+    metadata: &FileDevice,
+    data: &mut BlockDataDevice,
+    check: bool,
+) -> Result<(DevicePaths, Option<Arc<File>>)> {
+    let found_metadata = DeviceIdentity::of(metadata.file(), &devices.metadata_device)?;
+    let found_data = DeviceIdentity::of(data.file(), &devices.data_device)?;
+    for (path, role, recorded, found) in [
+        (
+            &devices.metadata_device,
+            "metadata",
+            &devices.metadata_identity,
+            &found_metadata,
+        ),
+        (
+            &devices.data_device,
+            "data",
+            &devices.data_identity,
+            &found_data,
+        ),
+    ] {
+        match recorded {
+            Some(recorded) if check && !recorded.matches(found) => {
+                return Err(identity::not_this_pools(path, role, recorded, found))
+            }
+            _ => {}
+        }
+    }
+    let lock = found_metadata
+        .loop_backing
+        .as_ref()
+        .map(|backing| identity::lock_backing_file(backing, &devices.metadata_device))
+        .transpose()?;
+    if let Some(backing) = &found_data.loop_backing {
+        let same_file = found_metadata
+            .loop_backing
+            .as_ref()
+            .is_some_and(|other| (other.dev, other.ino) == (backing.dev, backing.ino));
+        if !same_file {
+            data.hold_lock(identity::lock_backing_file(backing, &devices.data_device)?);
+        }
+    }
+    let mut claimed = devices.clone();
+    claimed.metadata_identity = Some(found_metadata);
+    claimed.data_identity = Some(found_data);
+    Ok((claimed, lock.map(Arc::new)))
 }
 
 fn open_on(
@@ -296,6 +375,7 @@ fn open_on(
     data: BlockDataDevice,
     dir: &Path,
     mut options: PoolOptions,
+    lock: Option<Arc<File>>,
 ) -> Result<Pool> {
     let refusal = options
         .discard_passdown
@@ -310,7 +390,7 @@ fn open_on(
         Arc::new(data),
         Box::new(DirCatalog::new(dir)),
         options,
-        None,
+        lock,
     )?;
     if let Some(reason) = refusal {
         pool.shared

@@ -101,16 +101,7 @@ pub fn host_free_bytes(path: &Path) -> Option<u64> {
 }
 
 fn lock_exclusive(file: &std::fs::File, path: &Path) -> Result<()> {
-    match file.try_lock() {
-        Ok(()) => Ok(()),
-        Err(std::fs::TryLockError::WouldBlock) => Err(Error::Locked {
-            path: path.display().to_string(),
-        }),
-        Err(std::fs::TryLockError::Error(e)) => Err(Error::Io {
-            what: format!("locking {}", path.display()),
-            source: e,
-        }),
-    }
+    crate::owner::lock_exclusive(file, path)
 }
 
 impl Pool {

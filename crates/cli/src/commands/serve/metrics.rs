@@ -1,19 +1,24 @@
 //! The HTTP listener of `serve --metrics ADDR:PORT`: answers `GET /metrics` with the pool's
 //! metrics in the Prometheus text format ([`crate::metrics`]) and nothing else.
 //!
-//! One thread serves one request per connection, then closes it (`Connection: close`).
-//! Requests are parsed with `httparse`. What a scraper can cost is bounded: a request head
-//! of at most [`REQUEST_BYTES_MAX`], [`REQUEST_TIMEOUT`] in total to send it and to take
-//! the answer, and one connection at a time, so a hostile or stuck client delays other
-//! scrapes at most by that much and never touches the NBD path. Answers: 200 for `GET` (or
+//! Each connection has a thread of its own, which serves one request, then closes it
+//! (`Connection: close`). Requests are parsed with `httparse`. What a scraper can cost is
+//! bounded: a request head of at most [`REQUEST_BYTES_MAX`], [`REQUEST_TIMEOUT`] in total to
+//! send it and to take the answer, and at most [`CONNECTIONS_MAX`] connections at once; a
+//! connection past that closes the oldest one open. So a hostile or stuck client delays no
+//! other scrape (it used to: one connection at a time, 5 s each, so 10 idle connections
+//! delayed a scrape by 51 s) and never touches the NBD path. Answers: 200 for `GET` (or
 //! `HEAD`) `/metrics`, 404 for another path, 405 for another method, 400 for a malformed
 //! request, 431 for one too large.
 //!
-//! The listener lives until the process exits.
+//! The listener stops, and its connections are closed, at shutdown ([`MetricsListener::stop`]).
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -31,6 +36,13 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 const ACCEPT_RETRY_PAUSE: Duration = Duration::from_millis(100);
 /// Most headers parsed.
 const HEADERS_MAX: usize = 32;
+/// Most connections served at once; one more closes the oldest.
+const CONNECTIONS_MAX: usize = 16;
+/// How often the listener looks whether it should stop.
+const STOP_POLL: Duration = Duration::from_millis(200);
+/// Longest wait at stop for the connections' threads to end (their sockets are shut down,
+/// so they end at once unless the pool's metrics take that long to render).
+const STOP_WAIT: Duration = Duration::from_secs(5);
 
 /// Parses `--metrics`: `PORT` (on 127.0.0.1) or `ADDR:PORT` (`[ADDR]:PORT` for IPv6).
 pub fn parse_metrics_address(text: &str) -> anyhow::Result<SocketAddr> {
@@ -69,32 +81,172 @@ pub fn counting(
     (Arc::new(served), Some(metrics))
 }
 
-/// Binds `address` and serves `metrics` there on a thread of its own; returns the address
-/// bound (its port is the system's choice if `address` asked for port 0).
-pub fn start(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<SocketAddr> {
+/// Binds `address` and serves `metrics` there on a thread of its own; the listener's
+/// [`MetricsListener::address`] is the address bound (its port is the system's choice if
+/// `address` asked for port 0).
+pub fn start(address: SocketAddr, metrics: Arc<Metrics>) -> anyhow::Result<MetricsListener> {
     let listener = TcpListener::bind(address)
         .with_context(|| format!("cannot listen for metrics on {address}"))?;
     let bound = listener.local_addr().context("metrics listener address")?;
+    // Not blocking: the accept loop polls, so that it sees a stop request.
+    listener
+        .set_nonblocking(true)
+        .context("metrics listener: cannot make it non-blocking")?;
     if !bound.ip().is_loopback() {
         tracing::warn!(
             "metrics on {bound} are readable without authentication by \
              every host that reaches it (volume names, sizes, traffic)"
         );
     }
-    std::thread::Builder::new()
-        .name("metrics-http".to_string())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                match stream {
-                    Ok(stream) => serve_one(stream, &metrics),
-                    // A failed accept (e.g. out of file descriptors) costs only that client;
-                    // the pause keeps a lasting failure from spinning.
-                    Err(_) => std::thread::sleep(ACCEPT_RETRY_PAUSE),
-                }
+    let connections = Arc::new(Connections::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let connections = Arc::clone(&connections);
+        let stop = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("metrics-http".to_string())
+            .spawn(move || accept_loop(&listener, &metrics, &connections, &stop))
+            .context("cannot start the metrics thread")?
+    };
+    Ok(MetricsListener {
+        address: bound,
+        connections,
+        stop,
+        thread,
+    })
+}
+
+/// The running metrics listener: stopped, its connections closed, by
+/// [`MetricsListener::stop`].
+pub struct MetricsListener {
+    address: SocketAddr,
+    connections: Arc<Connections>,
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+impl MetricsListener {
+    /// The address bound.
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Stops accepting, closes the connections open and waits (at most [`STOP_WAIT`]) for
+    /// their threads to end.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let _ = self.thread.join();
+        let unfinished = self.connections.close_all(STOP_WAIT);
+        tracing::info!(unfinished, "metrics listener closed");
+    }
+}
+
+/// The connections being served, oldest first, each with a handle to shut it down.
+#[derive(Default)]
+struct Connections {
+    open: Mutex<VecDeque<(u64, TcpStream)>>,
+    /// Signalled when a connection ends.
+    ended: Condvar,
+}
+
+impl Connections {
+    /// Adds connection `id`; at [`CONNECTIONS_MAX`], first shuts the oldest down (its
+    /// thread then ends on its own).
+    fn add(&self, id: u64, stream: TcpStream) {
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        while open.len() >= CONNECTIONS_MAX {
+            if let Some((_, oldest)) = open.pop_front() {
+                let _ = oldest.shutdown(std::net::Shutdown::Both);
             }
-        })
-        .context("cannot start the metrics thread")?;
-    Ok(bound)
+        }
+        open.push_back((id, stream));
+    }
+
+    /// Connection `id` ended.
+    fn remove(&self, id: u64) {
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        open.retain(|(open_id, _)| *open_id != id);
+        self.ended.notify_all();
+    }
+
+    /// Shuts every connection down and waits up to `wait` for their threads to say they
+    /// ended; returns how many did not.
+    fn close_all(&self, wait: Duration) -> usize {
+        let deadline = Instant::now() + wait;
+        let mut open = self.open.lock().unwrap_or_else(PoisonError::into_inner);
+        for (_, stream) in open.iter() {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+        while !open.is_empty() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            open = self
+                .ended
+                .wait_timeout(open, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        open.len()
+    }
+}
+
+/// Accepts connections until `stop`, each served on a thread of its own.
+fn accept_loop(
+    listener: &TcpListener,
+    metrics: &Arc<Metrics>,
+    connections: &Arc<Connections>,
+    stop: &AtomicBool,
+) {
+    let mut next_id = 0u64;
+    while !stop.load(Ordering::SeqCst) {
+        let stream = match listener.accept() {
+            Ok((stream, _)) => stream,
+            Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut fds = [rustix::event::PollFd::new(
+                    listener,
+                    rustix::event::PollFlags::IN,
+                )];
+                let timeout = rustix::time::Timespec {
+                    tv_sec: 0,
+                    tv_nsec: STOP_POLL.as_nanos() as _,
+                };
+                let _ = rustix::event::poll(&mut fds, Some(&timeout));
+                continue;
+            }
+            // A failed accept (e.g. out of file descriptors) costs only that client; the
+            // pause keeps a lasting failure from spinning.
+            Err(_) => {
+                std::thread::sleep(ACCEPT_RETRY_PAUSE);
+                continue;
+            }
+        };
+        // Accepted sockets do not inherit the listener's non-blocking mode on Linux; made
+        // sure of, as the reads rely on their timeouts.
+        let Ok(handle) = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.try_clone())
+        else {
+            continue;
+        };
+        let id = next_id;
+        next_id += 1;
+        connections.add(id, handle);
+        let metrics = Arc::clone(metrics);
+        let ended = Arc::clone(connections);
+        let spawned = std::thread::Builder::new()
+            .name("metrics-conn".to_string())
+            .spawn(move || {
+                serve_one(stream, &metrics);
+                ended.remove(id);
+            });
+        if spawned.is_err() {
+            // Out of threads: this client is closed (its socket, moved into the failed
+            // closure, is dropped), the others go on.
+            connections.remove(id);
+        }
+    }
 }
 
 /// Reads one request from `stream`, answers it and closes the connection.

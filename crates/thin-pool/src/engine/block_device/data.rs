@@ -120,6 +120,9 @@ pub struct BlockDataDevice {
     /// `NO_HIDE_STALE` (a real discard) not refused yet.
     discard_works: AtomicBool,
     counters: DataCounters,
+    /// The `flock` on a loop device's backing file, shared by its aliases (see
+    /// `identity.rs`), held while the device is open.
+    backing_lock: Option<File>,
 }
 
 impl BlockDataDevice {
@@ -147,7 +150,18 @@ impl BlockDataDevice {
             zero_range_works: AtomicBool::new(true),
             discard_works: AtomicBool::new(true),
             counters: DataCounters::default(),
+            backing_lock: None,
         })
+    }
+
+    /// The exclusive descriptor, e.g. to identify the device.
+    pub(super) fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// Holds `lock` (a backing file's `flock`) as long as the device is open.
+    pub(super) fn hold_lock(&mut self, lock: File) {
+        self.backing_lock = Some(lock);
     }
 
     /// The device's path.
