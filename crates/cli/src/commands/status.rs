@@ -110,7 +110,7 @@ pub fn render(status: &StatusRecord) -> String {
         ),
         (
             "autoextend",
-            super::space::describe_autoextend(status.autoextend.as_ref()),
+            thinpool_daemon::space::describe_autoextend(status.autoextend.as_ref()),
         ),
         (
             "no-space timeout",

@@ -442,9 +442,8 @@ fn memory_status() -> anyhow::Result<(u64, u64)> {
 
 /// Run [`probe_activation`] in a child process on the pool in `pool_dir`.
 fn spawn_activation(pool_dir: &Path) -> anyhow::Result<Activation> {
-    let exe = std::env::current_exe().context("finding the thinpool binary")?;
+    let exe = std::env::current_exe().context("finding the thinpool-bench binary")?;
     let output = Command::new(exe)
-        .arg("bench")
         .arg("--probe-activation")
         .arg(pool_dir)
         .output()
@@ -480,7 +479,17 @@ fn check_tools() -> Option<CheckTools> {
     if !Path::new(TIME).is_file() {
         return skip(&format!("no {TIME} (Debian package time)"));
     }
-    let thinpool = std::env::current_exe().ok()?;
+    // `thinpool check` is the production binary's: $THINPOOL, else the one built beside this.
+    let thinpool = match std::env::var_os("THINPOOL") {
+        Some(path) => PathBuf::from(path),
+        None => std::env::current_exe().ok()?.with_file_name("thinpool"),
+    };
+    if !thinpool.is_file() {
+        return skip(&format!(
+            "no {} (build it: cargo build -p thinpool, or set THINPOOL)",
+            thinpool.display()
+        ));
+    }
     Some(CheckTools {
         thin_check,
         thinpool,

@@ -1,4 +1,4 @@
-//! Goal: `thinpool bench --quick --json` runs end to end, prints its rows in the documented
+//! Goal: `thinpool-bench --quick --json` runs end to end, prints its rows in the documented
 //! JSON shape (with each row's `spread`), with a row from every section (the scale section's
 //! check comparison only with `THINPOOL_TOOLS_DIR`), and removes every pool it built.
 //! Method: run the built binary with `--dir` in a scratch directory, parse stdout, check each
@@ -12,11 +12,11 @@ use testkit::scratch::ScratchDir;
 #[test]
 fn quick_json_run_prints_rows_and_cleans_up() {
     let scratch = ScratchDir::new("bench-cli");
-    let output = Command::new(env!("CARGO_BIN_EXE_thinpool"))
-        .args(["bench", "--quick", "--json", "--dir"])
+    let output = Command::new(env!("CARGO_BIN_EXE_thinpool-bench"))
+        .args(["--quick", "--json", "--dir"])
         .arg(scratch.path())
         .output()
-        .expect("run thinpool bench");
+        .expect("run thinpool-bench");
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "bench failed: {stderr}");
 
@@ -87,19 +87,11 @@ fn quick_json_run_prints_rows_and_cleans_up() {
 fn only_cow_with_a_write_size_runs_that_section_alone() {
     let scratch = ScratchDir::new("bench-cli-cow");
     let run = |size: &str| {
-        Command::new(env!("CARGO_BIN_EXE_thinpool"))
-            .args([
-                "bench",
-                "--only",
-                "cow",
-                "--json",
-                "--write-size",
-                size,
-                "--dir",
-            ])
+        Command::new(env!("CARGO_BIN_EXE_thinpool-bench"))
+            .args(["--only", "cow", "--json", "--write-size", size, "--dir"])
             .arg(scratch.path())
             .output()
-            .expect("run thinpool bench")
+            .expect("run thinpool-bench")
     };
     let output = run("1M");
     let stderr = String::from_utf8_lossy(&output.stderr);

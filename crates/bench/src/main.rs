@@ -1,4 +1,4 @@
-//! `thinpool bench`: measure the engine against the raw data device, side by side, in one run.
+//! `thinpool-bench`: measure the engine against the raw data device, side by side, in one run.
 //!
 //! Each comparison builds its own pool in a scratch directory ([`dir::BenchDir`], default a
 //! fresh folder under `/dev/shm`), runs the case under test (`a`) and its baseline (`b`) with
@@ -30,6 +30,7 @@
 //! per row (the full run 5 larger ones), so the whole run aims at under 30 s and its ratios are
 //! stable enough to compare between runs on an idle machine: check the `spread` column. Results go to stdout as a table, or as
 //! JSON with `--json`; progress goes to stderr.
+#![forbid(unsafe_code)]
 
 mod cow;
 mod devices;
@@ -49,8 +50,9 @@ use std::process::ExitCode;
 use std::time::Instant;
 use thin_pool::{CreateOptions, Pool, PoolOptions, Volume};
 
-/// Arguments.
-#[derive(clap::Args, Debug)]
+/// thinpool-bench: the engine against the raw data device, side by side, in one run.
+#[derive(clap::Parser, Debug)]
+#[command(name = "thinpool-bench", version, about)]
 pub struct Args {
     /// Build the pools inside this directory (default: a fresh folder under /dev/shm).
     #[arg(long, value_name = "DIR")]
@@ -144,7 +146,18 @@ pub(crate) const IO_SIZE_BYTES: usize = 4096;
 /// Seed of every offset sequence, so each run does the same I/O.
 pub(crate) const SEED: u64 = 0x7468_696e_706f_6f6c;
 
-/// Run the command.
+fn main() -> ExitCode {
+    let args = <Args as clap::Parser>::parse();
+    match run(args) {
+        Ok(code) => code,
+        Err(error) => {
+            eprintln!("thinpool-bench: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Run the benchmarks.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Some(pool_dir) = &args.probe_activation {
         scale::probe_activation(pool_dir)?;
@@ -160,7 +173,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut sizes = Sizes::new(args.quick);
     if let Some(text) = &args.write_size {
-        let bytes = crate::pool_dir::parse_size(text)?;
+        let bytes = thinpool_daemon::pool_dir::parse_size(text)?;
         if bytes == 0 || !bytes.is_multiple_of(BLOCK_SIZE_BYTES) {
             anyhow::bail!("--write-size {text}: a multiple of 64 KiB is needed");
         }

@@ -45,7 +45,7 @@ const CONNECTION_TARGETS: &[&str] = &["thin", "raw", "nbdkit"];
 const READ_TARGETS: &[&str] = &["thin", "snap", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
 const WRITE_TARGETS: &[&str] = &["thin", "raw", "nbdkit", "qemu-raw", "qemu-qcow2"];
 const DD: &str = "dd bs=4k of the whole device, nbdfuse + losetup";
-/// The copy-on-write row measured in-process (`thinpool bench --only cow`): no fio, so its
+/// The copy-on-write row measured in-process (`thinpool-bench --only cow`): no fio, so its
 /// fio CPU cell is empty.
 const IN_PROCESS: &str = "in-process";
 
@@ -71,6 +71,14 @@ fn quick_run_prints_every_row_with_figures() {
     ] {
         require_tool(tool, package);
     }
+    // The script drives both binaries: this build's thinpool-bench and the thinpool built
+    // beside it (`cargo test --workspace` builds both; `-p thinpool-bench` alone does not).
+    let thinpool = Path::new(env!("CARGO_BIN_EXE_thinpool-bench")).with_file_name("thinpool");
+    assert!(
+        thinpool.is_file(),
+        "no {}: run `cargo build -p thinpool` first",
+        thinpool.display()
+    );
     let scratch = ScratchDir::new("bench-compare");
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/bench-compare");
     let json_path = scratch.path().join("rows.json");
@@ -87,7 +95,8 @@ fn quick_run_prints_every_row_with_figures() {
         Duration::from_secs(600),
         None,
         &[
-            ("THINPOOL", env!("CARGO_BIN_EXE_thinpool")),
+            ("THINPOOL", thinpool.to_str().unwrap()),
+            ("THINPOOL_BENCH", env!("CARGO_BIN_EXE_thinpool-bench")),
             ("BENCH_DIR", bench_dir.to_str().unwrap()),
             ("BENCH_SIZE", "8M"),
             // The copy-on-write row writes 4 KiB per 64 KiB block: 32 MiB makes 512 writes,

@@ -87,7 +87,7 @@ use protocol::{read_line, Line, Response};
 /// inner one is the pool's answer.
 pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
     dir.require_pool()?;
-    crate::commands::restore::name_restored_volumes(&dir.path)?;
+    crate::restored::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
     match Pool::open(&dir.path, options.pool_options()) {
         Ok(pool) => {

@@ -25,7 +25,7 @@
 //! thin_check before activation): metadata that fails is not served, and the error lists
 //! what the check found; `--skip-check` opens it regardless.
 //!
-//! Diagnostics go to the log (`crate::logging`: stderr, timestamped, `-v`/`-q`/`RUST_LOG`);
+//! Diagnostics go to the log (the binary's `logging`: stderr, timestamped, `-v`/`-q`/`RUST_LOG`);
 //! the banner on stdout is the command's output. Under systemd (`systemd`): passed sockets
 //! are served instead of new ones, readiness and stopping are notified; `--pid-file` and
 //! `--read-only` (nothing written, every export read-only) serve other supervisors.
@@ -51,8 +51,8 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use thin_pool::Pool;
 
-use crate::commands::create::{create_pool, default_create_options};
 use crate::control::{ControlServer, Target};
+use crate::create::{create_pool, default_create_options};
 use crate::export::{NullExport, PoolRegistry, RawFileExport, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use nbd::ExportRegistry;
@@ -78,7 +78,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 #[derive(clap::Args, Debug)]
 /// `--help` ends with an example of TLS and one of space alerts and autoextend (flattened
 /// argument groups cannot each add theirs: clap keeps one `after_help`).
-#[command(after_help = format!("{}\n\n{}", tls::EXAMPLES, super::space::SPACE_HELP_EXAMPLE))]
+#[command(after_help = format!("{}\n\n{}", tls::EXAMPLES, crate::space::SPACE_HELP_EXAMPLE))]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -116,11 +116,11 @@ pub struct Args {
     /// Log only warnings and errors on stderr (the log's level is info otherwise; `RUST_LOG`,
     /// when set, replaces -v and -q). Example: `thinpool serve -q`.
     #[arg(short = 'q', long = "quiet", conflicts_with = "verbose")]
-    quiet: bool,
+    pub quiet: bool,
     /// Log more: -v adds debug lines, -vv trace lines. Example: `thinpool serve -v`, or
     /// `RUST_LOG=info,nbd=debug thinpool serve` for one crate.
     #[arg(short = 'v', long = "verbose", action = clap::ArgAction::Count)]
-    verbose: u8,
+    pub verbose: u8,
     /// Write the server's process id to FILE once its sockets listen, remove it on a clean
     /// shutdown; refused if FILE names a running process. Example:
     /// `--pid-file /run/thinpool/pool.pid`.
@@ -168,7 +168,7 @@ pub struct Args {
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
     #[command(flatten)]
-    space: super::space::SpaceArgs,
+    space: crate::space::SpaceArgs,
     /// Serve Prometheus metrics over HTTP at `http://ADDR:PORT/metrics`: `PORT` (binds
     /// 127.0.0.1) or `ADDR:PORT`; port 0 picks a free one (the banner shows it). Off unless
     /// given. Example: `thinpool serve --metrics 9100`, then
@@ -179,7 +179,6 @@ pub struct Args {
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    crate::logging::init(crate::logging::level(args.verbose, args.quiet))?;
     // Taken at once, so that no later code mistakes them for its own.
     let activated = systemd::Activated::from_env()?;
     if let Some(path) = &args.pid_file {
@@ -197,7 +196,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // Before anything is opened or bound in it: the directory is the caller's alone.
     dir.require_pool()?;
     if !args.read_only {
-        super::restore::name_restored_volumes(&dir.path)?;
+        crate::restored::name_restored_volumes(&dir.path)?;
     }
     let mut options = StoredOptions::load(&dir)?;
     options.space = args.space.apply(options.space)?;

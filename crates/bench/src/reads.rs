@@ -18,9 +18,9 @@ use std::sync::{Arc, Barrier};
 use thin_pool::engine::pool::DATA_FILE;
 use thin_pool::{Pool, Volume};
 
-use crate::export::PoolRegistry;
-use crate::metrics::{CountingRegistry, Metrics, Op};
 use nbd::ExportRegistry;
+use thinpool_daemon::export::PoolRegistry;
+use thinpool_daemon::metrics::{CountingRegistry, Metrics, Op};
 
 /// Data block size of the sequential-read pool: the first report's 8 MiB.
 const SEQUENTIAL_BLOCK_SIZE_BYTES: u64 = 8 << 20;
