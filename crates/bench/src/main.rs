@@ -1,4 +1,5 @@
-//! `thinpool-bench`: measure the engine against the raw data device, side by side, in one run.
+//! `thinpool-bench` (its own binary, so the production `thinpool` carries no benchmark code
+//! and no `rand`): measure the engine against the raw data device, side by side, in one run.
 //!
 //! Each comparison builds its own pool in a scratch directory ([`dir::BenchDir`], default a
 //! fresh folder under `/dev/shm`), runs the case under test (`a`) and its baseline (`b`) with
@@ -10,8 +11,9 @@
 //! - [`reads`]: random 4 KiB reads through `Volume::read` vs `pread` of the same data file,
 //!   1 and 2 threads; sequential 4 KiB reads with 8 MiB data blocks; random reads through
 //!   the NBD export with the request counting of `serve --metrics` and without.
-//! - [`writes`]: first writes vs overwrites, bytes written per client byte, writes that break
-//!   sharing after a snapshot.
+//! - [`writes`]: 64 KiB first writes, and 64 KiB writes breaking sharing after a snapshot, vs
+//!   the same first writes into a raw file; the 4 KiB ones vs overwrites; bytes written per
+//!   client byte.
 //! - [`cow`]: the copy-on-write pattern of `scripts/bench-compare` (a 4 KiB write at the start
 //!   of each 64 KiB block after a snapshot, in order), 1 and 2 threads.
 //! - [`mappings`]: snapshot, deletion and activation of a volume with 1M mappings.
@@ -40,6 +42,7 @@ mod mappings;
 mod reads;
 mod report;
 mod scale;
+mod serve;
 mod writes;
 
 use anyhow::Context;
@@ -50,9 +53,30 @@ use std::process::ExitCode;
 use std::time::Instant;
 use thin_pool::{CreateOptions, Pool, PoolOptions, Volume};
 
-/// thinpool-bench: the engine against the raw data device, side by side, in one run.
+/// thinpool-bench: the engine against the raw data device, side by side, in one run; or,
+/// with `serve`, a pool served with the raw-file and null exports the NBD comparisons use.
 #[derive(clap::Parser, Debug)]
-#[command(name = "thinpool-bench", version, about)]
+#[command(
+    name = "thinpool-bench",
+    version,
+    about,
+    args_conflicts_with_subcommands = true
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: Args,
+}
+
+#[derive(clap::Subcommand, Debug)]
+enum Command {
+    /// `thinpool serve` with the benchmark exports (--raw-export, --null-export) beside it.
+    Serve(serve::Args),
+}
+
+/// The benchmarks' arguments.
+#[derive(clap::Args, Debug)]
 pub struct Args {
     /// Build the pools inside this directory (default: a fresh folder under /dev/shm).
     #[arg(long, value_name = "DIR")]
@@ -147,8 +171,12 @@ pub(crate) const IO_SIZE_BYTES: usize = 4096;
 pub(crate) const SEED: u64 = 0x7468_696e_706f_6f6c;
 
 fn main() -> ExitCode {
-    let args = <Args as clap::Parser>::parse();
-    match run(args) {
+    let cli = <Cli as clap::Parser>::parse();
+    let result = match cli.command {
+        Some(Command::Serve(args)) => serve::run(args),
+        None => run(cli.run),
+    };
+    match result {
         Ok(code) => code,
         Err(error) => {
             eprintln!("thinpool-bench: {error:#}");

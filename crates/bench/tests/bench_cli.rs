@@ -52,6 +52,10 @@ fn quick_json_run_prints_rows_and_cleans_up() {
         "random 4 KiB reads",
         "sequential",
         "first writes",
+        // The 64 KiB provisioning rows compare with first writes into a raw file (both
+        // write into holes), not with overwrites.
+        "64 KiB writes: first writes vs first writes into a raw file",
+        "breaking sharing vs first writes into a raw file",
         "snapshot",
         "activation",
         "diff of",

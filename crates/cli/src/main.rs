@@ -6,9 +6,8 @@
 #![forbid(unsafe_code)]
 
 mod commands;
-mod logging;
 
-use thinpool_daemon::{control, pool_dir};
+use thinpool_daemon::{control, logging, pool_dir};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;

@@ -1,9 +1,8 @@
 //! What `thinpool serve` hands the NBD server: [`VolumeExport`] (a thin volume as an
-//! [`nbd::Export`]), [`RawFileExport`] (a plain file with no thin mapping, the control for
-//! benchmarks measuring what mapping costs through the same front end), [`NullExport`] (zeroes
-//! with no file behind them, the control for measuring the front end alone) and [`PoolRegistry`]
-//! (the [`nbd::ExportRegistry`] that looks volumes up in the pool at every open, so volumes
-//! created or deleted while serving appear and disappear at once).
+//! [`nbd::Export`]) and [`PoolRegistry`] (the [`nbd::ExportRegistry`] that looks volumes up
+//! in the pool at every open, so volumes created or deleted while serving appear and
+//! disappear at once, beside any fixed exports a caller adds: `thinpool-bench serve`'s
+//! raw-file and null exports).
 //!
 //! A volume export also offers the metadata context `x-thinpool:diff:BASE` for every other
 //! volume BASE of the pool ([`diff_context`]): the bytes where it differs from BASE.
@@ -14,24 +13,18 @@
 //! that turns an engine error into an NBD error.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::os::fd::AsFd;
-use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use nbd::{
     Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, MetaContext,
-    ReadSource, ZeroOptions,
+    ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
 
 pub mod diff_context;
-pub mod null;
 
 pub use diff_context::DiffContext;
-pub use null::NullExport;
 
 /// Name of the volume created with a new default pool; the empty export name opens it.
 pub const DEFAULT_VOLUME: &str = "disk";
@@ -218,126 +211,28 @@ impl Export for VolumeExport {
     }
 }
 
-/// A plain file served as is: no mapping, no allocation, no snapshots.
-pub struct RawFileExport {
-    name: String,
-    description: String,
-    path: PathBuf,
-    file: File,
-    size_bytes: u64,
-}
-
-impl RawFileExport {
-    /// Opens `path` read-write; its size, rounded down to 512 bytes, is the export's.
-    pub fn open(name: &str, path: &Path) -> anyhow::Result<Self> {
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .open(path)
-            .with_context(|| format!("cannot open raw export file {}", path.display()))?;
-        let length = file
-            .metadata()
-            .with_context(|| format!("cannot stat {}", path.display()))?
-            .len();
-        let size_bytes = length / 512 * 512;
-        if size_bytes == 0 {
-            bail!(
-                "raw export file {} is {length} bytes: at least 512 needed",
-                path.display()
-            );
-        }
-        Ok(RawFileExport {
-            name: name.to_string(),
-            description: format!("raw file {}", path.display()),
-            path: path.to_path_buf(),
-            file,
-            size_bytes,
-        })
-    }
-
-    fn io_error(&self, what: String, error: std::io::Error) -> NbdError {
-        NbdError::io(format!("{what} on {}", self.path.display()), error)
-    }
-}
-
-impl Export for RawFileExport {
-    fn name(&self) -> &str {
-        &self.name
-    }
-
-    fn description(&self) -> &str {
-        &self.description
-    }
-
-    fn size_bytes(&self) -> u64 {
-        self.size_bytes
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        // fdatasync covers writes made through every connection's copy of the file.
-        true
-    }
-
-    fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {
-        self.file
-            .read_exact_at(buffer, offset)
-            .map_err(|e| self.io_error(format!("read at {offset}"), e))
-    }
-
-    /// The file is the export, byte for byte, and its ranges never hold anything else, so
-    /// READ replies may be spliced from it.
-    fn read_source(&self, offset: u64, _length: u64) -> Option<ReadSource<'_>> {
-        Some(ReadSource {
-            file: self.file.as_fd(),
-            offset,
-        })
-    }
-
-    fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {
-        self.file
-            .write_all_at(data, offset)
-            .map_err(|e| self.io_error(format!("write at {offset}"), e))?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
-    }
-
-    fn flush(&self) -> nbd::Result<()> {
-        self.file
-            .sync_data()
-            .map_err(|e| self.io_error("fdatasync".to_string(), e))
-    }
-}
-
 /// The exports of a served pool: every volume under its own name, live (looked up in the
-/// pool at each open), plus fixed raw-file and null exports. The empty name opens
+/// pool at each open), plus fixed exports (the benchmarks' raw-file and null exports). The
+/// empty name opens
 /// [`DEFAULT_VOLUME`] if it exists, else the only export if there is exactly one.
 pub struct PoolRegistry {
     pool: Pool,
-    /// The fixed exports, raw-file and null alike.
+    /// The fixed exports, by name.
     raw: BTreeMap<String, Arc<dyn Export>>,
 }
 
 impl PoolRegistry {
-    /// A registry over `pool` and `raw` exports; fails if a raw export's name is a volume's.
-    pub fn new(pool: Pool, raw: Vec<RawFileExport>) -> anyhow::Result<Self> {
+    /// A registry over `pool` and `fixed` exports; fails if a fixed export's name is a
+    /// volume's or another fixed export's.
+    pub fn new(pool: Pool, fixed: Vec<Arc<dyn Export>>) -> anyhow::Result<Self> {
         let mut registry = PoolRegistry {
             pool,
             raw: BTreeMap::new(),
         };
-        for export in raw {
-            registry.add_fixed(Arc::new(export))?;
+        for export in fixed {
+            registry.add_fixed(export)?;
         }
         Ok(registry)
-    }
-
-    /// Adds `null` exports; fails if a name is a volume's or another fixed export's.
-    pub fn with_null_exports(mut self, null: Vec<NullExport>) -> anyhow::Result<Self> {
-        for export in null {
-            self.add_fixed(Arc::new(export))?;
-        }
-        Ok(self)
     }
 
     fn add_fixed(&mut self, export: Arc<dyn Export>) -> anyhow::Result<()> {
@@ -351,7 +246,7 @@ impl PoolRegistry {
         Ok(())
     }
 
-    /// Names taken by raw and null exports (volumes may not be created with them).
+    /// Names taken by fixed exports (volumes may not be created with them).
     pub fn raw_names(&self) -> Vec<String> {
         self.raw.keys().cloned().collect()
     }

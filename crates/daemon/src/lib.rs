@@ -9,8 +9,10 @@
 pub mod control;
 pub mod create;
 pub mod export;
+pub mod logging;
 pub mod metrics;
 pub mod pool_dir;
 pub mod restored;
 pub mod serve;
 pub mod space;
+pub mod text;

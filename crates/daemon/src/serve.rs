@@ -1,10 +1,12 @@
 //! `thinpool serve`: serve every volume of a pool as an NBD export of the same name, on a Unix
 //! socket (default `nbd.sock` in the pool directory, mode 0600) and, only when asked, on TCP
 //! (127.0.0.1 unless an address is given), with the control socket beside it for management
-//! while serving. Plain files can be served too (`--raw-export NAME=FILE`), without thin
-//! mapping, and null exports (`--null-export NAME=SIZE`: zeroes, writes dropped) for
-//! measuring the front end alone. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well (`serve/metrics.rs`,
-//! counted as `crate::metrics` describes).
+//! while serving. With `--metrics ADDR:PORT`, Prometheus metrics over HTTP as well
+//! (`serve/metrics.rs`, counted as `crate::metrics` describes).
+//!
+//! As a library: [`run`] is the command; [`Serving::start`] binds and serves without waiting
+//! for a signal, so a test (or `thinpool-bench serve`, which adds its raw-file and null
+//! exports as fixed exports) drives it in-process and stops it with [`Serving::stop`].
 //!
 //! The space options (`--low-water`, `--autoextend-*`, `--no-space-timeout`) override those
 //! in `pool.json` for this run only.
@@ -38,7 +40,6 @@
 //! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
 
 use anyhow::{bail, Context};
-use std::io::Write;
 use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
@@ -53,10 +54,11 @@ use thin_pool::Pool;
 
 use crate::control::{ControlServer, Target};
 use crate::create::{create_pool, default_create_options};
-use crate::export::{NullExport, PoolRegistry, RawFileExport, DEFAULT_VOLUME};
+use crate::export::{PoolRegistry, DEFAULT_VOLUME};
 use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
-use nbd::ExportRegistry;
+use nbd::{Export, ExportRegistry};
 
+mod banner;
 mod metrics;
 mod shutdown;
 mod systemd;
@@ -101,18 +103,6 @@ pub struct Args {
     /// not yet). Without it, TCP serves every export; the Unix socket always does.
     #[arg(long = "tcp-export", value_name = "NAME", requires = "tcp")]
     tcp_export: Vec<String>,
-    /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
-    #[arg(long = "raw-export", value_name = "NAME=FILE")]
-    raw_export: Vec<String>,
-    /// Also serve export NAME of SIZE bytes (K, M, G, T) with nothing behind it: READs give
-    /// zeroes, WRITEs are accepted and dropped (repeatable). For measuring the NBD front end
-    /// without I/O, like `nbdkit null`. Example: `--null-export null=1G`.
-    #[arg(
-        long = "null-export",
-        value_name = "NAME=SIZE",
-        conflicts_with = "read_only"
-    )]
-    null_export: Vec<String>,
     /// Log only warnings and errors on stderr (the log's level is info otherwise; `RUST_LOG`,
     /// when set, replaces -v and -q). Example: `thinpool serve -q`.
     #[arg(short = 'q', long = "quiet", conflicts_with = "verbose")]
@@ -129,8 +119,8 @@ pub struct Args {
     /// Serve every export read-only, and open the pool without writing anything (no check,
     /// no commit, no catalog change); management requests are refused. Example:
     /// `thinpool serve --read-only --pool /srv/pool`.
-    #[arg(long = "read-only", conflicts_with = "raw_export")]
-    read_only: bool,
+    #[arg(long = "read-only")]
+    pub read_only: bool,
     /// Log a commit (data flush included) that takes at least this long, at warn (0 logs
     /// every commit). Example: `--slow-commit-ms 250`.
     #[arg(
@@ -177,15 +167,188 @@ pub struct Args {
     metrics: Option<String>,
 }
 
-/// Run the command.
+/// Run the command: serve until SIGINT or SIGTERM, then shut down.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
-    // Taken at once, so that no later code mistakes them for its own.
-    let activated = systemd::Activated::from_env()?;
-    if let Some(path) = &args.pid_file {
-        systemd::PidFile::check(path)?;
+    run_with(args, Vec::new())
+}
+
+/// [`run`], with `fixed` exports served beside the volumes under their own names (the
+/// benchmarks' raw-file and null exports; volumes may not be created with their names).
+pub fn run_with(args: Args, fixed: Vec<Arc<dyn Export>>) -> anyhow::Result<ExitCode> {
+    // Caught from before the pool opens, so a stop request during start-up is not lost.
+    let mut signals =
+        Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
+    let serving = Serving::start(&args, fixed)?;
+    let signal = signals.forever().next().unwrap_or(SIGTERM);
+    systemd::notify_stopping();
+    tracing::info!(signal = signal_name(signal), "stopping");
+    start_shutdown_watchdog(signals)?;
+    Ok(serving.stop())
+}
+
+/// A pool being served: its NBD servers, control socket and metrics bound, its banner
+/// printed. [`Serving::stop`] shuts it down as a signal does.
+pub struct Serving {
+    pool: Pool,
+    target: Arc<Target>,
+    control: ControlServer,
+    servers: Vec<nbd::Server>,
+    nbd_socket: PathBuf,
+    control_socket: PathBuf,
+    tcp: Option<SocketAddr>,
+    metrics: Option<SocketAddr>,
+    pid_file: Option<systemd::PidFile>,
+    fail_watch: (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>),
+}
+
+/// What start-up decided about TCP before anything is bound.
+struct TcpPlan {
+    /// `--tcp`, parsed.
+    address: Option<SocketAddr>,
+    /// The widest exposure of any TCP address served, for the warning.
+    exposure: Option<TcpExposure>,
+    /// `--tcp-export`.
+    exports: Option<Vec<String>>,
+}
+
+impl Serving {
+    /// Opens the pool `args` name (creating the default pool on first use), binds every
+    /// socket and serves the pool's volumes and `fixed`; returns once clients can connect.
+    pub fn start(args: &Args, fixed: Vec<Arc<dyn Export>>) -> anyhow::Result<Serving> {
+        // Taken at once, so that no later code mistakes them for its own.
+        let activated = systemd::Activated::from_env()?;
+        if let Some(path) = &args.pid_file {
+            systemd::PidFile::check(path)?;
+        }
+        // Certificates are checked before the pool is touched: a bad file stops start-up.
+        let tls = args.tls.load()?;
+        let (dir, pool, options) = open_pool(args)?;
+        // Checked before anything is bound: a refused address is never opened.
+        let tcp = plan_tcp(args, &activated)?;
+        let metrics_address = args
+            .metrics
+            .as_deref()
+            .map(metrics::parse_metrics_address)
+            .transpose()?;
+        let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
+        let control_socket = dir.control_socket();
+        if activated.unix.is_empty() {
+            remove_stale_socket(&nbd_socket)?;
+        }
+        remove_stale_socket(&control_socket)?;
+
+        let registry = Arc::new(PoolRegistry::new(pool.clone(), fixed)?);
+        let target = Arc::new(Target {
+            pool: pool.clone(),
+            options,
+            reserved_names: registry.raw_names(),
+        });
+        let mut config = nbd_config(args, tls);
+        // With metrics on, the servers look exports up through a registry that counts requests.
+        let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
+        let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
+        let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
+        let metrics_bound = match (metrics_address, metrics) {
+            (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
+            _ => None,
+        };
+        if let (Some(bound), Some(exposure)) = (tcp_bound, tcp.exposure) {
+            let warning = exposure.warning(bound, tcp.exports.as_deref(), args.tls.posture());
+            tracing::warn!("{warning}");
+        }
+        if let Some(line) = args.tls.banner_line() {
+            tracing::info!("{line}");
+        }
+        let pid_file = args
+            .pid_file
+            .as_deref()
+            .map(systemd::PidFile::write)
+            .transpose()?;
+        let serving = Serving {
+            fail_watch: start_fail_watch(pool.clone())?,
+            pool,
+            target,
+            control,
+            servers,
+            nbd_socket,
+            control_socket,
+            tcp: tcp_bound,
+            metrics: metrics_bound,
+            pid_file,
+        };
+        serving.announce(&dir, args.read_only, tcp.exports.as_deref())?;
+        Ok(serving)
     }
-    // Certificates are checked before the pool is touched: a bad file stops start-up.
-    let tls = args.tls.load()?;
+
+    /// The NBD Unix socket (the first passed one under socket activation).
+    pub fn nbd_socket(&self) -> &Path {
+        &self.nbd_socket
+    }
+
+    /// The control socket.
+    pub fn control_socket(&self) -> &Path {
+        &self.control_socket
+    }
+
+    /// The TCP address NBD listens on, if any.
+    pub fn tcp_address(&self) -> Option<SocketAddr> {
+        self.tcp
+    }
+
+    /// The address metrics are served on, if any.
+    pub fn metrics_address(&self) -> Option<SocketAddr> {
+        self.metrics
+    }
+
+    /// The banner on stdout, the "serving" log line and systemd's READY=1.
+    fn announce(
+        &self,
+        dir: &PoolDir,
+        read_only: bool,
+        tcp_exports: Option<&[String]>,
+    ) -> anyhow::Result<()> {
+        banner::print(
+            dir,
+            &self.pool,
+            &self.nbd_socket,
+            &self.control_socket,
+            self.tcp.map(|bound| (bound, tcp_exports)),
+            self.metrics,
+        )?;
+        let volumes: Vec<String> = self.pool.list().into_iter().map(|info| info.name).collect();
+        tracing::info!(
+            pool = %dir.path.display(),
+            nbd_socket = %self.nbd_socket.display(),
+            tcp = ?self.tcp,
+            control_socket = %self.control_socket.display(),
+            volumes = %volumes.join(", "),
+            read_only,
+            "serving"
+        );
+        systemd::notify_ready(&format!("serving {} volumes", volumes.len()));
+        Ok(())
+    }
+
+    /// Shuts down: the control socket, the NBD servers, then the pool's commit (each step
+    /// bounded; see `shutdown`); removes the pid file. The exit status says whether the pool
+    /// committed.
+    pub fn stop(self) -> ExitCode {
+        let (stop_fail_watch, fail_watch) = self.fail_watch;
+        drop(stop_fail_watch);
+        let _ = fail_watch.join();
+        drop(self.target);
+        let code = shut_down(self.control, self.servers, &self.pool);
+        if let Some(pid_file) = self.pid_file {
+            pid_file.remove();
+        }
+        code
+    }
+}
+
+/// Opens the pool in `args`'s directory for serving: created first if it is the default
+/// directory and holds none; its restored volumes named; its stored options with this
+/// run's space options over them.
+fn open_pool(args: &Args) -> anyhow::Result<(PoolDir, Pool, StoredOptions)> {
     let dir = args.pool.resolve();
     if !Pool::exists(&dir.path) {
         if !dir.is_default || args.read_only {
@@ -220,70 +383,42 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("cannot open the pool in {}", dir.path.display()))
         }
     };
-    let raw = args
-        .raw_export
-        .iter()
-        .map(|spec| {
-            let (name, file) = spec
-                .split_once('=')
-                .filter(|(name, file)| !name.is_empty() && !file.is_empty())
-                .with_context(|| format!("--raw-export {spec:?}: expected NAME=FILE"))?;
-            RawFileExport::open(name, Path::new(file))
-        })
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    let null = args
-        .null_export
-        .iter()
-        .map(|spec| NullExport::parse(spec))
-        .collect::<anyhow::Result<Vec<_>>>()?;
-    // Checked before anything is bound: a refused address is never opened.
-    let tcp = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
-    if tcp.is_some() && !activated.tcp.is_empty() {
+    Ok((dir, pool, options))
+}
+
+/// `--tcp` and the passed TCP sockets checked: one or the other; every address allowed
+/// (see [`tcp::tcp_exposure`]) and the widest exposure kept for the warning.
+fn plan_tcp(args: &Args, activated: &systemd::Activated) -> anyhow::Result<TcpPlan> {
+    let address = args.tcp.as_deref().map(parse_tcp_address).transpose()?;
+    if address.is_some() && !activated.tcp.is_empty() {
         bail!("--tcp and a TCP socket passed by socket activation: give one of them");
     }
-    let passed_tcp = activated
+    let passed = activated
         .tcp
         .iter()
         .map(|listener| listener.local_addr())
         .collect::<std::io::Result<Vec<_>>>()
         .context("cannot read a passed TCP socket's address")?;
-    // Every TCP address is checked; the warning names the widest exposure. TLS required
-    // with client certificates authenticates every client: any address is fine.
-    let mut tcp_exposure = None;
-    let checked = if args.tls.authenticates_clients() {
-        &[][..]
-    } else {
-        &passed_tcp[..]
-    };
-    for address in tcp
-        .iter()
-        .filter(|_| !args.tls.authenticates_clients())
-        .chain(checked)
-    {
-        let exposure = tcp::tcp_exposure(*address, args.insecure)?;
-        if tcp_exposure.is_none() || exposure == TcpExposure::Network {
-            tcp_exposure = Some(exposure);
+    // TLS required with client certificates authenticates every client: any address is fine.
+    let mut exposure = None;
+    if !args.tls.authenticates_clients() {
+        for address in address.iter().chain(&passed) {
+            let this = tcp::tcp_exposure(*address, args.insecure)?;
+            if exposure.is_none() || this == TcpExposure::Network {
+                exposure = Some(this);
+            }
         }
     }
-    let metrics_address = args
-        .metrics
-        .as_deref()
-        .map(metrics::parse_metrics_address)
-        .transpose()?;
-    let nbd_socket = args.socket.clone().unwrap_or_else(|| dir.nbd_socket());
-    let control_socket = dir.control_socket();
-    if activated.unix.is_empty() {
-        remove_stale_socket(&nbd_socket)?;
-    }
-    remove_stale_socket(&control_socket)?;
+    Ok(TcpPlan {
+        address,
+        exposure,
+        exports: (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone()),
+    })
+}
 
-    let registry = Arc::new(PoolRegistry::new(pool.clone(), raw)?.with_null_exports(null)?);
-    let target = Arc::new(Target {
-        pool: pool.clone(),
-        options,
-        reserved_names: registry.raw_names(),
-    });
-    let mut config = nbd::Config {
+/// The NBD servers' configuration from the arguments.
+fn nbd_config(args: &Args, tls: Option<nbd::Tls>) -> nbd::Config {
+    nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
@@ -292,15 +427,20 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         batch_replies: !args.no_batch_replies,
         tls,
         ..nbd::Config::default()
-    };
-    // With metrics on, the servers look exports up through a registry that counts requests.
-    let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
-    // Signals are caught from here on, so a stop request during start-up is not lost.
-    let mut signals =
-        Signals::new([SIGINT, SIGTERM]).context("cannot install the signal handlers")?;
-    // The Unix socket and TCP are separate servers, so that each serves its own exports
-    // (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections.
-    let mut servers = Vec::new();
+    }
+}
+
+/// Binds the NBD servers: the Unix socket (or the passed ones) and TCP (`--tcp` or the
+/// passed sockets). They are separate servers, so that each serves its own exports
+/// (`--tcp-export`) and TCP clients cannot use up the Unix socket's connections. Returns
+/// the servers, the Unix socket served and the TCP address bound.
+fn listen(
+    served: Arc<dyn ExportRegistry>,
+    config: nbd::Config,
+    activated: systemd::Activated,
+    nbd_socket: PathBuf,
+    tcp: &TcpPlan,
+) -> anyhow::Result<(Vec<nbd::Server>, PathBuf, Option<SocketAddr>)> {
     let mut server = nbd::Server::new(Arc::clone(&served), config.clone());
     let mut nbd_socket = nbd_socket;
     if activated.unix.is_empty() {
@@ -316,15 +456,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             nbd_socket = path;
         }
     }
-    servers.push(server);
-    let tcp_exports = (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone());
-    let tcp_bound = match tcp {
-        None if !activated.tcp.is_empty() => {
-            let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
-                Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
-                None => Arc::clone(&served),
-            };
-            let mut server = nbd::Server::new(tcp_registry, config);
+    let mut servers = vec![server];
+    if tcp.address.is_none() && activated.tcp.is_empty() {
+        return Ok((servers, nbd_socket, None));
+    }
+    let tcp_registry: Arc<dyn ExportRegistry> = match &tcp.exports {
+        Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
+        None => served,
+    };
+    let mut server = nbd::Server::new(tcp_registry, config);
+    let bound = match tcp.address {
+        Some(address) => Some(
+            server
+                .listen_tcp(address)
+                .with_context(|| format!("cannot listen on TCP {address}"))?,
+        ),
+        None => {
             let mut bound = None;
             for listener in activated.tcp {
                 let address = server
@@ -332,77 +479,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                     .context("cannot serve a passed TCP socket")?;
                 bound.get_or_insert(address);
             }
-            servers.push(server);
             bound
         }
-        Some(address) => {
-            let tcp_registry: Arc<dyn ExportRegistry> = match &tcp_exports {
-                Some(names) => Arc::new(AllowList::new(Arc::clone(&served), names)),
-                None => Arc::clone(&served),
-            };
-            let mut server = nbd::Server::new(tcp_registry, config);
-            let bound = server
-                .listen_tcp(address)
-                .with_context(|| format!("cannot listen on TCP {address}"))?;
-            servers.push(server);
-            Some(bound)
-        }
-        None => None,
     };
-    let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
-    let metrics_bound = match (metrics_address, metrics) {
-        (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
-        _ => None,
-    };
-    if let (Some(bound), Some(exposure)) = (tcp_bound, tcp_exposure) {
-        tracing::warn!(
-            "{}",
-            exposure.warning(bound, tcp_exports.as_deref(), args.tls.posture())
-        );
-    }
-    if let Some(line) = args.tls.banner_line() {
-        tracing::info!("{line}");
-    }
-    let pid_file = args
-        .pid_file
-        .as_deref()
-        .map(systemd::PidFile::write)
-        .transpose()?;
-    print_banner(
-        &dir,
-        &pool,
-        &nbd_socket,
-        &control_socket,
-        tcp_bound.map(|bound| (bound, tcp_exports.as_deref())),
-        metrics_bound,
-    )?;
-
-    let volumes: Vec<String> = pool.list().into_iter().map(|info| info.name).collect();
-    tracing::info!(
-        pool = %dir.path.display(),
-        nbd_socket = %nbd_socket.display(),
-        tcp = ?tcp_bound,
-        control_socket = %control_socket.display(),
-        volumes = %volumes.join(", "),
-        read_only = args.read_only,
-        "serving"
-    );
-    systemd::notify_ready(&format!("serving {} volumes", volumes.len()));
-
-    let (stop_fail_watch, fail_watch) = start_fail_watch(pool.clone())?;
-
-    let signal = signals.forever().next().unwrap_or(SIGTERM);
-    systemd::notify_stopping();
-    tracing::info!(signal = signal_name(signal), "stopping");
-    drop(stop_fail_watch);
-    let _ = fail_watch.join();
-    start_shutdown_watchdog(signals)?;
-    drop(target);
-    let code = shut_down(control, servers, &pool);
-    if let Some(pid_file) = pid_file {
-        pid_file.remove();
-    }
-    Ok(code)
+    servers.push(server);
+    Ok((servers, nbd_socket, bound))
 }
 
 /// Creates the default pool with its `disk` volume.
@@ -441,116 +522,5 @@ fn remove_stale_socket(path: &Path) -> anyhow::Result<()> {
         Ok(_) => bail!("another server listens on {}", path.display()),
         Err(_) => std::fs::remove_file(path)
             .with_context(|| format!("cannot remove stale socket {}", path.display())),
-    }
-}
-
-/// Percent-encodes an export name for the path of an NBD URI.
-fn uri_escape(name: &str) -> String {
-    let mut out = String::new();
-    for byte in name.bytes() {
-        if byte.is_ascii_alphanumeric() || b"-._~".contains(&byte) {
-            out.push(byte as char);
-        } else {
-            out.push_str(&format!("%{byte:02X}"));
-        }
-    }
-    out
-}
-
-fn print_banner(
-    dir: &PoolDir,
-    pool: &Pool,
-    nbd_socket: &Path,
-    control_socket: &Path,
-    tcp: Option<(SocketAddr, Option<&[String]>)>,
-    metrics: Option<SocketAddr>,
-) -> anyhow::Result<()> {
-    let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
-    let pool_path = absolute(&dir.path);
-    let socket = absolute(nbd_socket);
-    let volumes: Vec<String> = pool.list().into_iter().map(|info| info.name).collect();
-    let example = if volumes.iter().any(|name| name == DEFAULT_VOLUME) {
-        DEFAULT_VOLUME.to_string()
-    } else {
-        volumes
-            .first()
-            .cloned()
-            .unwrap_or_else(|| "NAME".to_string())
-    };
-    let unix_uri = format!(
-        "nbd+unix:///{}?socket={}",
-        uri_escape(&example),
-        socket.display()
-    );
-    let mut out = std::io::stdout().lock();
-    writeln!(
-        out,
-        "thinpool: serving pool {} ({} volume{}: {})",
-        pool_path.display(),
-        volumes.len(),
-        if volumes.len() == 1 { "" } else { "s" },
-        if volumes.is_empty() {
-            "none yet".to_string()
-        } else {
-            volumes.join(", ")
-        }
-    )?;
-    writeln!(out, "  NBD socket:     {}", socket.display())?;
-    if let Some((address, exports)) = tcp {
-        writeln!(out, "  NBD TCP:        {address}")?;
-        if let Some(names) = exports {
-            writeln!(out, "  TCP exports:    {}", names.join(", "))?;
-        }
-    }
-    writeln!(
-        out,
-        "  control socket: {}",
-        absolute(control_socket).display()
-    )?;
-    if let Some(address) = metrics {
-        writeln!(out, "  metrics:        http://{address}/metrics")?;
-    }
-    writeln!(out, "connect with (every volume is an export of its name):")?;
-    writeln!(out, "  nbdinfo '{unix_uri}'")?;
-    writeln!(out, "  qemu-img info '{unix_uri}'")?;
-    writeln!(
-        out,
-        "  mkdir -p /tmp/{0} && nbdfuse /tmp/{0} '{unix_uri}'",
-        uri_escape(&example)
-    )?;
-    if let Some((address, exports)) = tcp {
-        let example = match exports {
-            Some(names) if !names.contains(&example) => names[0].clone(),
-            _ => example.clone(),
-        };
-        let host = match address {
-            SocketAddr::V6(v6) => format!("[{}]", v6.ip()),
-            SocketAddr::V4(v4) => v4.ip().to_string(),
-        };
-        writeln!(
-            out,
-            "  nbdinfo 'nbd://{host}:{}/{}'",
-            address.port(),
-            uri_escape(&example)
-        )?;
-    }
-    writeln!(
-        out,
-        "manage with: thinpool volume create|snapshot|delete|resize ... --pool {}",
-        pool_path.display()
-    )?;
-    writeln!(out, "thinpool: ready (SIGINT or SIGTERM stops)")?;
-    out.flush()?;
-    Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn export_names_are_escaped_in_uris() {
-        assert_eq!(uri_escape("disk-1.img"), "disk-1.img");
-        assert_eq!(uri_escape("a b/c?"), "a%20b%2Fc%3F");
     }
 }

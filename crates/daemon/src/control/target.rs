@@ -84,33 +84,7 @@ impl Target {
                 let info = pool.rename_volume(name, new_name)?;
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
-            Request::GrowData { size_bytes } => {
-                let block_size = pool.block_size_bytes();
-                let wanted_blocks = size_bytes / block_size;
-                let before = pool.status().data_total_blocks;
-                if wanted_blocks < before {
-                    return Err(OpError::new(
-                        libc::EINVAL,
-                        format!(
-                            "data holds {before} blocks; {size_bytes} bytes is {wanted_blocks}: it cannot shrink"
-                        ),
-                    ));
-                }
-                // The engine checks the grow, then extends a regular data file (a block
-                // device must already be large enough).
-                pool.grow_data(*size_bytes)?;
-                let status = pool.status();
-                if status.data_total_blocks < wanted_blocks {
-                    return Err(OpError::new(
-                        libc::ENOSPC,
-                        format!(
-                            "the data device holds {} blocks, not the {wanted_blocks} asked for",
-                            status.data_total_blocks
-                        ),
-                    ));
-                }
-                Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
-            }
+            Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
                 pool.reserve_metadata_snap()?;
@@ -137,6 +111,36 @@ impl Target {
                 list_same,
             } => super::diff::execute(pool, base, target, *list_same),
         }
+    }
+
+    /// Grows the data device to `size_bytes` (never shrinks it); answers the new status.
+    fn grow_data(&self, size_bytes: u64) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        let block_size = pool.block_size_bytes();
+        let wanted_blocks = size_bytes / block_size;
+        let before = pool.status().data_total_blocks;
+        if wanted_blocks < before {
+            return Err(OpError::new(
+                libc::EINVAL,
+                format!(
+                    "data holds {before} blocks; {size_bytes} bytes is {wanted_blocks}: it cannot shrink"
+                ),
+            ));
+        }
+        // The engine checks the grow, then extends a regular data file (a block device must
+        // already be large enough).
+        pool.grow_data(size_bytes)?;
+        let status = pool.status();
+        if status.data_total_blocks < wanted_blocks {
+            return Err(OpError::new(
+                libc::ENOSPC,
+                format!(
+                    "the data device holds {} blocks, not the {wanted_blocks} asked for",
+                    status.data_total_blocks
+                ),
+            ));
+        }
+        Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
     }
 
     fn check_name_free(&self, name: &str) -> Result<(), OpError> {

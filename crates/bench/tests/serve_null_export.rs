@@ -1,4 +1,4 @@
-//! Goal: `thinpool serve --null-export NAME=SIZE` serves an export of exactly SIZE bytes that
+//! Goal: `thinpool-bench serve --null-export NAME=SIZE` serves an export of exactly SIZE bytes that
 //! reads as zeroes whatever was written to it, accepts writes, flushes and trims inside it,
 //! refuses requests past its end like any export, reports itself as a hole to block status,
 //! and cannot share a name with a volume.
@@ -7,11 +7,11 @@
 //! and map, write and read back with libnbd's Python binding (the one `nbdsh` runs) and with
 //! the raw test client, which also checks the error codes past the end.
 
-mod e2e_support;
+mod support;
 
-use e2e_support::*;
 use std::process::Command;
 use std::time::Duration;
+use support::*;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 
@@ -36,8 +36,8 @@ fn null_export_reads_zeroes_drops_writes_and_keeps_its_size() {
     require_tool("nbdinfo", "libnbd-bin");
     let temp = ScratchDir::new("serve-null");
     let pool = temp.join("pool");
-    create_pool(&pool, &["--data-size", "64M"]);
-    create_volume(&pool, "thin", "8M");
+    create_pool(&pool, 64 * MIB);
+    create_volume(&pool, "thin", 8 * MIB).expect("create volume thin");
     // 3 MiB + 512 bytes: a size that is no power of two and not a multiple of 4 KiB.
     let size = 3 * MIB + 512;
     let served = serve(&pool, &["--null-export", &format!("zero={size}")]);
@@ -95,21 +95,13 @@ h.shutdown()
     client.disconnect();
 
     // A volume may not take the null export's name.
-    let error = thinpool_err(&[
-        "volume",
-        "create",
-        "zero",
-        "--size",
-        "1M",
-        "--pool",
-        pool.to_str().unwrap(),
-    ]);
-    assert!(error.contains("\"zero\""), "{error}");
+    let error = create_volume(&pool, "zero", MIB).expect_err("a volume named zero");
+    assert!(error.to_string().contains("\"zero\""), "{error}");
     assert!(served.stop().success());
 
     // Nor may the null export take a volume's name, or a size that is not whole sectors.
     for spec in ["thin=1M", "odd=1000", "nosize"] {
-        let error = thinpool_err(&[
+        let error = bench_err(&[
             "serve",
             "--pool",
             pool.to_str().unwrap(),

@@ -1,4 +1,5 @@
-//! The binary's log: `tracing` events from every crate (the libraries only emit them),
+//! The binaries' log (`thinpool`, `thinpool-bench`; the libraries never install it, they only
+//! emit events): `tracing` events from every crate (the libraries only emit them),
 //! written to stderr one line each, with a UTC timestamp, the level, the span that names the
 //! subject (an NBD connection's number and peer) and the event's fields (export, volume,
 //! operation...).

@@ -1,4 +1,4 @@
-//! [`NullExport`]: an export with no data behind it (`thinpool serve --null-export NAME=SIZE`).
+//! [`NullExport`]: an export with no data behind it (`thinpool-bench serve --null-export NAME=SIZE`).
 //! READs answer zeroes, WRITEs, TRIMs and zeroing are accepted and dropped, FLUSH does
 //! nothing, and BLOCK_STATUS reports one hole that reads as zeroes. No file is touched, so a
 //! benchmark through it measures the NBD front end alone (socket, parsing, threads, replies):
@@ -7,7 +7,7 @@
 
 use nbd::{Export, Extent, ZeroOptions};
 
-use crate::pool_dir::parse_size;
+use thinpool_daemon::pool_dir::{format_size, parse_size};
 
 /// An export of `size_bytes` zeroes that forgets every write.
 pub struct NullExport {
@@ -28,7 +28,7 @@ impl NullExport {
             name: name.to_string(),
             description: format!(
                 "null export, {}: reads zeroes, drops writes",
-                crate::pool_dir::format_size(size_bytes)
+                format_size(size_bytes)
             ),
             size_bytes,
         })
