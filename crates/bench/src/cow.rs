@@ -96,25 +96,9 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     let (mut cow_cpu, mut over_cpu) = (Vec::new(), Vec::new());
     let per_write_microseconds = |took: &Took| took.cpu_seconds * 1e6 / block_count as f64;
     let mut snapshot = 0;
-    let mut snap = |pool: &thin_pool::Pool| -> anyhow::Result<()> {
-        // Keep one snapshot: the new one shares every block, the older one is deleted.
-        snapshot += 1;
-        pool.snapshot("origin", &format!("snap-{snapshot}"), true)?;
-        if snapshot > 1 {
-            pool.delete_volume(&format!("snap-{}", snapshot - 1))?;
-        }
-        // Commit now, untimed: the deletion frees the blocks the last pass copied away from,
-        // and passing them down (holes punched in the data file) inside the next timed pass
-        // would contend with its copies for the file's lock, which no NBD run of this
-        // pattern does.
-        pool.volume("origin")?
-            .flush()
-            .context("committing the deletion")?;
-        Ok(())
-    };
     for repetition in 0..sizes.repetition_count {
         dir.check_interrupted()?;
-        snap(&pool)?;
+        snap(&pool, &mut snapshot)?;
         let (cow, over) = (
             pass(&volume, block_count, 1)?,
             pass(&volume, block_count, 1)?,
@@ -123,7 +107,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         over_1.push(kilo_writes / over.seconds);
         cow_cpu.push(per_write_microseconds(&cow));
         over_cpu.push(per_write_microseconds(&over));
-        snap(&pool)?;
+        snap(&pool, &mut snapshot)?;
         cow_2.push(kilo_writes / pass(&volume, block_count, 2)?.seconds);
         progress(&format!(
             "copy-on-write {}/{}: 1 thread {:.1} kIOPS, {:.1} CPU µs per write (overwrites \
@@ -138,30 +122,61 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         ));
     }
     volume.flush().context("flushing")?;
-    let rows = vec![
-        Row::new(
-            "4 KiB copy-on-write writes in order, 1 thread: breaking sharing vs overwrites",
-            &cow_1,
-            &over_1,
-            "kIOPS",
-        ),
-        Row::new(
-            "4 KiB copy-on-write writes in order, 1 thread: CPU per write, breaking sharing vs \
-             overwrites",
-            &cow_cpu,
-            &over_cpu,
-            "µs",
-        ),
-        Row::new(
-            "4 KiB copy-on-write writes in order: 2 threads vs 1",
-            &cow_2,
-            &cow_1,
-            "kIOPS",
-        ),
-    ];
+    let rows = rows(&cow_1, &over_1, &cow_2, &cow_cpu, &over_cpu);
     drop(volume);
     pool.close()?;
     drop(pool);
     dir.remove_pool(POOL)?;
     Ok(rows)
+}
+
+/// The section's rows from its samples: kIOPS with 1 thread (breaking sharing and
+/// overwrites) and 2, and CPU µs per write.
+fn rows(
+    cow_1: &[f64],
+    over_1: &[f64],
+    cow_2: &[f64],
+    cow_cpu: &[f64],
+    over_cpu: &[f64],
+) -> Vec<Row> {
+    vec![
+        Row::new(
+            "4 KiB copy-on-write writes in order, 1 thread: breaking sharing vs overwrites",
+            cow_1,
+            over_1,
+            "kIOPS",
+        ),
+        Row::new(
+            "4 KiB copy-on-write writes in order, 1 thread: CPU per write, breaking sharing vs \
+             overwrites",
+            cow_cpu,
+            over_cpu,
+            "µs",
+        ),
+        Row::new(
+            "4 KiB copy-on-write writes in order: 2 threads vs 1",
+            cow_2,
+            cow_1,
+            "kIOPS",
+        ),
+    ]
+}
+
+/// Takes snapshot number `*snapshot + 1` of the origin and deletes the one before, so one
+/// snapshot shares every block of the origin; commits, untimed.
+fn snap(pool: &thin_pool::Pool, snapshot: &mut usize) -> anyhow::Result<()> {
+    // Keep one snapshot: the new one shares every block, the older one is deleted.
+    *snapshot += 1;
+    pool.snapshot("origin", &format!("snap-{}", *snapshot), true)?;
+    if *snapshot > 1 {
+        pool.delete_volume(&format!("snap-{}", *snapshot - 1))?;
+    }
+    // Commit now, untimed: the deletion frees the blocks the last pass copied away from,
+    // and passing them down (holes punched in the data file) inside the next timed pass
+    // would contend with its copies for the file's lock, which no NBD run of this
+    // pattern does.
+    pool.volume("origin")?
+        .flush()
+        .context("committing the deletion")?;
+    Ok(())
 }

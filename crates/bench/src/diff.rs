@@ -45,6 +45,35 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     pool.create_volume("base", volume_bytes)?;
     progress(&format!("diff: provisioning {block_count} mappings"));
     super::mappings::provision(dir, &pool, "base")?;
+    let cases = changed_blocks(block_count);
+    for (name, blocks) in &cases {
+        progress(&format!(
+            "diff: snapshot {name:?}, {} blocks changed",
+            blocks.len()
+        ));
+        pool.snapshot("base", name, false)?;
+        change(dir, &pool, name, blocks)?;
+    }
+    let [one, ten, scattered, full] = measure(dir, sizes, &pool, &cases)?;
+    // The diff lists exactly the changed blocks.
+    for (name, blocks) in &cases {
+        let diff = pool.diff("base", name, None)?;
+        let listed: u64 = diff.ranges.iter().map(|r| r.length).sum();
+        ensure!(
+            listed == blocks.len() as u64,
+            "diff base {name}: {listed} blocks listed, {} changed",
+            blocks.len()
+        );
+    }
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows(block_count, &one, &ten, &scattered, &full))
+}
+
+/// The blocks each snapshot changes: 1% and 10% of the volume in 16 MiB extents at
+/// fixed-seed random places, and 1% as every 100th block.
+fn changed_blocks(block_count: u64) -> [(&'static str, Vec<u64>); 3] {
     let extents = block_count.div_ceil(EXTENT_BLOCKS);
     let mut slots: Vec<u64> = (0..extents).collect();
     slots.shuffle(&mut SmallRng::seed_from_u64(SEED));
@@ -57,19 +86,21 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             .flat_map(|slot| slot * EXTENT_BLOCKS..((slot + 1) * EXTENT_BLOCKS).min(block_count))
             .collect()
     };
-    let cases = [
+    [
         ("one", extent_blocks(1)),
         ("ten", extent_blocks(10)),
         ("scattered", (0..block_count).step_by(100).collect()),
-    ];
-    for (name, blocks) in &cases {
-        progress(&format!(
-            "diff: snapshot {name:?}, {} blocks changed",
-            blocks.len()
-        ));
-        pool.snapshot("base", name, false)?;
-        change(dir, &pool, name, blocks)?;
-    }
+    ]
+}
+
+/// Milliseconds per repetition of the three diffs and of the full scan (`Pool::delta`),
+/// the order reversed every other repetition.
+fn measure(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    pool: &Pool,
+    cases: &[(&'static str, Vec<u64>); 3],
+) -> anyhow::Result<[Vec<f64>; 4]> {
     let (mut one, mut ten, mut scattered, mut full) = (vec![], vec![], vec![], vec![]);
     let repetition_count = sizes.repetition_count * REPETITION_FACTOR;
     for repetition in 0..repetition_count {
@@ -103,41 +134,33 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             measured[3],
         ));
     }
-    // The diff lists exactly the changed blocks.
-    for (name, blocks) in &cases {
-        let diff = pool.diff("base", name, None)?;
-        let listed: u64 = diff.ranges.iter().map(|r| r.length).sum();
-        ensure!(
-            listed == blocks.len() as u64,
-            "diff base {name}: {listed} blocks listed, {} changed",
-            blocks.len()
-        );
-    }
-    pool.close()?;
-    drop(pool);
-    dir.remove_pool(POOL)?;
+    Ok([one, ten, scattered, full])
+}
+
+/// The section's rows.
+fn rows(block_count: u64, one: &[f64], ten: &[f64], scattered: &[f64], full: &[f64]) -> Vec<Row> {
     let count = if block_count.is_multiple_of(1 << 20) {
         format!("{}M", block_count >> 20)
     } else {
         block_count.to_string()
     };
-    Ok(vec![
+    vec![
         Row::new(
             format!("diff of {count}-mapping snapshots: 1% differ (16 MiB extents) vs full scan"),
-            &one,
-            &full,
+            one,
+            full,
             "ms",
         ),
         Row::new(
             format!("diff of {count}-mapping snapshots: 10% differ (16 MiB extents) vs full scan"),
-            &ten,
-            &full,
+            ten,
+            full,
             "ms",
         ),
         Row::new(
             format!("diff of {count}-mapping snapshots: 1% vs 10% differ (16 MiB extents)"),
-            &one,
-            &ten,
+            one,
+            ten,
             "ms",
         )
         .target(Target::RatioAtMost(PROPORTION_MAX)),
@@ -145,11 +168,11 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             format!(
                 "diff of {count}-mapping snapshots: 1% differ, every 100th block, vs full scan"
             ),
-            &scattered,
-            &full,
+            scattered,
+            full,
             "ms",
         ),
-    ])
+    ]
 }
 
 /// Rewrite `blocks` of snapshot `name` (breaking their sharing), in runs of consecutive

@@ -72,7 +72,7 @@ struct Cli {
 #[derive(clap::Subcommand, Debug)]
 enum Command {
     /// `thinpool serve` with the benchmark exports (--raw-export, --null-export) beside it.
-    Serve(serve::Args),
+    Serve(serve::ServeArgs),
 }
 
 /// The benchmarks' arguments.
@@ -214,41 +214,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         sizes.repetition_count,
         load_average()
     ));
-    let mut rows: Vec<Row> = Vec::new();
-    let wanted = |section: &str| {
-        args.only
-            .as_ref()
-            .is_none_or(|only| section.starts_with(only.as_str()))
-    };
-    if wanted("reads") {
-        rows.extend(reads::random(&dir, &sizes).context("random reads")?);
-        rows.extend(reads::sequential(&dir, &sizes).context("sequential reads")?);
-    }
-    if wanted("reads") && dir.devices.is_none() {
-        rows.extend(reads::counted(&dir, &sizes).context("reads with metrics")?);
-    }
-    if dir.devices.is_some() {
-        progress("block devices: only the read comparisons run");
-    } else {
-        if wanted("writes") {
-            rows.extend(writes::first_and_over(&dir, &sizes).context("first writes")?);
-            rows.extend(writes::sharing(&dir, &sizes).context("writes breaking sharing")?);
-        }
-        if wanted("cow") {
-            rows.extend(cow::run(&dir, &sizes).context("copy-on-write writes")?);
-        }
-        if wanted("mappings") {
-            rows.extend(mappings::run(&dir, &sizes).context("large volumes")?);
-        }
-        if wanted("diff") {
-            rows.extend(diff::run(&dir, &sizes).context("diffs")?);
-        }
-        // At full size the scale section provisions 10M mappings (about 2.5 minutes, 1.4 GiB
-        // of metadata): only when asked for by name; --quick runs it small.
-        if wanted("scale") && (args.quick || args.only.is_some()) {
-            rows.extend(scale::run(&dir, &sizes).context("scale")?);
-        }
-    }
+    let rows = run_sections(&args, &dir, &sizes)?;
     progress(&format!(
         "done in {:.1?}; load average {}",
         started.elapsed(),
@@ -261,6 +227,47 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     drop(dir);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The sections `--only` selects (all but scale by default; only the reads on block
+/// devices), in order.
+fn run_sections(args: &Args, dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
+    let mut rows: Vec<Row> = Vec::new();
+    let wanted = |section: &str| {
+        args.only
+            .as_ref()
+            .is_none_or(|only| section.starts_with(only.as_str()))
+    };
+    if wanted("reads") {
+        rows.extend(reads::random(dir, sizes).context("random reads")?);
+        rows.extend(reads::sequential(dir, sizes).context("sequential reads")?);
+    }
+    if wanted("reads") && dir.devices.is_none() {
+        rows.extend(reads::counted(dir, sizes).context("reads with metrics")?);
+    }
+    if dir.devices.is_some() {
+        progress("block devices: only the read comparisons run");
+    } else {
+        if wanted("writes") {
+            rows.extend(writes::first_and_over(dir, sizes).context("first writes")?);
+            rows.extend(writes::sharing(dir, sizes).context("writes breaking sharing")?);
+        }
+        if wanted("cow") {
+            rows.extend(cow::run(dir, sizes).context("copy-on-write writes")?);
+        }
+        if wanted("mappings") {
+            rows.extend(mappings::run(dir, sizes).context("large volumes")?);
+        }
+        if wanted("diff") {
+            rows.extend(diff::run(dir, sizes).context("diffs")?);
+        }
+        // At full size the scale section provisions 10M mappings (about 2.5 minutes, 1.4 GiB
+        // of metadata): only when asked for by name; --quick runs it small.
+        if wanted("scale") && (args.quick || args.only.is_some()) {
+            rows.extend(scale::run(dir, sizes).context("scale")?);
+        }
+    }
+    Ok(rows)
 }
 
 /// A progress line on stderr.

@@ -24,10 +24,12 @@ const PROVISION_CHUNK_BYTES: u64 = 1 << 30;
 /// Activation must be well under a second; we hold it to half of one.
 const ACTIVATION_MAX_MS: f64 = 500.0;
 
+/// Names of the pool with the large volume and of its baseline.
+const POOL: &str = "mappings";
+const EMPTY_POOL: &str = "mappings-empty";
+
 /// Snapshot and delete times, then activation times.
 pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
-    const POOL: &str = "mappings";
-    const EMPTY_POOL: &str = "mappings-empty";
     let mapping_count = sizes.mapping_count;
     let volume_bytes = mapping_count * BLOCK_SIZE_BYTES;
     // The large volume and one more of the same size, provisioned to be deleted.
@@ -49,6 +51,61 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         mapping_count as f64 / seconds
     ));
 
+    let times = snapshots_and_deletes(dir, sizes, &pool, volume_bytes)?;
+    pool.close()?;
+    drop(pool);
+    let (activate_big, activate_empty) = activations(dir, sizes, data_bytes, volume_bytes)?;
+    dir.remove_pool(POOL)?;
+    dir.remove_pool(EMPTY_POOL)?;
+    let count = mapping_label(mapping_count);
+    Ok(vec![
+        Row::new(
+            format!("snapshot creation: {count}-mapping volume vs empty volume"),
+            &times.snapshot_big,
+            &times.snapshot_empty,
+            "ms",
+        ),
+        Row::new(
+            format!("volume deletion: {count}-mapping snapshot, all shared, vs empty snapshot"),
+            &times.delete_shared,
+            &times.delete_empty,
+            "ms",
+        ),
+        Row::new(
+            format!("volume deletion: {count}-mapping volume, unshared, vs empty snapshot"),
+            &times.delete_unshared,
+            &times.delete_empty,
+            "ms",
+        ),
+        Row::new(
+            format!("activation (Pool::open + volume): {count}-mapping volume vs empty volume"),
+            &activate_big,
+            &activate_empty,
+            "ms",
+        )
+        .target(Target::ABelow(ACTIVATION_MAX_MS)),
+    ])
+}
+
+/// Milliseconds per repetition: snapshots and their deletions of the large and the empty
+/// volume, and deletions of an unshared volume as large.
+struct SnapshotTimes {
+    snapshot_big: Vec<f64>,
+    snapshot_empty: Vec<f64>,
+    delete_shared: Vec<f64>,
+    delete_empty: Vec<f64>,
+    delete_unshared: Vec<f64>,
+}
+
+/// Snapshots of `big` and `empty` (which goes first alternating) and their deletion, then
+/// the deletion of a freshly provisioned unshared volume.
+fn snapshots_and_deletes(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    pool: &Pool,
+    volume_bytes: u64,
+) -> anyhow::Result<SnapshotTimes> {
+    let mapping_count = sizes.mapping_count;
     let (mut snapshot_big, mut snapshot_empty) = (Vec::new(), Vec::new());
     let (mut delete_shared, mut delete_empty) = (Vec::new(), Vec::new());
     let mut delete_unshared = Vec::new();
@@ -69,7 +126,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         }
         let name = format!("unshared-{repetition}");
         pool.create_volume(&name, volume_bytes)?;
-        provision(dir, &pool, &name)?;
+        provision(dir, pool, &name)?;
         let (seconds, ()) = time(|| Ok(pool.delete_volume(&name)?))?;
         delete_unshared.push(seconds * 1e3);
         progress(&format!(
@@ -84,9 +141,24 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             delete_empty[repetition],
         ));
     }
-    pool.close()?;
-    drop(pool);
+    Ok(SnapshotTimes {
+        snapshot_big,
+        snapshot_empty,
+        delete_shared,
+        delete_empty,
+        delete_unshared,
+    })
+}
 
+/// Activation of the large volume's pool against a same-size pool with one empty volume
+/// (made here), which goes first alternating; milliseconds per repetition.
+fn activations(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    data_bytes: u64,
+    volume_bytes: u64,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    let mapping_count = sizes.mapping_count;
     // The baseline: a pool of the same size holding one empty volume.
     let empty = create_pool(dir, EMPTY_POOL, data_bytes, BLOCK_SIZE_BYTES)?;
     empty.create_volume("big", volume_bytes)?;
@@ -121,36 +193,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             activate_empty[repetition],
         ));
     }
-    dir.remove_pool(POOL)?;
-    dir.remove_pool(EMPTY_POOL)?;
-    let count = mapping_label(mapping_count);
-    Ok(vec![
-        Row::new(
-            format!("snapshot creation: {count}-mapping volume vs empty volume"),
-            &snapshot_big,
-            &snapshot_empty,
-            "ms",
-        ),
-        Row::new(
-            format!("volume deletion: {count}-mapping snapshot, all shared, vs empty snapshot"),
-            &delete_shared,
-            &delete_empty,
-            "ms",
-        ),
-        Row::new(
-            format!("volume deletion: {count}-mapping volume, unshared, vs empty snapshot"),
-            &delete_unshared,
-            &delete_empty,
-            "ms",
-        ),
-        Row::new(
-            format!("activation (Pool::open + volume): {count}-mapping volume vs empty volume"),
-            &activate_big,
-            &activate_empty,
-            "ms",
-        )
-        .target(Target::ABelow(ACTIVATION_MAX_MS)),
-    ])
+    Ok((activate_big, activate_empty))
 }
 
 /// Map every block of volume `name` with whole-block zero writes that allocate.

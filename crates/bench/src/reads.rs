@@ -116,19 +116,10 @@ where
     B: Fn(u64, &mut [u8]) -> anyhow::Result<()> + Sync,
 {
     let cpus = first_cpus(CONVOY_CPUS)?;
-    // The same total as the 1-thread case, split evenly (twice it with --quick, whose
-    // 1-thread runs are too short for 16 threads to share 2 CPUs evenly).
-    let total = if sizes.quick {
-        sizes.random_read_count * 2
-    } else {
-        sizes.random_read_count
-    };
-    let lists = |threads: usize| -> Vec<Vec<u64>> {
-        (0..threads)
-            .map(|thread| random_offsets(volume_bytes, total / threads, 100 + thread as u64))
-            .collect()
-    };
-    let (few_lists, many_lists) = (lists(CONVOY_CPUS), lists(CONVOY_THREADS));
+    let (few_lists, many_lists) = (
+        convoy_offsets(sizes, volume_bytes, CONVOY_CPUS),
+        convoy_offsets(sizes, volume_bytes, CONVOY_THREADS),
+    );
     let reads_of = |lists: &[Vec<u64>]| lists.iter().map(Vec::len).sum::<usize>() as f64;
     let (few_reads, many_reads) = (reads_of(&few_lists), reads_of(&many_lists));
     let few: Vec<&[u64]> = few_lists.iter().map(Vec::as_slice).collect();
@@ -171,8 +162,27 @@ where
             samples[1][1][repetition],
         ));
     }
-    let [engine, direct] = &samples;
-    Ok(vec![
+    Ok(convoy_rows(&samples))
+}
+
+/// Offsets for `threads` threads reading at random: the same total as the 1-thread case,
+/// split evenly (twice it with --quick, whose 1-thread runs are too short for 16 threads to
+/// share 2 CPUs evenly), each thread with its own seed.
+fn convoy_offsets(sizes: &Sizes, volume_bytes: u64, threads: usize) -> Vec<Vec<u64>> {
+    let total = if sizes.quick {
+        sizes.random_read_count * 2
+    } else {
+        sizes.random_read_count
+    };
+    (0..threads)
+        .map(|thread| random_offsets(volume_bytes, total / threads, 100 + thread as u64))
+        .collect()
+}
+
+/// The convoy rows from kIOPS samples `[engine, pread] × [2 threads, 16 threads]`.
+fn convoy_rows(samples: &[[Vec<f64>; 2]; 2]) -> Vec<Row> {
+    let [engine, direct] = samples;
+    vec![
         Row::new(
             format!(
                 "random 4 KiB reads through the engine on {CONVOY_CPUS} CPUs: \
@@ -192,7 +202,7 @@ where
             &direct[0],
             "kIOPS",
         ),
-    ])
+    ]
 }
 
 /// The first `count` CPUs this process may run on (fewer if it has fewer).
@@ -431,7 +441,8 @@ where
 }
 
 /// Random reads through the export `serve` hands the NBD server for a volume, with the
-/// request counting of `serve --metrics` ([`crate::metrics::CountingRegistry`]) and without,
+/// request counting of `serve --metrics` ([`thinpool_daemon::metrics::CountingRegistry`]) and
+/// without,
 /// and against `pread`: what counting adds to the read path. Both threads of the 2-thread
 /// case share one export, so they count into the same per-connection counters, as the
 /// threads of one NBD connection do.
@@ -496,11 +507,26 @@ pub fn counted(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     if seen != counted_reads as u64 {
         bail!("the metrics counted {seen} reads of {counted_reads}");
     }
-    let rows = vec![
+    let rows = counted_rows(&counted_1, &pread_1, &counted_n, &plain_n);
+    drop((counted, plain, counting, registry, metrics));
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
+}
+
+/// The rows of [`counted`] from its kIOPS samples (`counted_n`, `plain_n`: 1 and 2 threads).
+fn counted_rows(
+    counted_1: &[f64],
+    pread_1: &[f64],
+    counted_n: &[Vec<f64>; 2],
+    plain_n: &[Vec<f64>; 2],
+) -> Vec<Row> {
+    vec![
         Row::new(
             "random 4 KiB reads, 1 thread: NBD export with metrics vs pread",
-            &counted_1,
-            &pread_1,
+            counted_1,
+            pread_1,
             "kIOPS",
         ),
         Row::new(
@@ -517,10 +543,5 @@ pub fn counted(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "kIOPS",
         )
         .target(Target::RatioAtLeast(0.95)),
-    ];
-    drop((counted, plain, counting, registry, metrics));
-    pool.close()?;
-    drop(pool);
-    dir.remove_pool(POOL)?;
-    Ok(rows)
+    ]
 }

@@ -27,15 +27,16 @@
 //!   must exit 0. Skipped, with a note on stderr, without `THINPOOL_TOOLS_DIR` or
 //!   `/usr/bin/time`.
 
+mod check;
+
 use super::dir::BenchDir;
 use super::mappings::{mapping_label, provision};
 use super::report::{Row, Target};
 use super::{create_pool, progress, time, Sizes, BLOCK_SIZE_BYTES};
 use anyhow::{bail, ensure, Context};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
-use thin_pool::engine::pool::METADATA_FILE;
 use thin_pool::{Pool, PoolOptions};
 
 /// The volume in each pool.
@@ -74,8 +75,49 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
     for (&count, name) in counts.iter().zip(&names) {
         pools.push(provisioned_pool(dir, name, count)?);
     }
+    let (snapshot_ms, first_open_ms) = measure_snapshots(dir, sizes, &pools, &counts)?;
+    for pool in pools {
+        pool.close()?;
+    }
+    let activation = measure_activations(dir, sizes, &names, &counts)?;
 
-    // Snapshot creation, rotating the order.
+    // With --quick, only the largest pool and a few pairs: thin_check takes half a second
+    // even on a small pool.
+    let checked = if sizes.quick { counts.len() - 1 } else { 1 };
+    let checks = match check::check_tools() {
+        Some(tools) => Some(check::compare_checks(
+            dir,
+            sizes,
+            &names[checked..],
+            &counts[checked..],
+            &tools,
+        )?),
+        None => None,
+    };
+    for name in &names {
+        dir.remove_pool(name)?;
+    }
+
+    let mut rows = snapshot_rows(&counts, &snapshot_ms, &first_open_ms);
+    rows.extend(activation_rows(&counts, &activation));
+    rows.extend(memory_rows(&counts, &activation));
+    if let Some(checks) = checks {
+        rows.extend(check::rows(&counts[checked..], &checks));
+    }
+    Ok(rows)
+}
+
+/// Milliseconds per pool (in `counts`' order) per repetition.
+type Samples = Vec<Vec<f64>>;
+
+/// Snapshot creation of each pool's volume, in turns rotating every repetition, then the
+/// snapshot's first open (which builds its index); the snapshot is deleted again untimed.
+fn measure_snapshots(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    pools: &[Pool],
+    counts: &[u64],
+) -> anyhow::Result<(Samples, Samples)> {
     let mut snapshot_ms: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
     let mut first_open_ms: Vec<Vec<f64>> = vec![Vec::new(); counts.len()];
     for repetition in 0..sizes.repetition_count {
@@ -99,17 +141,22 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "scale {}/{}: snapshot, first open {}",
             repetition + 1,
             sizes.repetition_count,
-            per_count(&counts, |i| format!(
+            per_count(counts, |i| format!(
                 "{:.2} ms, {:.2} ms",
                 snapshot_ms[i][repetition], first_open_ms[i][repetition]
             ))
         ));
     }
-    for pool in pools {
-        pool.close()?;
-    }
+    Ok((snapshot_ms, first_open_ms))
+}
 
-    // Activation, each in a fresh process.
+/// Activation of each pool, each sample in a fresh process, in turns.
+fn measure_activations(
+    dir: &BenchDir,
+    sizes: &Sizes,
+    names: &[String],
+    counts: &[u64],
+) -> anyhow::Result<Vec<Vec<Activation>>> {
     let mut activation: Vec<Vec<Activation>> = vec![Vec::new(); counts.len()];
     for repetition in 0..sizes.repetition_count {
         dir.check_interrupted()?;
@@ -121,7 +168,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "scale {}/{}: activation {}",
             repetition + 1,
             sizes.repetition_count,
-            per_count(&counts, |i| {
+            per_count(counts, |i| {
                 let a = &activation[i][repetition];
                 format!(
                     "open {:.1} ms (+{:.1} MiB), with the volume {:.1} ms, +{:.1} MiB resident (peak +{:.1})",
@@ -135,24 +182,11 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         ));
     }
 
-    // With --quick, only the largest pool and a few pairs: thin_check takes half a second
-    // even on a small pool.
-    let checked = if sizes.quick { counts.len() - 1 } else { 1 };
-    let checks = match check_tools() {
-        Some(tools) => Some(compare_checks(
-            dir,
-            sizes,
-            &names[checked..],
-            &counts[checked..],
-            &tools,
-        )?),
-        None => None,
-    };
+    Ok(activation)
+}
 
-    for name in &names {
-        dir.remove_pool(name)?;
-    }
-
+/// Snapshot creation and a snapshot's first open, the larger volumes against the smallest.
+fn snapshot_rows(counts: &[u64], snapshot_ms: &Samples, first_open_ms: &Samples) -> Vec<Row> {
     let mut rows = Vec::new();
     let label = |i: usize| mapping_label(counts[i]);
     for i in 1..counts.len() {
@@ -185,6 +219,13 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "ms",
         ));
     }
+    rows
+}
+
+/// Activation alone and with the volume's first open, against the smallest pool.
+fn activation_rows(counts: &[u64], activation: &[Vec<Activation>]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let label = |i: usize| mapping_label(counts[i]);
     for i in 1..counts.len() {
         let open_ms = |i: usize| -> Vec<f64> { activation[i].iter().map(|a| a.open_ms).collect() };
         rows.push(Row::new(
@@ -217,6 +258,13 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             .target(Target::ABelow(max_ms)),
         );
     }
+    rows
+}
+
+/// What an activation keeps resident, against the index formula and the metadata cache.
+fn memory_rows(counts: &[u64], activation: &[Vec<Activation>]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let label = |i: usize| mapping_label(counts[i]);
     // Memory per mapped block beyond the smallest pool, once its volume is open: what the
     // fixed part of an open pool (threads, the catalog) costs cancels out, leaving the cost
     // per mapping: the index of the volume in use, and the metadata blocks the open read
@@ -246,6 +294,15 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
             "bytes/block",
         ));
     }
+    rows.extend(largest_memory_rows(counts, activation));
+    rows
+}
+
+/// The largest pool's whole resident growth against the index formula plus a full metadata
+/// cache, and what `Pool::open` alone keeps.
+fn largest_memory_rows(counts: &[u64], activation: &[Vec<Activation>]) -> Vec<Row> {
+    let mut rows = Vec::new();
+    let label = |i: usize| mapping_label(counts[i]);
     // The whole growth of the largest pool against the index formula plus a full metadata
     // block cache: nothing else may grow with the mappings.
     let last = counts.len() - 1;
@@ -287,27 +344,7 @@ pub fn run(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>> {
         &vec![cache; opened.len()],
         "MiB",
     ));
-    if let Some(checks) = checks {
-        for (i, check) in checks.iter().enumerate() {
-            let label = label(checked + i);
-            rows.push(
-                Row::new(
-                    format!("thinpool check vs thin_check 1.1.0: {label} mappings, wall time"),
-                    &check.thinpool_ms,
-                    &check.thin_check_ms,
-                    "ms",
-                )
-                .target(Target::RatioAtMost(CHECK_TIME_SHARE_MAX)),
-            );
-            rows.push(Row::new(
-                format!("thinpool check vs thin_check 1.1.0: {label} mappings, peak RSS"),
-                &check.thinpool_mib,
-                &check.thin_check_mib,
-                "MiB",
-            ));
-        }
-    }
-    Ok(rows)
+    rows
 }
 
 /// A fresh pool `name` with one volume of `count` mapped blocks.
@@ -456,127 +493,6 @@ fn spawn_activation(pool_dir: &Path) -> anyhow::Result<Activation> {
         );
     }
     serde_json::from_slice(&output.stdout).context("reading the activation probe's output")
-}
-
-/// The two checkers: `thin_check` from `$THINPOOL_TOOLS_DIR`, and this binary.
-struct CheckTools {
-    thin_check: PathBuf,
-    thinpool: PathBuf,
-}
-
-fn check_tools() -> Option<CheckTools> {
-    let skip = |why: &str| {
-        progress(&format!("scale: no check comparison: {why}"));
-        None
-    };
-    let Some(tools) = std::env::var_os("THINPOOL_TOOLS_DIR") else {
-        return skip("THINPOOL_TOOLS_DIR (thin-provisioning-tools 1.1.0's sbin) is not set");
-    };
-    let thin_check = Path::new(&tools).join("thin_check");
-    if !thin_check.is_file() {
-        return skip(&format!("no {}", thin_check.display()));
-    }
-    if !Path::new(TIME).is_file() {
-        return skip(&format!("no {TIME} (Debian package time)"));
-    }
-    // `thinpool check` is the production binary's: $THINPOOL, else the one built beside this.
-    let thinpool = match std::env::var_os("THINPOOL") {
-        Some(path) => PathBuf::from(path),
-        None => std::env::current_exe().ok()?.with_file_name("thinpool"),
-    };
-    if !thinpool.is_file() {
-        return skip(&format!(
-            "no {} (build it: cargo build -p thinpool, or set THINPOOL)",
-            thinpool.display()
-        ));
-    }
-    Some(CheckTools {
-        thin_check,
-        thinpool,
-    })
-}
-
-/// Check pairs with `--quick`.
-const QUICK_CHECK_REPETITIONS: usize = 5;
-
-/// GNU time: runs a command and reports its peak RSS.
-const TIME: &str = "/usr/bin/time";
-
-/// Paired samples of both checkers on one metadata file.
-struct CheckSamples {
-    thinpool_ms: Vec<f64>,
-    thin_check_ms: Vec<f64>,
-    thinpool_mib: Vec<f64>,
-    thin_check_mib: Vec<f64>,
-}
-
-fn compare_checks(
-    dir: &BenchDir,
-    sizes: &Sizes,
-    names: &[String],
-    counts: &[u64],
-    tools: &CheckTools,
-) -> anyhow::Result<Vec<CheckSamples>> {
-    let mut all = Vec::new();
-    for (name, &count) in names.iter().zip(counts) {
-        let metadata = dir.pool_path(name).join(METADATA_FILE);
-        let rss_file = dir.path().join("check-rss");
-        let mut samples = CheckSamples {
-            thinpool_ms: Vec::new(),
-            thin_check_ms: Vec::new(),
-            thinpool_mib: Vec::new(),
-            thin_check_mib: Vec::new(),
-        };
-        let repetition_count = if sizes.quick {
-            QUICK_CHECK_REPETITIONS
-        } else {
-            sizes.repetition_count
-        };
-        for repetition in 0..repetition_count {
-            dir.check_interrupted()?;
-            for turn in 0..2 {
-                let ours = (turn + repetition) % 2 == 0;
-                let mut command = Command::new(TIME);
-                command.arg("-f").arg("%M").arg("-o").arg(&rss_file);
-                if ours {
-                    command.arg(&tools.thinpool).arg("check");
-                } else {
-                    command.arg(&tools.thin_check);
-                }
-                command.arg("-q").arg(&metadata);
-                let started = Instant::now();
-                let status = command
-                    .status()
-                    .with_context(|| format!("running {command:?}"))?;
-                let ms = started.elapsed().as_secs_f64() * 1e3;
-                ensure!(status.success(), "{command:?} failed: {status}");
-                let kib: f64 = std::fs::read_to_string(&rss_file)?
-                    .trim()
-                    .parse()
-                    .with_context(|| format!("reading the peak RSS in {}", rss_file.display()))?;
-                let (times, mibs) = if ours {
-                    (&mut samples.thinpool_ms, &mut samples.thinpool_mib)
-                } else {
-                    (&mut samples.thin_check_ms, &mut samples.thin_check_mib)
-                };
-                times.push(ms);
-                mibs.push(kib / 1024.0);
-            }
-            progress(&format!(
-                "scale {}/{}: check of {} mappings: thinpool {:.0} ms, {:.0} MiB; thin_check {:.0} ms, {:.0} MiB",
-                repetition + 1,
-                repetition_count,
-                mapping_label(count),
-                samples.thinpool_ms[repetition],
-                samples.thinpool_mib[repetition],
-                samples.thin_check_ms[repetition],
-                samples.thin_check_mib[repetition],
-            ));
-        }
-        std::fs::remove_file(&rss_file).ok();
-        all.push(samples);
-    }
-    Ok(all)
 }
 
 #[cfg(test)]

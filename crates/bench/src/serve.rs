@@ -18,9 +18,10 @@ use thinpool_daemon::logging;
 pub mod null;
 pub mod raw;
 
-/// Arguments: `thinpool serve`'s, and the benchmark exports.
+/// Arguments: `thinpool serve`'s, and the benchmark exports. (Named apart from the
+/// daemon's `Args`, which it flattens: clap names an argument group after its struct.)
 #[derive(clap::Args, Debug)]
-pub struct Args {
+pub struct ServeArgs {
     #[command(flatten)]
     serve: thinpool_daemon::serve::Args,
     /// Also serve FILE, a plain file with no thin mapping, as export NAME (repeatable).
@@ -34,7 +35,7 @@ pub struct Args {
 }
 
 /// Run the server until SIGINT or SIGTERM, as `thinpool serve` does.
-pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+pub fn run(args: ServeArgs) -> anyhow::Result<ExitCode> {
     if args.serve.read_only && !(args.raw_export.is_empty() && args.null_export.is_empty()) {
         bail!("--read-only serves nothing writable: it cannot be given with --raw-export or --null-export");
     }

@@ -141,13 +141,11 @@ pub fn first_and_over(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>>
         2 * volume_bytes + 16 * BLOCK_SIZE_BYTES,
         BLOCK_SIZE_BYTES,
     )?;
-    let counters = pool.data_device().counters();
     let large = Pass::whole_blocks(block_count);
     let small = Pass::small(block_count);
     let (mut first_large, mut raw_large) = (Vec::new(), Vec::new());
     let (mut first_small, mut over_small) = (Vec::new(), Vec::new());
     let mut written = Vec::new();
-    let small_kilo_writes = small.writes.len() as f64 / 1e3;
     for repetition in 0..sizes.repetition_count {
         dir.check_interrupted()?;
         let name = format!("first-large-{repetition}");
@@ -160,18 +158,11 @@ pub fn first_and_over(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>>
         pool.delete_volume(&name)?;
 
         let name = format!("first-small-{repetition}");
-        pool.create_volume(&name, volume_bytes)?;
-        let volume = pool.volume(&name)?;
-        let (written_before, zeroed_before) = (
-            counters.written(),
-            counters.zeroed_bytes.load(Ordering::Relaxed),
-        );
-        first_small.push(small_kilo_writes / small.run(&volume)?);
-        written.push((counters.written() - written_before) as f64);
-        let zeroed = counters.zeroed_bytes.load(Ordering::Relaxed) - zeroed_before;
-        over_small.push(small_kilo_writes / small.run(&volume)?);
-        drop(volume);
-        pool.delete_volume(&name)?;
+        let (first, over, bytes, zeroed) =
+            small_first_and_over(&pool, &small, &name, volume_bytes)?;
+        first_small.push(first);
+        over_small.push(over);
+        written.push(bytes);
         progress(&format!(
             "first writes {}/{}: 64 KiB {:.0} vs {:.0} MB/s (vs raw file first writes), \
              4 KiB {:.1} vs {:.1} kIOPS (vs overwrites); 4 KiB first writes wrote {} MiB, \
@@ -186,32 +177,76 @@ pub fn first_and_over(dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Vec<Row>>
             zeroed >> 20,
         ));
     }
-    let rows = vec![
+    let rows = first_write_rows(
+        &first_large,
+        &raw_large,
+        &first_small,
+        &over_small,
+        &written,
+        &small,
+    );
+    pool.close()?;
+    drop(pool);
+    dir.remove_pool(POOL)?;
+    Ok(rows)
+}
+
+/// The rows of [`first_and_over`].
+fn first_write_rows(
+    first_large: &[f64],
+    raw_large: &[f64],
+    first_small: &[f64],
+    over_small: &[f64],
+    written: &[f64],
+    small: &Pass,
+) -> Vec<Row> {
+    vec![
         Row::new(
             "random 64 KiB writes: first writes vs first writes into a raw file",
-            &first_large,
-            &raw_large,
+            first_large,
+            raw_large,
             "MB/s",
         )
         .target(Target::RatioAtLeast(0.8)),
         Row::new(
             "random 4 KiB writes into 64 KiB blocks: first writes vs overwrites",
-            &first_small,
-            &over_small,
+            first_small,
+            over_small,
             "kIOPS",
         ),
         Row::new(
             "4 KiB first writes into 64 KiB blocks: data-device bytes written vs client bytes",
-            &written,
+            written,
             &vec![small.client_bytes() as f64; written.len()],
             "bytes",
         )
         .target(Target::RatioAtMost(1.25)),
-    ];
-    pool.close()?;
-    drop(pool);
-    dir.remove_pool(POOL)?;
-    Ok(rows)
+    ]
+}
+
+/// The 4 KiB pass on a new volume `name`, then again (overwrites); returns their kIOPS, and
+/// the bytes the first pass wrote and zeroed on the data device.
+fn small_first_and_over(
+    pool: &thin_pool::Pool,
+    small: &Pass,
+    name: &str,
+    volume_bytes: u64,
+) -> anyhow::Result<(f64, f64, f64, u64)> {
+    let counters = pool.data_device().counters();
+    let small_kilo_writes = small.writes.len() as f64 / 1e3;
+    pool.create_volume(name, volume_bytes)?;
+    let volume = pool.volume(name)?;
+    let (written_before, zeroed_before) = (
+        counters.written(),
+        counters.zeroed_bytes.load(Ordering::Relaxed),
+    );
+    let first = small_kilo_writes / small.run(&volume)?;
+    let written = (counters.written() - written_before) as f64;
+    let zeroed = counters.zeroed_bytes.load(Ordering::Relaxed) - zeroed_before;
+    let over = small_kilo_writes / small.run(&volume)?;
+    drop(volume);
+    pool.delete_volume(name)?;
+    Ok((first, over, written, zeroed))
 }
 
 /// 64 KiB writes breaking sharing after a snapshot vs the same first writes into a raw
