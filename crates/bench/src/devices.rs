@@ -1,4 +1,4 @@
-//! `thinpool bench --metadata-device DEV --data-device DEV`: the read comparisons on a pool
+//! `thinpool-bench --metadata-device DEV --data-device DEV`: the read comparisons on a pool
 //! on block devices (a loop device, a disk), against `pread` of the same data device.
 //!
 //! Each section's pool is made afresh on the same two devices: the metadata device's

@@ -67,13 +67,13 @@ impl BenchDir {
                 for _ in signals.forever() {
                     if interrupted.swap(true, Ordering::AcqRel) {
                         eprintln!(
-                            "thinpool bench: interrupted again, removing {}",
+                            "thinpool-bench: interrupted again, removing {}",
                             path.display()
                         );
                         remove(&path, created_parent.as_deref());
                         std::process::exit(130);
                     }
-                    eprintln!("thinpool bench: interrupted, stopping after this step");
+                    eprintln!("thinpool-bench: interrupted, stopping after this step");
                 }
             })
             .context("starting the signal thread")?;

@@ -9,7 +9,7 @@
 //!   index from its mapping tree: the per-mapping cost a snapshot no longer pays when it is
 //!   made, paid only if it is used), each snapshot deleted again untimed; rows: the larger
 //!   volumes against the 1K one.
-//! - **Activation and resident memory**, in a child process per sample (`thinpool bench
+//! - **Activation and resident memory**, in a child process per sample (`thinpool-bench
 //!   --probe-activation DIR`, [`probe_activation`]): `Pool::open` (which runs the metadata
 //!   check before a read-write open and walks every mapping tree to check it, building no
 //!   index), then `Pool::volume` (the volume's first open, which builds its index), each
@@ -426,7 +426,7 @@ impl Activation {
     }
 }
 
-/// `thinpool bench --probe-activation DIR`: open the pool in `dir`, then its volume (which
+/// `thinpool-bench --probe-activation DIR`: open the pool in `dir`, then its volume (which
 /// builds the volume's index), print one [`Activation`] as JSON on stdout, close the pool.
 pub(crate) fn probe_activation(dir: &Path) -> anyhow::Result<()> {
     let (rss_before_kib, hwm_before_kib) = memory_status()?;
