@@ -35,7 +35,7 @@
 //! Management is serialized by the engine, not by this server.
 //!
 //! Shutdown ([`ControlServer::shutdown`]) is bounded: the accept loop polls a stop flag every
-//! [`ACCEPT_POLL_INTERVAL`] (it is never left waiting for a wake-up connection, which could
+//! `ACCEPT_POLL_INTERVAL` (it is never left waiting for a wake-up connection, which could
 //! not reach it if the socket file was removed), connections are cut, and requests being
 //! carried out get at most [`STOP_WAIT`].
 

@@ -84,7 +84,7 @@ pub struct ConnectionCounters {
 /// rarely write the same cache line; a scrape sums the stripes.
 const STRIPES: usize = 4;
 
-/// One connection's counters, striped by thread ([`STRIPES`]).
+/// One connection's counters, striped by thread (`STRIPES`).
 #[derive(Debug, Default)]
 pub struct StripedCounters {
     stripes: [ConnectionCounters; STRIPES],

@@ -37,7 +37,7 @@
 //! NBD listeners close and connections finish their requests (cut off after a grace period),
 //! then the pool commits; each step says what it closed, and the last line says whether the
 //! pool committed, could not (read-only), or failed to. A second signal, or a shutdown longer
-//! than [`SHUTDOWN_DEADLINE`], exits at once as a crash would.
+//! than `SHUTDOWN_DEADLINE`, exits at once as a crash would.
 
 use anyhow::{bail, Context};
 use std::net::SocketAddr;

@@ -9,9 +9,9 @@
 //! and reads as zeros in the target. Nothing is reported past the target's end.
 //!
 //! Cost: each BLOCK_STATUS asks [`Pool::diff`] for the blocks of the request only (at most
-//! [`BLOCK_STATUS_BLOCKS_MAX`] of them), which walks only the mapping subtrees the two
+//! `BLOCK_STATUS_BLOCKS_MAX` of them), which walks only the mapping subtrees the two
 //! volumes do not share inside that range. A one-extent request (REQ_ONE) diffs a window of
-//! [`REQ_ONE_WINDOW_BLOCKS`] first and widens it only while a single extent covers it.
+//! `REQ_ONE_WINDOW_BLOCKS` first and widens it only while a single extent covers it.
 //!
 //! Identity: the context binds the base and target by name and thin id when the client
 //! selects it (NBD_OPT_SET_META_CONTEXT); it holds no handle, so the base can still be
