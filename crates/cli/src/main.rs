@@ -6,11 +6,8 @@
 #![forbid(unsafe_code)]
 
 mod commands;
-mod control;
-mod export;
-mod logging;
-mod metrics;
-mod pool_dir;
+
+use thinpool_daemon::{control, logging, pool_dir};
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -50,13 +47,17 @@ enum Command {
     #[command(subcommand)]
     MetadataSnap(commands::metadata_snap::Command),
     /// Serve the pool's volumes over NBD.
-    Serve(commands::serve::Args),
+    Serve(thinpool_daemon::serve::Args),
     /// Give every free data block back to the host (like thin_trim; also while serving).
     Trim(commands::trim::Args),
-    /// Measure the engine against the raw data device, side by side.
-    Bench(commands::bench::Args),
     /// List the blocks in which two volumes differ (like thin_delta).
     Diff(commands::diff::Args),
+}
+
+/// `thinpool serve`: the daemon (`thinpool_daemon::serve`), with the binary's log installed.
+fn serve(args: thinpool_daemon::serve::Args) -> anyhow::Result<ExitCode> {
+    logging::init(logging::level(args.verbose, args.quiet))?;
+    thinpool_daemon::serve::run(args)
 }
 
 fn main() -> ExitCode {
@@ -77,9 +78,8 @@ fn main() -> ExitCode {
         Command::List(args) => commands::list::run(args),
         Command::Status(args) => commands::status::run(args),
         Command::MetadataSnap(command) => commands::metadata_snap::run(command),
-        Command::Serve(args) => commands::serve::run(args),
+        Command::Serve(args) => serve(args),
         Command::Trim(args) => commands::trim::run(args),
-        Command::Bench(args) => commands::bench::run(args),
         Command::Diff(args) => commands::diff::run(args),
     };
     match result {

@@ -1,6 +1,6 @@
 //! Goal: `thinpool serve` works on a fresh machine (it creates the default pool directory with
 //! a `disk` volume), prints how to connect, listens on TCP only when asked and on loopback by
-//! default, serves raw files beside thin volumes, refuses a second server on the same pool,
+//! default (raw-file and null exports are `thinpool-bench serve`'s, not its), refuses a second server on the same pool,
 //! and commits on SIGTERM.
 //!
 //! Method: run `serve` in an empty working directory, follow its banner with `nbdinfo`, write
@@ -86,28 +86,14 @@ fn serve_on_a_fresh_directory_creates_the_default_pool_and_commits_on_sigterm() 
 }
 
 #[test]
-fn tcp_on_loopback_and_raw_file_exports() {
+fn tcp_on_loopback_and_a_custom_socket() {
     require_tool("nbdinfo", "libnbd-bin");
-    require_tool("qemu-io", "qemu-utils");
-    let temp = ScratchDir::new("serve-raw");
+    let temp = ScratchDir::new("serve-tcp");
     let pool = temp.join("pool");
     create_pool(&pool, &["--data-size", "64M"]);
     create_volume(&pool, "thin", "8M");
-    let raw = temp.join("raw.img");
-    sized_file(&raw, 4 * MIB);
     let socket = temp.join("custom.sock");
-    let raw_spec = format!("plain={}", raw.display());
-    let served = serve(
-        &pool,
-        &[
-            "--tcp",
-            "0",
-            "--raw-export",
-            &raw_spec,
-            "--socket",
-            socket.to_str().unwrap(),
-        ],
-    );
+    let served = serve(&pool, &["--tcp", "0", "--socket", socket.to_str().unwrap()]);
     assert_eq!(served.socket, socket);
     let tcp = served.tcp.clone().unwrap();
     assert!(tcp.starts_with("127.0.0.1:"), "{tcp}");
@@ -123,45 +109,24 @@ fn tcp_on_loopback_and_raw_file_exports() {
         Duration::from_secs(30),
     );
     let listing: serde_json::Value = serde_json::from_str(&listing).unwrap();
-    let mut names: Vec<&str> = listing["exports"]
+    let names: Vec<&str> = listing["exports"]
         .as_array()
         .unwrap()
         .iter()
         .map(|export| export["export-name"].as_str().unwrap())
         .collect();
-    names.sort();
-    assert_eq!(names, ["plain", "thin"]);
-
-    let uri = format!("nbd://{tcp}/plain");
-    run_ok(
-        "qemu-io",
-        &[
-            "-f",
-            "raw",
-            "-c",
-            "write -P 0x5a 1M 64K",
-            "-c",
-            "flush",
-            &uri,
-        ],
-        Duration::from_secs(30),
-    );
-    let bytes = std::fs::read(&raw).unwrap();
-    assert!(bytes[MIB as usize..MIB as usize + 65536]
-        .iter()
-        .all(|&b| b == 0x5a));
-    assert!(bytes[..MIB as usize].iter().all(|&b| b == 0));
-    // A volume may not take a raw export's name.
-    let error = thinpool_err(&[
-        "volume",
-        "create",
-        "plain",
-        "--size",
-        "1M",
-        "--pool",
-        pool.to_str().unwrap(),
-    ]);
-    assert!(error.contains("raw export"), "{error}");
+    assert_eq!(names, ["thin"]);
     assert!(served.stop().success());
     assert!(!socket.exists());
+}
+
+#[test]
+fn benchmark_exports_are_not_served_by_the_production_binary() {
+    let temp = ScratchDir::new("serve-no-raw");
+    let pool = temp.join("pool");
+    create_pool(&pool, &["--data-size", "64M"]);
+    for flag in ["--raw-export", "--null-export"] {
+        let error = thinpool_err(&["serve", "--pool", pool.to_str().unwrap(), flag, "x=1M"]);
+        assert!(error.contains(flag), "{flag}: {error}");
+    }
 }

@@ -8,18 +8,15 @@
 
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
-use thin_pool::engine::pool::BLOCK_SIZE_DEFAULT_BYTES;
-use thin_pool::{CreateOptions, Pool};
+use thin_pool::CreateOptions;
 
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions};
-
-/// Data size of a pool made without `--data-size` (a sparse file).
-pub const DATA_SIZE_DEFAULT: &str = "16G";
+use thinpool_daemon::create::{create_pool, DATA_SIZE_DEFAULT};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
-#[command(after_help = super::space::SPACE_HELP_EXAMPLE)]
+#[command(after_help = thinpool_daemon::space::SPACE_HELP_EXAMPLE)]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
@@ -43,7 +40,7 @@ pub struct Args {
     #[arg(long = "no-discard-passdown")]
     no_discard_passdown: bool,
     #[command(flatten)]
-    space: super::space::SpaceArgs,
+    space: thinpool_daemon::space::SpaceArgs,
     /// Grow an existing pool's data device to --data-size instead of creating a pool
     /// (a pool on block devices: to the data device's size when no --data-size is given).
     #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
@@ -102,7 +99,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!(
             "low water {}%, autoextend {}, no-space timeout {}",
             status.low_water_percent,
-            super::space::describe_autoextend(stored.space.autoextend.as_ref()),
+            thinpool_daemon::space::describe_autoextend(stored.space.autoextend.as_ref()),
             super::status::describe_timeout(status.no_space_timeout_seconds),
         );
     }
@@ -111,7 +108,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// A pool whose data is larger than the host file system's free space is allowed (the data
 /// file is sparse, as thin provisioning intends), with this warning: writes beyond that space
-/// will fail with ENOSPC. (Metadata that does not fit is refused by [`Pool::create`]: it is
+/// will fail with ENOSPC. (Metadata that does not fit is refused by [`thin_pool::Pool::create`]: it is
 /// preallocated.)
 fn host_space_warning(dir: &std::path::Path, data_size_bytes: u64) -> Option<String> {
     let free = thin_pool::engine::pool::host_free_bytes(dir)?;
@@ -130,44 +127,6 @@ fn on_off(value: bool) -> &'static str {
         "on"
     } else {
         "off"
-    }
-}
-
-/// Creates a pool and its options file in a private directory (see
-/// [`PoolDir::create_private`]); returns its status. Used by `serve` too, for the default
-/// pool on first use.
-pub fn create_pool(
-    dir: &PoolDir,
-    create: &CreateOptions,
-    stored: StoredOptions,
-) -> anyhow::Result<control::StatusRecord> {
-    // The directory first: made 0700 if missing, refused if others could change it.
-    dir.create_private()?;
-    if Pool::exists(&dir.path) {
-        bail!("{} already holds a pool", dir.path.display());
-    }
-    let pool = Pool::create(&dir.path, create, stored.pool_options())
-        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))?;
-    stored.store(dir)?;
-    let target = control::Target {
-        pool,
-        options: stored,
-        reserved_names: Vec::new(),
-    };
-    let status = match target.execute(&Request::Status) {
-        Ok(Outcome::Status(status)) => status,
-        other => bail!("unexpected status answer: {other:?}"),
-    };
-    target.pool.close().context("cannot close the new pool")?;
-    Ok(status)
-}
-
-/// Default options for a pool created without `thinpool create`.
-pub fn default_create_options() -> CreateOptions {
-    CreateOptions {
-        data_size_bytes: parse_size(DATA_SIZE_DEFAULT).expect("default size parses"),
-        block_size_bytes: BLOCK_SIZE_DEFAULT_BYTES,
-        metadata_size_bytes: None,
     }
 }
 

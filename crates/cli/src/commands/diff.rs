@@ -116,7 +116,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// Carries out `request` on a read-only open of the pool, or through its server.
 fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
     dir.require_pool()?;
-    crate::commands::restore::name_restored_volumes(&dir.path)?;
+    thinpool_daemon::restored::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
     let pool_options = thin_pool::PoolOptions {
         read_only: true,

@@ -144,19 +144,7 @@ fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow
         );
     }
     let metadata: Arc<dyn persistent_data::BlockDevice> = Arc::new(metadata);
-    let report = thin_pool::format::check::check_before_open(metadata.clone(), data.size_bytes());
-    if !report.passes(true) {
-        let mut findings = String::new();
-        for problem in report.problems.iter().take(PROBLEMS_SHOWN) {
-            findings.push_str(&format!("\n  {problem}"));
-        }
-        bail!(
-            "the metadata on {} fails its check ({} fatal problems); nothing was imported (`thinpool check {}` gives the full report; `thin_repair` may mend it):{findings}",
-            metadata_path.display(),
-            report.fatal_count,
-            metadata_path.display()
-        );
-    }
+    require_passing_check(&metadata, data.size_bytes(), metadata_path)?;
     let md = PoolMetadata::open(metadata)
         .with_context(|| format!("cannot read the metadata on {}", metadata_path.display()))?;
     let block_size_bytes = u64::from(md.data_block_size_sectors()) * 512;
@@ -177,27 +165,8 @@ fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow
         let mapped_bytes = highest
             .map_or(0, |block| block.get().saturating_add(1))
             .saturating_mul(block_size_bytes);
-        let (name, size_bytes) = match specs.get(&id.get()) {
-            Some(spec) => {
-                if spec.size_bytes < mapped_bytes {
-                    bail!(
-                        "--volume {id}:{}:{}: thin device {id} maps blocks up to {} bytes; a smaller size would hide them",
-                        spec.name,
-                        spec.size_bytes,
-                        mapped_bytes
-                    );
-                }
-                (spec.name.clone(), spec.size_bytes)
-            }
-            None => {
-                let size = mapped_bytes.max(block_size_bytes);
-                eprintln!(
-                    "thinpool: thin device {id} has no size in its metadata (LVM keeps sizes): named thin-{id}, sized {} to its highest mapped block; give --volume {id}:NAME:SIZE for its real size",
-                    format_size(size)
-                );
-                (format!("thin-{id}"), size)
-            }
-        };
+        let (name, size_bytes) =
+            name_and_size(id, specs.get(&id.get()), mapped_bytes, block_size_bytes)?;
         volumes.push(CatalogVolume {
             name,
             id,
@@ -219,6 +188,59 @@ fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow
         transaction_id: md.transaction_id().get(),
         volumes,
     })
+}
+
+/// Refuses metadata that fails the check a read-write open runs, listing what it found.
+fn require_passing_check(
+    metadata: &Arc<dyn persistent_data::BlockDevice>,
+    data_size_bytes: u64,
+    metadata_path: &std::path::Path,
+) -> anyhow::Result<()> {
+    let report = thin_pool::format::check::check_before_open(metadata.clone(), data_size_bytes);
+    if !report.passes(true) {
+        let mut findings = String::new();
+        for problem in report.problems.iter().take(PROBLEMS_SHOWN) {
+            findings.push_str(&format!("\n  {problem}"));
+        }
+        bail!(
+            "the metadata on {} fails its check ({} fatal problems); nothing was imported (`thinpool check {}` gives the full report; `thin_repair` may mend it):{findings}",
+            metadata_path.display(),
+            report.fatal_count,
+            metadata_path.display()
+        );
+    }
+    Ok(())
+}
+
+/// Thin device `id`'s name and size: as `spec` gives them (never smaller than what it
+/// maps), else `thin-ID` sized to its highest mapped block (said on stderr).
+fn name_and_size(
+    id: VolumeId,
+    spec: Option<&VolumeSpec>,
+    mapped_bytes: u64,
+    block_size_bytes: u64,
+) -> anyhow::Result<(String, u64)> {
+    match spec {
+        Some(spec) => {
+            if spec.size_bytes < mapped_bytes {
+                bail!(
+                    "--volume {id}:{}:{}: thin device {id} maps blocks up to {} bytes; a smaller size would hide them",
+                    spec.name,
+                    spec.size_bytes,
+                    mapped_bytes
+                );
+            }
+            Ok((spec.name.clone(), spec.size_bytes))
+        }
+        None => {
+            let size = mapped_bytes.max(block_size_bytes);
+            eprintln!(
+                "thinpool: thin device {id} has no size in its metadata (LVM keeps sizes): named thin-{id}, sized {} to its highest mapped block; give --volume {id}:NAME:SIZE for its real size",
+                format_size(size)
+            );
+            Ok((format!("thin-{id}"), size))
+        }
+    }
 }
 
 fn list_ids(ids: &[VolumeId]) -> String {

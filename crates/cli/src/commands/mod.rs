@@ -1,6 +1,5 @@
 //! One module per subcommand; each exposes `Args` (clap) and `run(Args) -> Result<ExitCode>`.
 
-pub mod bench;
 pub mod check;
 pub mod create;
 pub mod create_devices;
@@ -12,8 +11,6 @@ pub mod metadata_size;
 pub mod metadata_snap;
 pub mod repair;
 pub mod restore;
-pub mod serve;
-pub mod space;
 pub mod status;
 pub mod trim;
 pub mod volume;

@@ -58,8 +58,17 @@ pub fn describe_timeout(seconds: u64) -> String {
 
 /// The text form: one `label: value` line per field.
 pub fn render(status: &StatusRecord) -> String {
+    space_lines(status)
+        .into_iter()
+        .chain(policy_lines(status))
+        .map(|(label, value)| format!("{:<19}{value}\n", format!("{label}:")))
+        .collect()
+}
+
+/// The lines about space and state: data, metadata, transaction, mode, volumes.
+fn space_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
     let block = status.block_size_bytes;
-    let lines = [
+    [
         (
             "data",
             format!(
@@ -91,6 +100,12 @@ pub fn render(status: &StatusRecord) -> String {
         ),
         ("needs_check", yes_no(status.needs_check).to_string()),
         ("volumes", status.volume_count.to_string()),
+    ]
+}
+
+/// The lines about the pool's policies: zeroing, no space, alerts, autoextend, passdown.
+fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
+    [
         (
             "zero new blocks",
             yes_no(status.zero_new_blocks).to_string(),
@@ -110,7 +125,7 @@ pub fn render(status: &StatusRecord) -> String {
         ),
         (
             "autoextend",
-            super::space::describe_autoextend(status.autoextend.as_ref()),
+            thinpool_daemon::space::describe_autoextend(status.autoextend.as_ref()),
         ),
         (
             "no-space timeout",
@@ -124,9 +139,5 @@ pub fn render(status: &StatusRecord) -> String {
                 format_size(status.data_bytes_passed_down)
             ),
         ),
-    ];
-    lines
-        .iter()
-        .map(|(label, value)| format!("{:<19}{value}\n", format!("{label}:")))
-        .collect()
+    ]
 }

@@ -103,7 +103,32 @@ pub struct Common {
 
 /// Run the command.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
-    let (request, common, what) = match command {
+    let (request, common, what) = request(command)?;
+    let dir = common.pool.resolve();
+    let outcome = control::ask(&dir, &request).context(what)?;
+    match (&request, outcome) {
+        (Request::DeleteVolume { name }, Outcome::Done) => {
+            if common.json {
+                println!("{}", serde_json::json!({ "deleted": name }));
+            } else {
+                println!("deleted volume {name:?}");
+            }
+        }
+        (_, Outcome::Volume(volume)) => {
+            if common.json {
+                println!("{}", serde_json::to_string_pretty(&volume)?);
+            } else {
+                println!("{}", describe(&request, &volume));
+            }
+        }
+        (_, other) => bail!("unexpected answer: {other:?}"),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The control request a command makes, its common arguments, and what a failure says.
+fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
+    Ok(match command {
         Command::Create { name, size, common } => {
             let size_bytes = parse_size(&size)?;
             let what = format!("cannot create volume {name:?}");
@@ -163,27 +188,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
                 what,
             )
         }
-    };
-    let dir = common.pool.resolve();
-    let outcome = control::ask(&dir, &request).context(what)?;
-    match (&request, outcome) {
-        (Request::DeleteVolume { name }, Outcome::Done) => {
-            if common.json {
-                println!("{}", serde_json::json!({ "deleted": name }));
-            } else {
-                println!("deleted volume {name:?}");
-            }
-        }
-        (_, Outcome::Volume(volume)) => {
-            if common.json {
-                println!("{}", serde_json::to_string_pretty(&volume)?);
-            } else {
-                println!("{}", describe(&request, &volume));
-            }
-        }
-        (_, other) => bail!("unexpected answer: {other:?}"),
-    }
-    Ok(ExitCode::SUCCESS)
+    })
 }
 
 fn describe(request: &Request, volume: &VolumeRecord) -> String {

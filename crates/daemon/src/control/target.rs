@@ -1,0 +1,155 @@
+//! [`Target`]: the pool a management request is carried out on, and the operations.
+
+use thin_pool::Pool;
+
+use super::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
+use crate::pool_dir::StoredOptions;
+
+/// A pool and what the binary knows about it: the options it was opened with and the names
+/// raw exports took.
+pub struct Target {
+    /// The open pool.
+    pub pool: Pool,
+    /// Options from `pool.json`.
+    pub options: StoredOptions,
+    /// Names volumes may not take (raw exports).
+    pub reserved_names: Vec<String>,
+}
+
+impl Target {
+    /// Carries out one request; a change (anything but list, status and diff) is logged with
+    /// its result, one line, at info.
+    pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
+        if matches!(
+            request,
+            Request::List | Request::Status | Request::Diff { .. }
+        ) {
+            return self.perform(request);
+        }
+        let result = self
+            .refuse_if_read_only()
+            .and_then(|()| self.perform(request));
+        super::log::management(request, &result);
+        result
+    }
+
+    /// A pool opened read-only (`serve --read-only`) takes no management operation: say so
+    /// before the engine refuses it less clearly.
+    fn refuse_if_read_only(&self) -> Result<(), OpError> {
+        let status = self.pool.status();
+        if status.mode == thin_pool::PoolMode::ReadOnly && !status.needs_check {
+            return Err(OpError::new(
+                libc::EROFS,
+                "the pool is opened read-only (serve --read-only): management operations are refused".to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn perform(&self, request: &Request) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        match request {
+            Request::CreateVolume { name, size_bytes } => {
+                self.check_name_free(name)?;
+                let info = pool.create_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::Snapshot {
+                origin,
+                name,
+                read_only,
+            } => {
+                self.check_name_free(name)?;
+                let info = pool.snapshot(origin, name, *read_only)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::DeleteVolume { name } => {
+                pool.delete_volume(name)?;
+                Ok(Outcome::Done)
+            }
+            Request::ResizeVolume { name, size_bytes } => {
+                let info = pool.resize_volume(name, *size_bytes)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::RevertVolume {
+                name,
+                snapshot,
+                delete_snapshot,
+            } => {
+                let info = pool.revert_volume(name, snapshot, *delete_snapshot)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::RenameVolume { name, new_name } => {
+                self.check_name_free(new_name)?;
+                let info = pool.rename_volume(name, new_name)?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
+            Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
+            Request::ReserveMetadataSnap => {
+                pool.reserve_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
+            Request::ReleaseMetadataSnap => {
+                pool.release_metadata_snap()?;
+                Ok(Outcome::Status(StatusRecord::new(
+                    &pool.status(),
+                    &self.options,
+                )))
+            }
+            Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
+            Request::Status => Ok(Outcome::Status(StatusRecord::new(
+                &pool.status(),
+                &self.options,
+            ))),
+            Request::Diff {
+                base,
+                target,
+                list_same,
+            } => super::diff::execute(pool, base, target, *list_same),
+        }
+    }
+
+    /// Grows the data device to `size_bytes` (never shrinks it); answers the new status.
+    fn grow_data(&self, size_bytes: u64) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        let block_size = pool.block_size_bytes();
+        let wanted_blocks = size_bytes / block_size;
+        let before = pool.status().data_total_blocks;
+        if wanted_blocks < before {
+            return Err(OpError::new(
+                libc::EINVAL,
+                format!(
+                    "data holds {before} blocks; {size_bytes} bytes is {wanted_blocks}: it cannot shrink"
+                ),
+            ));
+        }
+        // The engine checks the grow, then extends a regular data file (a block device must
+        // already be large enough).
+        pool.grow_data(size_bytes)?;
+        let status = pool.status();
+        if status.data_total_blocks < wanted_blocks {
+            return Err(OpError::new(
+                libc::ENOSPC,
+                format!(
+                    "the data device holds {} blocks, not the {wanted_blocks} asked for",
+                    status.data_total_blocks
+                ),
+            ));
+        }
+        Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
+    }
+
+    fn check_name_free(&self, name: &str) -> Result<(), OpError> {
+        if self.reserved_names.iter().any(|reserved| reserved == name) {
+            return Err(OpError::new(
+                libc::EEXIST,
+                format!("{name:?} is the name of a raw export"),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,49 @@
+//! Making a pool in a directory: what `thinpool create` does, and `serve` on first use.
+
+use anyhow::{bail, Context};
+use thin_pool::engine::pool::BLOCK_SIZE_DEFAULT_BYTES;
+use thin_pool::{CreateOptions, Pool};
+
+use crate::control::{self, Outcome, Request};
+use crate::pool_dir::{parse_size, PoolDir, StoredOptions};
+
+/// Data size of a pool made without `--data-size` (a sparse file).
+pub const DATA_SIZE_DEFAULT: &str = "16G";
+
+/// Creates a pool and its options file in a private directory (see
+/// [`PoolDir::create_private`]); returns its status. Used by `serve` too, for the default
+/// pool on first use.
+pub fn create_pool(
+    dir: &PoolDir,
+    create: &CreateOptions,
+    stored: StoredOptions,
+) -> anyhow::Result<control::StatusRecord> {
+    // The directory first: made 0700 if missing, refused if others could change it.
+    dir.create_private()?;
+    if Pool::exists(&dir.path) {
+        bail!("{} already holds a pool", dir.path.display());
+    }
+    let pool = Pool::create(&dir.path, create, stored.pool_options())
+        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))?;
+    stored.store(dir)?;
+    let target = control::Target {
+        pool,
+        options: stored,
+        reserved_names: Vec::new(),
+    };
+    let status = match target.execute(&Request::Status) {
+        Ok(Outcome::Status(status)) => status,
+        other => bail!("unexpected status answer: {other:?}"),
+    };
+    target.pool.close().context("cannot close the new pool")?;
+    Ok(status)
+}
+
+/// Default options for a pool created without `thinpool create`.
+pub fn default_create_options() -> CreateOptions {
+    CreateOptions {
+        data_size_bytes: parse_size(DATA_SIZE_DEFAULT).expect("default size parses"),
+        block_size_bytes: BLOCK_SIZE_DEFAULT_BYTES,
+        metadata_size_bytes: None,
+    }
+}
