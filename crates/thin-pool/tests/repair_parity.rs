@@ -105,12 +105,15 @@ fn count(mappings: &Mappings) -> usize {
     mappings.values().map(BTreeMap::len).sum()
 }
 
+/// Makes one damage on a copy of the base image.
+type Make = dyn Fn(&Path, &Layout);
+
 /// One kind of damage: its name, whether the superblock is lost (the settings must be
 /// given), and how to make it.
 struct Damage {
     name: &'static str,
     superblock_lost: bool,
-    make: Box<dyn Fn(&Path, &Layout)>,
+    make: Box<Make>,
 }
 
 fn damage(name: &'static str, make: impl Fn(&Path, &Layout) + 'static) -> Damage {
