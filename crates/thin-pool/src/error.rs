@@ -215,6 +215,11 @@ impl std::fmt::Display for Report<'_> {
     }
 }
 
+/// Map an I/O error outside persistent-data to [`Error::Io`] saying what was being done.
+pub(crate) fn io_error(what: String) -> impl FnOnce(std::io::Error) -> Error {
+    move |source| Error::Io { what, source }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -55,14 +55,12 @@
 //! of the host for small reads (`docs/performance.md`).
 
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
-use crate::engine::commit::metadata_reserve_blocks;
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
-use crate::engine::manage::data_grow_metadata_blocks;
+pub use crate::engine::layout::DEVICES_FILE;
+use crate::engine::limits::{data_grow_metadata_blocks, metadata_reserve_blocks};
 use crate::engine::options::PoolOptions;
-use crate::engine::pool::Pool;
-use crate::engine::shared::io_error;
-use crate::error::{Error, Result};
+use crate::error::{io_error, Error, Result};
 use crate::format::metadata::PoolMetadata;
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
@@ -76,9 +74,6 @@ use std::sync::Arc;
 
 mod data;
 pub use data::{BlockDataDevice, QueueLimits};
-
-/// The file in a pool directory that names the pool's devices.
-pub const DEVICES_FILE: &str = "devices.json";
 
 /// The devices of a pool on block devices, as stored in `devices.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -237,89 +232,78 @@ pub fn holds_pool_metadata(device: &dyn BlockDevice) -> Result<bool> {
     Ok(magic == crate::format::superblock::MAGIC)
 }
 
-impl Pool {
-    /// Create a pool on two block devices, recorded in `dir` (`devices.json`, the catalog).
-    /// Their sizes are the devices' (the metadata device up to the format's limit). A
-    /// metadata device that already holds pool metadata is refused (`thinpool import`
-    /// takes such a pool over). Returns the pool open.
-    pub fn create_on_devices(
-        dir: &Path,
-        devices: &DevicePaths,
-        block_size_bytes: u64,
-        options: PoolOptions,
-    ) -> Result<Pool> {
-        if Pool::exists(dir) {
-            return Err(Error::Invalid(format!(
-                "{} already holds a pool",
-                dir.display()
-            )));
-        }
-        let metadata = open_metadata_device(&devices.metadata_device, true)?;
-        if holds_pool_metadata(&metadata)? {
-            return Err(Error::Invalid(format!(
-                "{} already holds dm-thin pool metadata: `thinpool import` takes that pool over; \
-                 to make a new pool, wipe its first 4 KiB first",
-                devices.metadata_device.display()
-            )));
-        }
-        let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
-        let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
-        let data_blocks = check_layout(block_size_bytes, data.size_bytes(), metadata_blocks)?;
-        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
-        let metadata: Arc<dyn BlockDevice> = Arc::new(metadata);
-        let md = PoolMetadata::format(
-            metadata.clone(),
-            (block_size_bytes / 512) as u32,
-            data_blocks,
-        )?;
-        let catalog = DirCatalog::new(dir);
-        catalog.store(&Catalog {
-            transaction_id: md.transaction_id().get(),
-            volumes: vec![],
-        })?;
-        drop(md);
-        // Last: the pool exists once its devices are named.
-        devices.store(dir)?;
-        open_on(metadata, data, dir, options)
+/// Format a pool on two block devices, recorded in `dir` (`devices.json`, the catalog).
+/// Their sizes are the devices' (the metadata device up to the format's limit). A metadata
+/// device that already holds pool metadata is refused (`thinpool import` takes such a pool
+/// over). Returns the devices for `Pool::create_on_devices` to open.
+pub(crate) fn create_on_devices(
+    dir: &Path,
+    devices: &DevicePaths,
+    block_size_bytes: u64,
+) -> Result<(Arc<dyn BlockDevice>, BlockDataDevice)> {
+    if crate::engine::layout::pool_exists(dir) {
+        return Err(Error::Invalid(format!(
+            "{} already holds a pool",
+            dir.display()
+        )));
     }
-
-    /// Open the pool whose devices `dir` names.
-    pub fn open_devices(dir: &Path, devices: &DevicePaths, options: PoolOptions) -> Result<Pool> {
-        let metadata = open_metadata_device(&devices.metadata_device, !options.read_only)?;
-        let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
-        open_on(Arc::new(metadata), data, dir, options)
+    let metadata = open_metadata_device(&devices.metadata_device, true)?;
+    if holds_pool_metadata(&metadata)? {
+        return Err(Error::Invalid(format!(
+            "{} already holds dm-thin pool metadata: `thinpool import` takes that pool over; \
+             to make a new pool, wipe its first 4 KiB first",
+            devices.metadata_device.display()
+        )));
     }
+    let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+    let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
+    let data_blocks = check_layout(block_size_bytes, data.size_bytes(), metadata_blocks)?;
+    std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
+    let metadata: Arc<dyn BlockDevice> = Arc::new(metadata);
+    let md = PoolMetadata::format(
+        metadata.clone(),
+        (block_size_bytes / 512) as u32,
+        data_blocks,
+    )?;
+    let catalog = DirCatalog::new(dir);
+    catalog.store(&Catalog {
+        transaction_id: md.transaction_id().get(),
+        volumes: vec![],
+    })?;
+    drop(md);
+    // Last: the pool exists once its devices are named.
+    devices.store(dir)?;
+    Ok((metadata, data))
 }
 
-fn open_on(
-    metadata: Arc<dyn BlockDevice>,
-    data: BlockDataDevice,
-    dir: &Path,
-    mut options: PoolOptions,
-) -> Result<Pool> {
+/// The devices `dir` names, opened.
+pub(crate) fn open_devices(
+    devices: &DevicePaths,
+    read_only: bool,
+) -> Result<(Arc<dyn BlockDevice>, BlockDataDevice)> {
+    let metadata = open_metadata_device(&devices.metadata_device, !read_only)?;
+    let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+    Ok((Arc::new(metadata), data))
+}
+
+/// Passdown on `data` unless the device cannot take it: turns `options.discard_passdown`
+/// off and returns the event saying why.
+pub(crate) fn passdown_refusal(
+    data: &BlockDataDevice,
+    options: &mut PoolOptions,
+) -> Option<String> {
     let refusal = options
         .discard_passdown
         .then(|| data.limits().passdown_refusal())
-        .flatten();
-    if refusal.is_some() {
-        options.discard_passdown = false;
-    }
-    let path = data.path().display().to_string();
-    let pool = Pool::open_parts(
-        metadata,
-        Arc::new(data),
-        Box::new(DirCatalog::new(dir)),
-        options,
-        None,
-    )?;
-    if let Some(reason) = refusal {
-        pool.shared
-            .log(format!("discard passdown off on {path}: {reason}"));
-    }
-    Ok(pool)
+        .flatten()?;
+    options.discard_passdown = false;
+    Some(format!(
+        "discard passdown off on {}: {refusal}",
+        data.path().display()
+    ))
 }
 
-/// The limits [`Pool::create`] checks, for devices of given sizes; returns the data blocks.
+/// The limits `Pool::create` checks, for devices of given sizes; returns the data blocks.
 fn check_layout(block_size: u64, data_bytes: u64, metadata_blocks: u64) -> Result<u64> {
     if !block_size.is_multiple_of(512)
         || !crate::format::superblock::valid_data_block_size(
