@@ -432,8 +432,8 @@ mod tests {
     use crate::control::OpError;
     use persistent_data::MemoryDevice;
     use std::io;
-    use thin_pool::engine::catalog::MemoryCatalog;
-    use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+    use thin_pool::catalog::MemoryCatalog;
+    use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
     use thin_pool::PoolOptions;
 
     const BLOCK: u64 = 64 * 1024;

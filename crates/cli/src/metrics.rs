@@ -30,7 +30,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use thin_pool::engine::stats::{CommitStats, DurationHistogram, HistogramSnapshot};
+use thin_pool::stats::{CommitStats, DurationHistogram, HistogramSnapshot};
 use thin_pool::{Pool, PoolMode, PoolStatus};
 
 /// The requests counted, in the order of [`OP_NAMES`].
@@ -587,8 +587,8 @@ mod tests {
     use super::*;
     use crate::export::PoolRegistry;
     use persistent_data::MemoryDevice;
-    use thin_pool::engine::catalog::MemoryCatalog;
-    use thin_pool::engine::data_device::MemoryDataDevice;
+    use thin_pool::catalog::MemoryCatalog;
+    use thin_pool::data_device::MemoryDataDevice;
     use thin_pool::PoolOptions;
 
     const BLOCK: u64 = 64 * 1024;

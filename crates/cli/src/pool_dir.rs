@@ -203,10 +203,10 @@ impl PoolDir {
     /// other users may read (made by an older version) is made private (0600), with a note.
     pub fn check_files(&self) -> anyhow::Result<()> {
         let mut names: Vec<std::ffi::OsString> = [
-            thin_pool::engine::pool::METADATA_FILE,
-            thin_pool::engine::pool::DATA_FILE,
+            thin_pool::METADATA_FILE,
+            thin_pool::DATA_FILE,
             OPTIONS_FILE,
-            thin_pool::engine::block_device::DEVICES_FILE,
+            thin_pool::block_device::DEVICES_FILE,
         ]
         .iter()
         .map(|name| name.into())
@@ -334,7 +334,7 @@ pub struct SpaceOptions {
 impl Default for SpaceOptions {
     fn default() -> Self {
         SpaceOptions {
-            low_water_percent: thin_pool::engine::options::LOW_WATER_PERCENT_DEFAULT,
+            low_water_percent: thin_pool::LOW_WATER_PERCENT_DEFAULT,
             autoextend: None,
             no_space_timeout_seconds: 60,
             discard_passdown: true,

@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use persistent_data::MemoryDevice;
 use rand::Rng;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::format::diff::DeltaKind;
 use thin_pool::{DiffKind, DiffRange, Pool, PoolOptions, VirtualBlock};
 

@@ -18,8 +18,8 @@ use std::sync::Arc;
 use testkit::fault::{FaultDevice, Ops};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Error, Pool, PoolMetadata, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;

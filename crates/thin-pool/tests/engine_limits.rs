@@ -15,8 +15,8 @@ use persistent_data::{BlockDevice, FileDevice};
 use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
-use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
 use thin_pool::{CreateOptions, Error, Pool, PoolMode, PoolOptions};
+use thin_pool::{DATA_FILE, METADATA_FILE};
 
 const BLOCK: u64 = 65536;
 const EIB: u64 = 1 << 60;

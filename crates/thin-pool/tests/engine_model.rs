@@ -16,8 +16,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::{DataDevice, MemoryDataDevice};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -22,8 +22,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
-use thin_pool::engine::options::{FaultHook, FaultPoint};
+use thin_pool::data_device::{DataDevice, MemoryDataDevice};
+use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::{Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;

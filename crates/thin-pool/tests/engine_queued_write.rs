@@ -12,8 +12,8 @@
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

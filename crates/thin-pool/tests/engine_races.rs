@@ -30,7 +30,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::{Error, Pool, PoolOptions, Volume};
 
 const BLOCK: u64 = 65536;

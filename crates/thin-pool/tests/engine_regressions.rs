@@ -14,7 +14,7 @@ use persistent_data::BlockDevice;
 use rand::SeedableRng;
 use std::sync::Arc;
 use testkit::crash::CrashMode;
-use thin_pool::engine::data_device::DataDevice;
+use thin_pool::data_device::DataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
@@ -255,12 +255,12 @@ fn crash_before_commit_keeps_blocks_discarded_by_passdown_intact() {
 #[test]
 fn failed_provisioning_write_gives_its_reserved_block_back() {
     let data = Arc::new(engine_kit::FaultDataDevice::new(Arc::new(
-        thin_pool::engine::data_device::MemoryDataDevice::new(16 * BLOCK),
+        thin_pool::data_device::MemoryDataDevice::new(16 * BLOCK),
     )));
     let pool = Pool::format_parts(
         Arc::new(persistent_data::MemoryDevice::new(512)),
         data.clone(),
-        Box::new(thin_pool::engine::catalog::MemoryCatalog::default()),
+        Box::new(thin_pool::catalog::MemoryCatalog::default()),
         BLOCK,
         options(),
     )
@@ -289,10 +289,8 @@ fn metadata_failure_drops_the_abandoned_mappings_from_the_index() {
     )));
     let pool = Pool::format_parts(
         metadata.clone(),
-        Arc::new(thin_pool::engine::data_device::MemoryDataDevice::new(
-            16 * BLOCK,
-        )),
-        Box::new(thin_pool::engine::catalog::MemoryCatalog::default()),
+        Arc::new(thin_pool::data_device::MemoryDataDevice::new(16 * BLOCK)),
+        Box::new(thin_pool::catalog::MemoryCatalog::default()),
         BLOCK,
         options(),
     )

@@ -16,7 +16,7 @@ use rand::SeedableRng;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use testkit::crash::CrashMode;
-use thin_pool::engine::data_device::DataDevice;
+use thin_pool::data_device::DataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -9,8 +9,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::MemoryDataDevice;
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Pool, PoolMetadata, PoolOptions, VolumeId};
 
 const BLOCK: u64 = 65536;

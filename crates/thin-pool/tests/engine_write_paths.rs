@@ -19,9 +19,9 @@ use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use thin_pool::engine::catalog::MemoryCatalog;
-use thin_pool::engine::data_device::{DataDevice, MemoryDataDevice};
-use thin_pool::engine::options::{FaultHook, FaultPoint};
+use thin_pool::catalog::MemoryCatalog;
+use thin_pool::data_device::{DataDevice, MemoryDataDevice};
+use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

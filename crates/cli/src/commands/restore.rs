@@ -20,10 +20,10 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
-use thin_pool::engine::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
+use thin_pool::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
 use thin_pool::format::restore::{self, RestoreOptions};
 use thin_pool::PoolMetadata;
+use thin_pool::{DATA_FILE, METADATA_FILE};
 
 use super::{tools_exit, SuperblockOverrides};
 

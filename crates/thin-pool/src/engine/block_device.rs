@@ -57,7 +57,7 @@
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
-pub use crate::engine::layout::DEVICES_FILE;
+use crate::engine::layout::DEVICES_FILE;
 use crate::engine::limits::{data_grow_metadata_blocks, metadata_reserve_blocks};
 use crate::engine::options::PoolOptions;
 use crate::error::{io_error, Error, Result};

@@ -16,6 +16,7 @@ use crate::engine::diff::{Delta, VolumeDiff};
 use crate::engine::layout::pool_exists;
 use crate::engine::listing::{self, StatusSources};
 use crate::engine::open::{self, Owners};
+use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
 use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
@@ -26,11 +27,6 @@ use persistent_data::BlockDevice;
 use std::ops::Range;
 use std::path::Path;
 use std::sync::Arc;
-
-pub use crate::engine::layout::{BLOCK_SIZE_DEFAULT_BYTES, DATA_FILE, METADATA_FILE};
-pub use crate::engine::open::default_metadata_size_bytes;
-pub use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
-pub use crate::engine::space::host_free_bytes;
 
 /// A thin pool, open for I/O and management. Cheap to clone (shared owners).
 #[derive(Clone)]

@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use testkit::crash::{CrashDevice, CrashMode};
 use testkit::fault::{OpCounts, Ops};
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::{Catalog, CatalogStore};
-use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::catalog::{Catalog, CatalogStore};
+use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::format::check::{check, CheckOptions};
 
 /// Sector size of the data device.
@@ -823,7 +823,7 @@ pub fn assert_volumes_match(pool: &thin_pool::Pool, model: &VolumeModel) {
 pub struct MemoryParts {
     pub metadata: Arc<MemoryDevice>,
     pub data: Arc<MemoryDataDevice>,
-    pub catalog: Arc<thin_pool::engine::catalog::MemoryCatalog>,
+    pub catalog: Arc<thin_pool::catalog::MemoryCatalog>,
 }
 
 impl MemoryParts {

@@ -35,7 +35,7 @@ use anyhow::{bail, ensure, Context};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use thin_pool::engine::pool::METADATA_FILE;
+use thin_pool::METADATA_FILE;
 use thin_pool::{Pool, PoolOptions};
 
 /// The volume in each pool.
