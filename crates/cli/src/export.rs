@@ -520,7 +520,7 @@ mod tests {
             (io(libc::EIO), libc::EIO, "EIO", wire::EIO),
             (io(libc::EACCES), libc::EACCES, "EACCES", wire::EPERM),
             (
-                thin_pool::Error::Invalid("size 0".into()),
+                thin_pool::Error::BadVolumeSize { size_bytes: 0 },
                 libc::EINVAL,
                 "EINVAL",
                 wire::EINVAL,

@@ -119,11 +119,10 @@ impl DevicePaths {
         let devices: DevicePaths = serde_json::from_str(&text)
             .map_err(|e| Error::Corrupt(format!("{}: {e}", path.display())))?;
         if devices.version != 1 {
-            return Err(Error::Invalid(format!(
-                "{}: version {} is not supported (expected 1)",
-                path.display(),
-                devices.version
-            )));
+            return Err(Error::UnsupportedVersion {
+                path: path.display().to_string(),
+                version: devices.version,
+            });
         }
         Ok(Some(devices))
     }
@@ -187,10 +186,9 @@ fn require_block_device(file: &File, path: &Path) -> Result<()> {
         .metadata()
         .map_err(io_error(format!("examining {}", path.display())))?;
     if !metadata.file_type().is_block_device() {
-        return Err(Error::Invalid(format!(
-            "{} is not a block device (a pool on files keeps them in its directory)",
-            path.display()
-        )));
+        return Err(Error::NotBlockDevice {
+            path: path.display().to_string(),
+        });
     }
     Ok(())
 }
@@ -242,18 +240,15 @@ pub(crate) fn create_on_devices(
     block_size_bytes: u64,
 ) -> Result<(Arc<dyn BlockDevice>, BlockDataDevice)> {
     if crate::engine::layout::pool_exists(dir) {
-        return Err(Error::Invalid(format!(
-            "{} already holds a pool",
-            dir.display()
-        )));
+        return Err(Error::PoolExists {
+            path: dir.display().to_string(),
+        });
     }
     let metadata = open_metadata_device(&devices.metadata_device, true)?;
     if holds_pool_metadata(&metadata)? {
-        return Err(Error::Invalid(format!(
-            "{} already holds dm-thin pool metadata: `thinpool import` takes that pool over; \
-             to make a new pool, wipe its first 4 KiB first",
-            devices.metadata_device.display()
-        )));
+        return Err(Error::MetadataExists {
+            path: devices.metadata_device.display().to_string(),
+        });
     }
     let data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
     let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
@@ -310,28 +305,31 @@ fn check_layout(block_size: u64, data_bytes: u64, metadata_blocks: u64) -> Resul
             (block_size / 512).try_into().unwrap_or(0),
         )
     {
-        return Err(Error::Invalid(format!(
-            "block size {block_size} bytes: must be a multiple of 64 KiB from 64 KiB to 1 GiB"
-        )));
+        return Err(Error::BadBlockSize { bytes: block_size });
     }
     let data_blocks = (data_bytes / block_size).min(INDEX_DATA_BLOCK_MAX + 1);
     if data_blocks == 0 {
-        return Err(Error::Invalid(format!(
-            "the data device ({data_bytes} bytes) is smaller than one {block_size}-byte block"
-        )));
+        return Err(Error::DataSmallerThanBlock {
+            data_bytes,
+            block_size_bytes: block_size,
+        });
     }
     if metadata_blocks < 64 {
-        return Err(Error::Invalid(format!(
-            "the metadata device holds {metadata_blocks} blocks of 4 KiB: at least 64 (256 KiB)"
-        )));
+        return Err(Error::MetadataTooSmall {
+            blocks: metadata_blocks,
+        });
     }
     let space_map = data_grow_metadata_blocks(0, data_blocks);
     let reserve = metadata_reserve_blocks(metadata_blocks);
     let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
     if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::Invalid(format!(
-            "a metadata device of {metadata_blocks} blocks cannot map {data_blocks} data blocks: their space map needs {space_map} metadata blocks, {reserve} stay reserved and {formatted} hold the rest (`thinpool metadata-size` estimates what is needed)"
-        )));
+        return Err(Error::MetadataCannotMap {
+            metadata_blocks,
+            data_blocks,
+            space_map_blocks: space_map,
+            reserve_blocks: reserve,
+            formatted_blocks: formatted,
+        });
     }
     Ok(data_blocks)
 }

@@ -16,7 +16,7 @@ use crate::engine::limits::{
 };
 use crate::engine::meta::Meta;
 use crate::engine::options::PoolMode;
-use crate::error::{Error, Result};
+use crate::error::{Error, Limit, Result};
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 
 /// Grow the data device to `size_bytes` (a regular data file is extended; a block device
@@ -51,11 +51,11 @@ pub(crate) fn grow_metadata(meta: &Meta, size_bytes: Option<u64>) -> Result<u64>
     let turn = meta.turn();
     let wanted_blocks = size_bytes.map_or(0, |bytes| bytes / 4096);
     if wanted_blocks > METADATA_BLOCKS_MAX {
-        return Err(Error::Invalid(format!(
-            "metadata size {} bytes: the format addresses at most {METADATA_BLOCKS_MAX} blocks of 4 KiB ({} bytes)",
-            size_bytes.unwrap_or(0),
-            METADATA_BLOCKS_MAX * 4096
-        )));
+        return Err(Error::SizeOverLimit {
+            what: Limit::MetadataBytes,
+            requested: size_bytes.unwrap_or(0),
+            max: METADATA_BLOCKS_MAX * 4096,
+        });
     }
     let blocks = meta.extend_device(wanted_blocks)?;
     let mut change = turn.begin()?;
@@ -74,9 +74,11 @@ fn check_data_grow(meta: &Meta, size_bytes: u64) -> Result<()> {
     let blocks = size_bytes / block_size;
     let blocks_max = INDEX_DATA_BLOCK_MAX + 1;
     if blocks > blocks_max {
-        return Err(Error::Invalid(format!(
-            "data size {size_bytes} bytes is {blocks} blocks of {block_size} bytes: a pool holds at most {blocks_max}"
-        )));
+        return Err(Error::SizeOverLimit {
+            what: Limit::DataBlocks { size_bytes },
+            requested: blocks,
+            max: blocks_max,
+        });
     }
     meta.read(|view| {
         let ops = view.queue.len();
@@ -92,9 +94,14 @@ fn check_data_grow(meta: &Meta, size_bytes: u64) -> Result<()> {
         let reserve = metadata_reserve_blocks(total);
         let needed = cost + reserve + metadata_blocks_for_ops(ops);
         if needed > free {
-            return Err(Error::Invalid(format!(
-                "growing the data from {current} to {blocks} blocks needs {cost} metadata blocks for the data space map's bitmaps and index, and {reserve} stay reserved: {free} of the {total} metadata blocks are free; grow the metadata first"
-            )));
+            return Err(Error::GrowNeedsMetadata {
+                from_blocks: current,
+                to_blocks: blocks,
+                cost_blocks: cost,
+                reserve_blocks: reserve,
+                free_blocks: free,
+                total_blocks: total,
+            });
         }
         Ok(())
     })

@@ -3,7 +3,7 @@
 //! and a data grow may take. Pure functions; no state.
 
 use crate::engine::index::INDEX_BLOCKS_MAX;
-use crate::error::{Error, Result};
+use crate::error::{Error, Limit, Result};
 use persistent_data::btree::node::max_entries;
 use persistent_data::space_map::core::{bitmap_count, ENTRIES_PER_BITMAP};
 
@@ -53,14 +53,14 @@ pub(crate) fn data_grow_metadata_blocks(from: u64, to: u64) -> u64 {
 /// [`VOLUME_SIZE_MAX_BYTES`].
 pub(crate) fn check_volume_size(size_bytes: u64) -> Result<()> {
     if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
-        return Err(Error::Invalid(format!(
-            "volume size {size_bytes} bytes: must be a positive multiple of 512"
-        )));
+        return Err(Error::BadVolumeSize { size_bytes });
     }
     if size_bytes > VOLUME_SIZE_MAX_BYTES {
-        return Err(Error::Invalid(format!(
-            "volume size {size_bytes} bytes is larger than the largest volume, {VOLUME_SIZE_MAX_BYTES} bytes (1 EiB)"
-        )));
+        return Err(Error::SizeOverLimit {
+            what: Limit::VolumeBytes,
+            requested: size_bytes,
+            max: VOLUME_SIZE_MAX_BYTES,
+        });
     }
     Ok(())
 }

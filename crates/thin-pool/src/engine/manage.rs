@@ -142,9 +142,10 @@ pub(crate) fn resize_volume(
     let old_size = volume.size_bytes();
     let old_block_count = old_size.div_ceil(block_size);
     if size_bytes < old_size && !size_bytes.is_multiple_of(block_size) {
-        return Err(Error::Invalid(format!(
-            "shrinking to {size_bytes} bytes: a smaller size must be a multiple of the {block_size}-byte block size"
-        )));
+        return Err(Error::ShrinkNotAligned {
+            size_bytes,
+            block_size_bytes: block_size,
+        });
     }
     let mut catalog = change.catalog().clone();
     for v in catalog.volumes.iter_mut().filter(|v| v.name == name) {

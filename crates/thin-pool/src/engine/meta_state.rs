@@ -101,9 +101,7 @@ impl MetaState {
         let block = md.alloc_data_block()?;
         if block.get() > INDEX_DATA_BLOCK_MAX {
             md.release_data_block(block);
-            return Err(Error::Invalid(format!(
-                "data block {block} beyond the engine's range"
-            )));
+            return Err(Error::DataBlockBeyondEngine { block });
         }
         let usage = md.usage();
         assert!(
@@ -128,9 +126,7 @@ impl MetaState {
                 Ok(block) if block.get() <= INDEX_DATA_BLOCK_MAX => blocks.push(block),
                 Ok(block) => {
                     blocks.push(block);
-                    break Some(Err(Error::Invalid(format!(
-                        "data block {block} beyond the engine's range"
-                    ))));
+                    break Some(Err(Error::DataBlockBeyondEngine { block }));
                 }
                 Err(Error::OutOfDataSpace { .. }) => break Some(Ok(None)),
                 Err(e) => break Some(Err(e)),

@@ -22,7 +22,7 @@ use crate::engine::options::{CreateOptions, PoolMode, PoolOptions};
 use crate::engine::provision::{ProvisionParts, Provisioner};
 use crate::engine::space::{host_free_bytes, SpaceWatch};
 use crate::engine::volumes::Volumes;
-use crate::error::{io_error, Error, Result};
+use crate::error::{io_error, Error, Limit, Result};
 use crate::format::metadata::PoolMetadata;
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
@@ -73,23 +73,23 @@ pub(crate) fn check_create(dir: &Path, create: &CreateOptions) -> Result<Layout>
             (block_size / 512).try_into().unwrap_or(0),
         )
     {
-        return Err(Error::Invalid(format!(
-            "block size {block_size} bytes: must be a multiple of 64 KiB from 64 KiB to 1 GiB"
-        )));
+        return Err(Error::BadBlockSize { bytes: block_size });
     }
     let data_blocks = create.data_size_bytes / block_size;
     if data_blocks == 0 {
-        return Err(Error::Invalid(format!(
-            "data size {} bytes is smaller than one {block_size}-byte block",
-            create.data_size_bytes
-        )));
+        return Err(Error::DataSmallerThanBlock {
+            data_bytes: create.data_size_bytes,
+            block_size_bytes: block_size,
+        });
     }
     if data_blocks > INDEX_DATA_BLOCK_MAX + 1 {
-        return Err(Error::Invalid(format!(
-            "data size {} bytes is {data_blocks} blocks: a pool holds at most {}",
-            create.data_size_bytes,
-            INDEX_DATA_BLOCK_MAX + 1
-        )));
+        return Err(Error::SizeOverLimit {
+            what: Limit::DataBlocks {
+                size_bytes: create.data_size_bytes,
+            },
+            requested: data_blocks,
+            max: INDEX_DATA_BLOCK_MAX + 1,
+        });
     }
     let metadata_bytes = create
         .metadata_size_bytes
@@ -98,17 +98,17 @@ pub(crate) fn check_create(dir: &Path, create: &CreateOptions) -> Result<Layout>
     check_metadata_size(metadata_bytes, metadata_blocks, data_blocks)?;
     std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
     if dir.join(METADATA_FILE).exists() {
-        return Err(Error::Invalid(format!(
-            "{} already holds a pool",
-            dir.display()
-        )));
+        return Err(Error::PoolExists {
+            path: dir.display().to_string(),
+        });
     }
     if let Some(free) = host_free_bytes(dir) {
         if free < metadata_bytes {
-            return Err(Error::Invalid(format!(
-                "{}: the host file system has {free} bytes free, the metadata needs {metadata_bytes} (it is preallocated)",
-                dir.display()
-            )));
+            return Err(Error::HostFull {
+                path: dir.display().to_string(),
+                free_bytes: free,
+                needed_bytes: metadata_bytes,
+            });
         }
     }
     Ok(Layout {
@@ -121,24 +121,29 @@ pub(crate) fn check_create(dir: &Path, create: &CreateOptions) -> Result<Layout>
 /// A metadata size within the format that holds the data space map beside the reserve.
 fn check_metadata_size(metadata_bytes: u64, metadata_blocks: u64, data_blocks: u64) -> Result<()> {
     if metadata_blocks < 64 {
-        return Err(Error::Invalid(format!(
-            "metadata size {metadata_bytes} bytes: at least 256 KiB"
-        )));
+        return Err(Error::MetadataTooSmall {
+            blocks: metadata_blocks,
+        });
     }
     if metadata_blocks > METADATA_BLOCKS_MAX {
-        return Err(Error::Invalid(format!(
-            "metadata size {metadata_bytes} bytes: the format addresses at most {} bytes",
-            METADATA_BLOCKS_MAX * 4096
-        )));
+        return Err(Error::SizeOverLimit {
+            what: Limit::MetadataBytes,
+            requested: metadata_bytes,
+            max: METADATA_BLOCKS_MAX * 4096,
+        });
     }
     let space_map = data_grow_metadata_blocks(0, data_blocks);
     let reserve = metadata_reserve_blocks(metadata_blocks);
     // The superblock, the empty trees and the metadata space map's own blocks.
     let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
     if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::Invalid(format!(
-            "metadata of {metadata_blocks} blocks cannot map {data_blocks} data blocks: their space map needs {space_map} metadata blocks, {reserve} stay reserved and {formatted} hold the rest"
-        )));
+        return Err(Error::MetadataCannotMap {
+            metadata_blocks,
+            data_blocks,
+            space_map_blocks: space_map,
+            reserve_blocks: reserve,
+            formatted_blocks: formatted,
+        });
     }
     Ok(())
 }
@@ -378,9 +383,10 @@ fn take_data_device(
     let data_blocks = data.size_bytes() / block_size_bytes;
     let recorded = md.data_space_map().block_count();
     if data_blocks < recorded {
-        return Err(Error::Invalid(format!(
-            "data device holds {data_blocks} blocks, the pool records {recorded}: it shrank"
-        )));
+        return Err(Error::DataDeviceShrank {
+            device_blocks: data_blocks,
+            recorded_blocks: recorded,
+        });
     }
     if options.read_only || md.needs_check() {
         return Ok((PoolMode::ReadOnly, None));

@@ -276,10 +276,11 @@ impl Provisioner {
             // paused); a write beyond it is refused, never queued.
             let block_count = index.block_count();
             if let Some((block, _)) = mappings.iter().find(|(b, _)| b.get() >= block_count) {
-                return Err(Error::Invalid(format!(
-                    "volume {:?}: block {block} is beyond its {block_count} blocks",
-                    volume.name()
-                )));
+                return Err(Error::BlockBeyondVolume {
+                    volume: volume.name().to_string(),
+                    block: *block,
+                    block_count,
+                });
             }
             for (block, reservation) in &mut mappings {
                 let mapping = BlockTime::new(reservation.block, time);

@@ -46,9 +46,9 @@ pub(crate) fn revert_volume(
     delete_snapshot: bool,
 ) -> Result<()> {
     if volume == snapshot {
-        return Err(Error::Invalid(format!(
-            "cannot revert volume {volume:?} to itself"
-        )));
+        return Err(Error::RevertToItself {
+            volume: volume.to_string(),
+        });
     }
     let source = volumes.named(snapshot)?;
     let _pause = source.gate().pause();

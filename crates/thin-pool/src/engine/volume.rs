@@ -175,16 +175,20 @@ impl Volume {
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         if !offset.is_multiple_of(SECTOR_SIZE) || !len.is_multiple_of(SECTOR_SIZE) {
-            return Err(Error::Invalid(format!(
-                "offset {offset} and length {len} must be multiples of {SECTOR_SIZE}"
-            )));
+            return Err(Error::Unaligned {
+                offset,
+                length: len,
+                sector_bytes: SECTOR_SIZE,
+            });
         }
         let size = self.size_bytes();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(()),
-            _ => Err(Error::Invalid(format!(
-                "range {offset}+{len} is beyond the volume's {size} bytes"
-            ))),
+            _ => Err(Error::BeyondVolume {
+                offset,
+                length: len,
+                size_bytes: size,
+            }),
         }
     }
 

@@ -578,9 +578,7 @@ impl CatalogStore for ForkableCatalog {
         lock(&self.catalogs)
             .get(&transaction_id)
             .cloned()
-            .ok_or_else(|| {
-                thin_pool::Error::Invalid(format!("no catalog for transaction {transaction_id}"))
-            })
+            .ok_or(thin_pool::Error::NoCatalog { transaction_id })
     }
     fn store(&self, catalog: &Catalog) -> thin_pool::Result<()> {
         lock(&self.catalogs).insert(catalog.transaction_id, catalog.clone());
