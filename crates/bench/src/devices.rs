@@ -10,7 +10,7 @@ use super::dir::BenchDir;
 use anyhow::{bail, Context};
 use persistent_data::{BlockDevice, MetadataBlock};
 use std::path::PathBuf;
-use thin_pool::engine::block_device::{device_size_bytes, open_metadata_device, DevicePaths};
+use thin_pool::block_device::{device_size_bytes, open_metadata_device, DevicePaths};
 use thin_pool::{Pool, PoolOptions};
 
 /// Creates the pool `name` on `devices`, wiping the metadata device's superblock first.

@@ -25,7 +25,7 @@ pub struct BenchDir {
     created_parent: Option<PathBuf>,
     interrupted: Arc<AtomicBool>,
     /// `--metadata-device`/`--data-device`: the pools go on these block devices.
-    pub devices: Option<thin_pool::engine::block_device::DevicePaths>,
+    pub devices: Option<thin_pool::block_device::DevicePaths>,
 }
 
 impl BenchDir {

@@ -193,7 +193,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let mut dir = BenchDir::create(args.dir.as_deref())?;
     if let (Some(metadata), Some(data)) = (&args.metadata_device, &args.data_device) {
-        dir.devices = Some(thin_pool::engine::block_device::DevicePaths::new(
+        dir.devices = Some(thin_pool::block_device::DevicePaths::new(
             metadata,
             data,
             args.direct_io,

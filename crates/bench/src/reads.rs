@@ -15,7 +15,7 @@ use rand::{Rng, SeedableRng};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Barrier};
-use thin_pool::engine::pool::DATA_FILE;
+use thin_pool::DATA_FILE;
 use thin_pool::{Pool, Volume};
 
 use nbd::ExportRegistry;

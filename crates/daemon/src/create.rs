@@ -1,7 +1,7 @@
 //! Making a pool in a directory: what `thinpool create` does, and `serve` on first use.
 
 use anyhow::{bail, Context};
-use thin_pool::engine::pool::BLOCK_SIZE_DEFAULT_BYTES;
+use thin_pool::BLOCK_SIZE_DEFAULT_BYTES;
 use thin_pool::{CreateOptions, Pool};
 
 use crate::control::{self, Outcome, Request};

@@ -327,8 +327,8 @@ mod tests {
     use crate::control::OpError;
     use persistent_data::MemoryDevice;
     use std::io;
-    use thin_pool::engine::catalog::MemoryCatalog;
-    use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+    use thin_pool::catalog::MemoryCatalog;
+    use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
     use thin_pool::PoolOptions;
 
     const BLOCK: u64 = 64 * 1024;
@@ -415,7 +415,7 @@ mod tests {
             (io(libc::EIO), libc::EIO, "EIO", wire::EIO),
             (io(libc::EACCES), libc::EACCES, "EACCES", wire::EPERM),
             (
-                thin_pool::Error::Invalid("size 0".into()),
+                thin_pool::Error::BadVolumeSize { size_bytes: 0 },
                 libc::EINVAL,
                 "EINVAL",
                 wire::EINVAL,

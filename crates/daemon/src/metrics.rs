@@ -29,7 +29,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use thin_pool::engine::stats::{CommitStats, DurationHistogram, HistogramSnapshot};
+use thin_pool::stats::{CommitStats, DurationHistogram, HistogramSnapshot};
 use thin_pool::{Pool, PoolMode, PoolStatus};
 
 mod counted;
@@ -486,8 +486,8 @@ mod tests {
     use crate::export::PoolRegistry;
     use nbd::ExportRegistry;
     use persistent_data::MemoryDevice;
-    use thin_pool::engine::catalog::MemoryCatalog;
-    use thin_pool::engine::data_device::MemoryDataDevice;
+    use thin_pool::catalog::MemoryCatalog;
+    use thin_pool::data_device::MemoryDataDevice;
     use thin_pool::PoolOptions;
 
     const BLOCK: u64 = 64 * 1024;

@@ -8,8 +8,8 @@ use anyhow::Context;
 use persistent_data::FileDevice;
 use std::path::Path;
 use std::sync::Arc;
-use thin_pool::engine::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
+use thin_pool::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
+use thin_pool::{DATA_FILE, METADATA_FILE};
 use thin_pool::PoolMetadata;
 
 /// If the pool directory `dir` has no volume catalog (its metadata was restored, e.g. by

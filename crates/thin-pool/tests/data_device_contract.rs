@@ -16,8 +16,8 @@ use std::path::Path;
 use std::sync::Arc;
 use testkit::loop_device::LoopDevice;
 use testkit::scratch::{sized_file, ScratchDir};
-use thin_pool::engine::block_device::BlockDataDevice;
-use thin_pool::engine::data_device::{FileDataDevice, MemoryDataDevice};
+use thin_pool::block_device::BlockDataDevice;
+use thin_pool::data_device::{FileDataDevice, MemoryDataDevice};
 use thin_pool::testing::data_device_contract::{conforms, Growth, Subject, DEVICE_BYTES};
 
 fn file_subject(dir: ScratchDir) -> Subject {

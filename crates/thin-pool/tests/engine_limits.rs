@@ -15,8 +15,11 @@ use persistent_data::{BlockDevice, FileDevice};
 use std::path::Path;
 use std::sync::Arc;
 use testkit::scratch::ScratchDir;
-use thin_pool::engine::pool::{DATA_FILE, METADATA_FILE};
-use thin_pool::{CreateOptions, Error, Pool, PoolMode, PoolOptions};
+use thin_pool::{CreateOptions, Error, ErrorKind, Pool, PoolMode, PoolOptions};
+
+/// Linux's EINVAL: what every refusal of an impossible request maps to.
+const EINVAL: i32 = 22;
+use thin_pool::{DATA_FILE, METADATA_FILE};
 
 const BLOCK: u64 = 65536;
 const EIB: u64 = 1 << 60;
@@ -53,7 +56,9 @@ fn file_len(path: &Path) -> u64 {
 
 fn invalid(result: Result<impl std::fmt::Debug, Error>) -> String {
     match result {
-        Err(Error::Invalid(message)) => message,
+        Err(error) if error.kind() == ErrorKind::Refused && error.errno() == EINVAL => {
+            error.to_string()
+        }
         other => panic!("expected a refusal, got {other:?}"),
     }
 }

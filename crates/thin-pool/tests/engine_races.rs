@@ -30,7 +30,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::testing::PoolParts;
 use thin_pool::{Error, Pool, PoolOptions, Volume};
 
@@ -368,7 +368,10 @@ fn shrink_refuses_a_write_that_waited_at_the_gate() {
         .unwrap_or_else(|e| panic!("the pool does not reopen after the race: {e}"));
     let written = written.unwrap_or_else(|_| panic!("the write that waited at the gate panicked"));
     assert!(
-        matches!(written, Err(Error::Invalid(_))),
+        matches!(
+            written,
+            Err(Error::BeyondVolume { .. } | Error::BlockBeyondVolume { .. })
+        ),
         "a write beyond the new end: {written:?}"
     );
     assert_eq!(pool.info("r").unwrap().size_bytes, 4 * BLOCK);
@@ -652,7 +655,8 @@ fn resize_races_with_tail_writes() {
                         }
                     };
                     match result {
-                        Ok(()) | Err(Error::Invalid(_)) => {}
+                        Ok(())
+                        | Err(Error::BeyondVolume { .. } | Error::BlockBeyondVolume { .. }) => {}
                         Err(e) => panic!("block {block}: {e}"),
                     }
                 }

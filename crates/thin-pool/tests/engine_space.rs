@@ -15,8 +15,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::MemoryCatalog;
+use thin_pool::catalog::MemoryCatalog;
 use thin_pool::testing::{MemoryParts, PoolParts};
+use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Error, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -10,7 +10,7 @@ use anyhow::{ensure, Context};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use thin_pool::engine::pool::METADATA_FILE;
+use thin_pool::METADATA_FILE;
 
 /// The two checkers: `thin_check` from `$THINPOOL_TOOLS_DIR`, and this binary.
 pub(super) struct CheckTools {

@@ -9,6 +9,8 @@
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
 use thin_pool::CreateOptions;
+use thin_pool::BLOCK_SIZE_DEFAULT_BYTES;
+use thin_pool::{CreateOptions, Pool};
 
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions};
@@ -111,7 +113,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 /// will fail with ENOSPC. (Metadata that does not fit is refused by [`thin_pool::Pool::create`]: it is
 /// preallocated.)
 fn host_space_warning(dir: &std::path::Path, data_size_bytes: u64) -> Option<String> {
-    let free = thin_pool::engine::pool::host_free_bytes(dir)?;
+    let free = thin_pool::host_free_bytes(dir)?;
     (data_size_bytes > free).then(|| {
         format!(
             "warning: the data file ({}, sparse) is larger than the {} free on the host file system of {}: writes beyond that will fail with ENOSPC",

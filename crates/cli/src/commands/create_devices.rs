@@ -1,12 +1,12 @@
 //! `thinpool create --metadata-device DEV --data-device DEV`: a pool on two block devices.
 //! The pool directory then holds only `devices.json` (naming them), the catalog,
 //! `pool.json` and the sockets; sizes come from the devices, which every open claims
-//! exclusively (see `thin_pool::engine::block_device`). `create --grow` without a size grows
+//! exclusively (see `thin_pool::block_device`). `create --grow` without a size grows
 //! such a pool to its data device's size (after `losetup -c`, `lvextend`, ...).
 
 use anyhow::{bail, Context};
 use std::path::PathBuf;
-use thin_pool::engine::block_device::{device_size_bytes, DevicePaths};
+use thin_pool::block_device::{device_size_bytes, DevicePaths};
 use thin_pool::Pool;
 
 use crate::control::{self, Outcome, Request};

@@ -14,12 +14,12 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use thin_pool::engine::block_device::{
+use thin_pool::block_device::{
     holds_pool_metadata, open_metadata_device, BlockDataDevice, DevicePaths, DEVICES_FILE,
 };
-use thin_pool::engine::catalog::{validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use thin_pool::engine::data_device::DataDevice;
-use thin_pool::ids::VolumeId;
+use thin_pool::catalog::{validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog};
+use thin_pool::data_device::DataDevice;
+use thin_pool::VolumeId;
 use thin_pool::{Pool, PoolMetadata};
 
 use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions, OPTIONS_FILE};

@@ -69,7 +69,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
         );
         return Ok(ExitCode::SUCCESS);
     }
-    let metadata = dir.path.join(thin_pool::engine::pool::METADATA_FILE);
+    let metadata = dir.path.join(thin_pool::METADATA_FILE);
     match (&request, status.metadata_snap) {
         (Request::ReserveMetadataSnap, Some(block)) => println!(
             "reserved metadata snapshot at block {block}: thin_ls -m, thin_delta -m and thin_dump -m read it from {}; release it with `thinpool metadata-snap release`",

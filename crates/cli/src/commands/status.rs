@@ -27,7 +27,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status));
-        if let Some(devices) = thin_pool::engine::block_device::DevicePaths::load(&dir.path)? {
+        if let Some(devices) = thin_pool::block_device::DevicePaths::load(&dir.path)? {
             println!(
                 "devices:           metadata {}, data {}{}",
                 devices.metadata_device.display(),

@@ -1,5 +1,5 @@
 //! The `list` answer: every volume with its space accounting (mapped, exclusive and shared
-//! bytes as of the last commit, see `thin_pool::engine::usage`).
+//! bytes as of the last commit, see `thin_pool::Pool::usage`).
 
 use thin_pool::Pool;
 

@@ -55,14 +55,12 @@
 //! of the host for small reads (`docs/performance.md`).
 
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
-use crate::engine::commit::metadata_reserve_blocks;
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
-use crate::engine::manage::data_grow_metadata_blocks;
+use crate::engine::layout::DEVICES_FILE;
+use crate::engine::limits::{data_grow_metadata_blocks, metadata_reserve_blocks};
 use crate::engine::options::PoolOptions;
-use crate::engine::pool::Pool;
-use crate::engine::shared::io_error;
-use crate::error::{Error, Result};
+use crate::error::{io_error, Error, Result};
 use crate::format::metadata::PoolMetadata;
 use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
@@ -78,9 +76,6 @@ mod data;
 mod identity;
 pub use data::{BlockDataDevice, QueueLimits};
 pub use identity::{lock_backing_file, DeviceIdentity, LoopBacking};
-
-/// The file in a pool directory that names the pool's devices.
-pub const DEVICES_FILE: &str = "devices.json";
 
 /// The devices of a pool on block devices, as stored in `devices.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -135,11 +130,10 @@ impl DevicePaths {
         let devices: DevicePaths = serde_json::from_str(&text)
             .map_err(|e| Error::Corrupt(format!("{}: {e}", path.display())))?;
         if devices.version != 1 {
-            return Err(Error::Invalid(format!(
-                "{}: version {} is not supported (expected 1)",
-                path.display(),
-                devices.version
-            )));
+            return Err(Error::UnsupportedVersion {
+                path: path.display().to_string(),
+                version: devices.version,
+            });
         }
         Ok(Some(devices))
     }
@@ -211,10 +205,9 @@ fn require_block_device(file: &File, path: &Path) -> Result<()> {
         .metadata()
         .map_err(io_error(format!("examining {}", path.display())))?;
     if !metadata.file_type().is_block_device() {
-        return Err(Error::Invalid(format!(
-            "{} is not a block device (a pool on files keeps them in its directory)",
-            path.display()
-        )));
+        return Err(Error::NotBlockDevice {
+            path: path.display().to_string(),
+        });
     }
     Ok(())
 }
@@ -256,64 +249,62 @@ pub fn holds_pool_metadata(device: &dyn BlockDevice) -> Result<bool> {
     Ok(magic == crate::format::superblock::MAGIC)
 }
 
-impl Pool {
-    /// Create a pool on two block devices, recorded in `dir` (`devices.json`, the catalog).
-    /// Their sizes are the devices' (the metadata device up to the format's limit). A
-    /// metadata device that already holds pool metadata is refused (`thinpool import`
-    /// takes such a pool over). Returns the pool open.
-    pub fn create_on_devices(
-        dir: &Path,
-        devices: &DevicePaths,
-        block_size_bytes: u64,
-        options: PoolOptions,
-    ) -> Result<Pool> {
-        if Pool::exists(dir) {
-            return Err(Error::Invalid(format!(
-                "{} already holds a pool",
-                dir.display()
-            )));
-        }
-        let metadata = open_metadata_device(&devices.metadata_device, true)?;
-        let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
-        let (devices, lock) = claim(devices, &metadata, &mut data, false)?;
-        if holds_pool_metadata(&metadata)? {
-            return Err(Error::Invalid(format!(
-                "{} already holds dm-thin pool metadata: `thinpool import` takes that pool over; \
-                 to make a new pool, wipe its first 4 KiB first",
-                devices.metadata_device.display()
-            )));
-        }
-        let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
-        let data_blocks = check_layout(block_size_bytes, data.size_bytes(), metadata_blocks)?;
-        std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
-        let metadata: Arc<dyn BlockDevice> = Arc::new(metadata);
-        let md = PoolMetadata::format(
-            metadata.clone(),
-            (block_size_bytes / 512) as u32,
-            data_blocks,
-        )?;
-        let catalog = DirCatalog::new(dir);
-        catalog.store(&Catalog {
-            transaction_id: md.transaction_id().get(),
-            volumes: vec![],
-        })?;
-        drop(md);
-        // Last: the pool exists once its devices are named.
-        devices.store(dir)?;
-        open_on(metadata, data, dir, options, lock)
+/// Format a pool on two block devices, recorded in `dir` (`devices.json`, the catalog).
+/// Their sizes are the devices' (the metadata device up to the format's limit). A metadata
+/// device that already holds pool metadata is refused (`thinpool import` takes such a pool
+/// over). Returns the devices for `Pool::create_on_devices` to open, and the lock their
+/// aliases share ([`claim`]).
+pub(crate) fn create_on_devices(
+    dir: &Path,
+    devices: &DevicePaths,
+    block_size_bytes: u64,
+) -> Result<Opened> {
+    if crate::engine::layout::pool_exists(dir) {
+        return Err(Error::PoolExists {
+            path: dir.display().to_string(),
+        });
     }
+    let metadata = open_metadata_device(&devices.metadata_device, true)?;
+    let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+    let (devices, lock) = claim(devices, &metadata, &mut data, false)?;
+    if holds_pool_metadata(&metadata)? {
+        return Err(Error::MetadataExists {
+            path: devices.metadata_device.display().to_string(),
+        });
+    }
+    let metadata_blocks = metadata_blocks_of(metadata.block_count() * 4096);
+    let data_blocks = check_layout(block_size_bytes, data.size_bytes(), metadata_blocks)?;
+    std::fs::create_dir_all(dir).map_err(io_error(format!("creating {}", dir.display())))?;
+    let metadata: Arc<dyn BlockDevice> = Arc::new(metadata);
+    let md = PoolMetadata::format(
+        metadata.clone(),
+        (block_size_bytes / 512) as u32,
+        data_blocks,
+    )?;
+    let catalog = DirCatalog::new(dir);
+    catalog.store(&Catalog {
+        transaction_id: md.transaction_id().get(),
+        volumes: vec![],
+    })?;
+    drop(md);
+    // Last: the pool exists once its devices are named.
+    devices.store(dir)?;
+    Ok((metadata, data, lock))
+}
 
-    /// Open the pool whose devices `dir` names.
-    pub fn open_devices(dir: &Path, devices: &DevicePaths, options: PoolOptions) -> Result<Pool> {
-        let metadata = open_metadata_device(&devices.metadata_device, !options.read_only)?;
-        let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
-        let (claimed, lock) = claim(devices, &metadata, &mut data, true)?;
-        // A pool recorded before identities were gets them now (read-write opens only).
-        if claimed != *devices && !options.read_only {
-            claimed.store(dir)?;
-        }
-        open_on(Arc::new(metadata), data, dir, options, lock)
+/// Devices opened for a pool, with the lock their aliases share ([`claim`]).
+pub(crate) type Opened = (Arc<dyn BlockDevice>, BlockDataDevice, Option<Arc<File>>);
+
+/// The devices `dir` names, opened and checked against the identities recorded; a pool
+/// recorded before identities were gets them now (read-write opens only).
+pub(crate) fn open_devices(dir: &Path, devices: &DevicePaths, read_only: bool) -> Result<Opened> {
+    let metadata = open_metadata_device(&devices.metadata_device, !read_only)?;
+    let mut data = BlockDataDevice::open(&devices.data_device, devices.direct_io)?;
+    let (claimed, lock) = claim(devices, &metadata, &mut data, true)?;
+    if claimed != *devices && !read_only {
+        claimed.store(dir)?;
     }
+    Ok((Arc::new(metadata), data, lock))
 }
 
 /// Checks that the devices open are the ones `devices` recorded (when it recorded their
@@ -370,64 +361,55 @@ fn claim(
     Ok((claimed, lock.map(Arc::new)))
 }
 
-fn open_on(
-    metadata: Arc<dyn BlockDevice>,
-    data: BlockDataDevice,
-    dir: &Path,
-    mut options: PoolOptions,
-    lock: Option<Arc<File>>,
-) -> Result<Pool> {
+/// Passdown on `data` unless the device cannot take it: turns `options.discard_passdown`
+/// off and returns the event saying why.
+pub(crate) fn passdown_refusal(
+    data: &BlockDataDevice,
+    options: &mut PoolOptions,
+) -> Option<String> {
     let refusal = options
         .discard_passdown
         .then(|| data.limits().passdown_refusal())
-        .flatten();
-    if refusal.is_some() {
-        options.discard_passdown = false;
-    }
-    let path = data.path().display().to_string();
-    let pool = Pool::open_parts(
-        metadata,
-        Arc::new(data),
-        Box::new(DirCatalog::new(dir)),
-        options,
-        lock,
-    )?;
-    if let Some(reason) = refusal {
-        pool.shared
-            .log(format!("discard passdown off on {path}: {reason}"));
-    }
-    Ok(pool)
+        .flatten()?;
+    options.discard_passdown = false;
+    Some(format!(
+        "discard passdown off on {}: {refusal}",
+        data.path().display()
+    ))
 }
 
-/// The limits [`Pool::create`] checks, for devices of given sizes; returns the data blocks.
+/// The limits `Pool::create` checks, for devices of given sizes; returns the data blocks.
 fn check_layout(block_size: u64, data_bytes: u64, metadata_blocks: u64) -> Result<u64> {
     if !block_size.is_multiple_of(512)
         || !crate::format::superblock::valid_data_block_size(
             (block_size / 512).try_into().unwrap_or(0),
         )
     {
-        return Err(Error::Invalid(format!(
-            "block size {block_size} bytes: must be a multiple of 64 KiB from 64 KiB to 1 GiB"
-        )));
+        return Err(Error::BadBlockSize { bytes: block_size });
     }
     let data_blocks = (data_bytes / block_size).min(INDEX_DATA_BLOCK_MAX + 1);
     if data_blocks == 0 {
-        return Err(Error::Invalid(format!(
-            "the data device ({data_bytes} bytes) is smaller than one {block_size}-byte block"
-        )));
+        return Err(Error::DataSmallerThanBlock {
+            data_bytes,
+            block_size_bytes: block_size,
+        });
     }
     if metadata_blocks < 64 {
-        return Err(Error::Invalid(format!(
-            "the metadata device holds {metadata_blocks} blocks of 4 KiB: at least 64 (256 KiB)"
-        )));
+        return Err(Error::MetadataTooSmall {
+            blocks: metadata_blocks,
+        });
     }
     let space_map = data_grow_metadata_blocks(0, data_blocks);
     let reserve = metadata_reserve_blocks(metadata_blocks);
     let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
     if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::Invalid(format!(
-            "a metadata device of {metadata_blocks} blocks cannot map {data_blocks} data blocks: their space map needs {space_map} metadata blocks, {reserve} stay reserved and {formatted} hold the rest (`thinpool metadata-size` estimates what is needed)"
-        )));
+        return Err(Error::MetadataCannotMap {
+            metadata_blocks,
+            data_blocks,
+            space_map_blocks: space_map,
+            reserve_blocks: reserve,
+            formatted_blocks: formatted,
+        });
     }
     Ok(data_blocks)
 }

@@ -160,7 +160,7 @@ impl Catalog {
         (0..=VolumeId::MAX.get())
             .map(VolumeId::new)
             .find(|id| !used.contains(id))
-            .ok_or_else(|| Error::Invalid("every volume id is in use".to_string()))
+            .ok_or(Error::IdsExhausted)
     }
 }
 
@@ -185,9 +185,10 @@ mod raw_volume_id {
 pub fn validate_name(name: &str) -> Result<()> {
     // The caller's message names the volume (escaped); this one says what is wrong.
     let refuse = |why: String| {
-        Err(Error::Invalid(format!(
-            "the volume name {why} (names: {NAME_RULE})"
-        )))
+        Err(Error::BadName {
+            why,
+            rule: NAME_RULE,
+        })
     };
     if name.is_empty() {
         return refuse("is empty".to_string());
@@ -248,10 +249,7 @@ fn check_stored_name(name: &str) -> Result<()> {
             .chars()
             .any(|c| c == '/' || c == '\\' || c.is_control())
     {
-        return Err(Error::Invalid(format!(
-            "volume catalog holds an impossible name {}",
-            quoted(name)
-        )));
+        return Err(Error::BadCatalogName { name: quoted(name) });
     }
     Ok(())
 }
@@ -315,15 +313,16 @@ impl CatalogStore for DirCatalog {
         let path = self.path(transaction_id);
         let text =
             read_no_follow(&path).map_err(|e| self.io("reading the volume catalog", &path, e))?;
-        let catalog: Catalog = serde_json::from_str(&text).map_err(|e| {
-            Error::Invalid(format!("volume catalog {} is damaged: {e}", path.display()))
+        let catalog: Catalog = serde_json::from_str(&text).map_err(|e| Error::CatalogDamaged {
+            path: path.display().to_string(),
+            why: e.to_string(),
         })?;
         if catalog.transaction_id != transaction_id {
-            return Err(Error::Invalid(format!(
-                "volume catalog {} belongs to transaction {}, expected {transaction_id}",
-                path.display(),
-                catalog.transaction_id
-            )));
+            return Err(Error::CatalogMismatch {
+                path: path.display().to_string(),
+                found: catalog.transaction_id,
+                expected: transaction_id,
+            });
         }
         for v in &catalog.volumes {
             check_stored_name(&v.name)?;
@@ -402,11 +401,7 @@ impl CatalogStore for MemoryCatalog {
             .unwrap_or_else(|e| e.into_inner())
             .get(&transaction_id)
             .cloned()
-            .ok_or_else(|| {
-                Error::Invalid(format!(
-                    "no volume catalog for transaction {transaction_id}"
-                ))
-            })
+            .ok_or(Error::NoCatalog { transaction_id })
     }
     fn store(&self, catalog: &Catalog) -> Result<()> {
         self.catalogs

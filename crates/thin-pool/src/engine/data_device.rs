@@ -71,6 +71,7 @@ pub trait DataDevice: Send + Sync {
 
 const ZERO_CHUNK: usize = 1 << 20;
 
+/// `offset..offset+len` inside a device of `size` bytes, or `InvalidInput`.
 fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
     match offset.checked_add(len) {
         Some(end) if end <= size => Ok(()),
@@ -79,6 +80,11 @@ fn check_range(offset: u64, len: u64, size: u64) -> io::Result<()> {
             format!("data range {offset}+{len} outside the data device ({size} bytes)"),
         )),
     }
+}
+
+/// Whether `from..from+len` and `to..to+len` are disjoint (what `copy` requires).
+fn non_overlapping(from: u64, to: u64, len: u64) -> bool {
+    from.saturating_add(len) <= to || to.saturating_add(len) <= from || len == 0
 }
 
 /// Write zeros with plain writes (the fallback).
@@ -258,6 +264,10 @@ impl DataDevice for FileDataDevice {
     }
 
     fn copy(&self, from: u64, to: u64, len: u64) -> io::Result<()> {
+        assert!(
+            non_overlapping(from, to, len),
+            "copy {from}->{to} of {len} overlaps"
+        );
         let size = self.size_bytes();
         check_range(from, len, size)?;
         check_range(to, len, size)?;
@@ -310,10 +320,13 @@ impl DataDevice for FileDataDevice {
     }
 
     fn grow_to(&self, size_bytes: u64) -> io::Result<u64> {
+        let before = self.size_bytes();
         if self.file.metadata()?.is_file() {
             self.grow_file(size_bytes)?;
         }
-        self.refresh_size()
+        let after = self.refresh_size()?;
+        debug_assert!(after >= before, "a data device never shrinks");
+        Ok(after)
     }
 }
 
@@ -389,6 +402,10 @@ impl DataDevice for MemoryDataDevice {
         check_range(offset, len, self.size_bytes())
     }
     fn copy(&self, from: u64, to: u64, len: u64) -> io::Result<()> {
+        assert!(
+            non_overlapping(from, to, len),
+            "copy {from}->{to} of {len} overlaps"
+        );
         let mut bytes = self.bytes.write().unwrap_or_else(|e| e.into_inner());
         check_range(from, len, bytes.len() as u64)?;
         check_range(to, len, bytes.len() as u64)?;

@@ -1,6 +1,6 @@
-//! Diffs of two volumes on an open pool: [`Pool::diff`] (the virtual block ranges that
+//! Diffs of two volumes on an open pool: [`diff`] (the virtual block ranges that
 //! differ, for `thinpool diff` and the NBD meta context `x-thinpool:diff:BASE`) and
-//! [`Pool::delta`] (`thin_delta`'s report, `same` ranges included).
+//! [`delta`] (`thin_delta`'s report, `same` ranges included).
 //!
 //! Both walk the mapping trees of one committed transaction with `format::diff`, which skips
 //! the subtrees the volumes share, so the cost follows the difference, not the size.
@@ -20,16 +20,15 @@
 //! Volumes of different sizes: blocks past the end of the smaller one count as unmapped in
 //! it (the part past its end is walked against an empty tree).
 
-use crate::engine::pool::Pool;
-use crate::engine::shared::{Op, Shared};
+use crate::engine::meta::{Meta, Turn};
+use crate::engine::volumes::Volumes;
 use crate::error::{Error, Result};
 use crate::format::diff::{self, DeltaHeader, DeltaKind, DeltaRange, DiffRequest};
 use crate::ids::{VirtualBlock, VolumeId};
 use persistent_data::block_manager::BlockManager;
 use persistent_data::MetadataBlock;
 use std::ops::Range;
-use std::sync::atomic::Ordering;
-use std::sync::{Arc, MutexGuard};
+use std::sync::Arc;
 
 /// How a range of virtual blocks differs between the base and the target volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,8 +90,8 @@ pub struct Delta {
 }
 
 /// The two volumes in one committed transaction, read under the commit lock.
-struct View<'a> {
-    _commit: MutexGuard<'a, ()>,
+struct Committed<'a> {
+    _turn: Turn<'a>,
     block_manager: Arc<BlockManager>,
     header: DeltaHeader,
     ids: [VolumeId; 2],
@@ -100,104 +99,95 @@ struct View<'a> {
     size_blocks: [u64; 2],
 }
 
-impl Pool {
-    /// The virtual blocks in which `target` differs from `base`, at block granularity:
-    /// mapped in one only, or mapped to different data blocks (times are not compared).
-    /// `blocks` restricts the comparison to a range of virtual blocks (the cost then follows
-    /// the difference inside it). Reflects every write completed before the call (see the
-    /// module notes for the locks it holds).
-    pub fn diff(
-        &self,
-        base: &str,
-        target: &str,
-        blocks: Option<Range<VirtualBlock>>,
-    ) -> Result<VolumeDiff> {
-        let view = self.committed_view(base, target)?;
-        let [base_size, target_size] = view.size_blocks;
-        let end = base_size.max(target_size);
-        let wanted = blocks.map_or(0..end, |r| r.start.get()..r.end.get().min(end));
-        let common = wanted.start..wanted.end.min(base_size.min(target_size));
-        let beyond = wanted.start.max(common.end)..wanted.end;
-        let [base_root, target_root] = view.roots;
-        let mut ranges = Vec::new();
-        if !common.is_empty() {
-            let walked = diff::diff(
-                &*view.block_manager,
-                &DiffRequest {
-                    keys: common.start..=common.end - 1,
-                    ..DiffRequest::new(Some(base_root), Some(target_root))
-                },
-            )?;
-            append(&mut ranges, walked.ranges);
-        }
-        if !beyond.is_empty() {
-            // Past the smaller volume's end: only the larger one's mappings count.
-            let (left, right) = if base_size > target_size {
-                (Some(base_root), None)
-            } else {
-                (None, Some(target_root))
-            };
-            let walked = diff::diff(
-                &*view.block_manager,
-                &DiffRequest {
-                    keys: beyond.start..=beyond.end - 1,
-                    ..DiffRequest::new(left, right)
-                },
-            )?;
-            append(&mut ranges, walked.ranges);
-        }
-        Ok(VolumeDiff {
-            block_size_bytes: self.shared.block_size_bytes,
-            base_size_blocks: base_size,
-            target_size_blocks: target_size,
-            ranges,
-        })
-    }
-
-    /// `thin_delta`'s report of `base` (left) and `target` (right): every mapped range of
-    /// either, `same` included, over the whole trees. Listing `same` ranges reads the shared
-    /// subtrees, so this costs the mapped size; [`Pool::diff`] costs only the difference.
-    pub fn delta(&self, base: &str, target: &str) -> Result<Delta> {
-        let view = self.committed_view(base, target)?;
-        let [base_root, target_root] = view.roots;
+/// The virtual blocks in which `target` differs from `base`, at block granularity:
+/// mapped in one only, or mapped to different data blocks (times are not compared).
+/// `blocks` restricts the comparison to a range of virtual blocks (the cost then follows
+/// the difference inside it). Reflects every write completed before the call (see the
+/// module notes for the locks it holds).
+pub(crate) fn diff(
+    meta: &Meta,
+    volumes: &Volumes,
+    base: &str,
+    target: &str,
+    blocks: Option<Range<VirtualBlock>>,
+) -> Result<VolumeDiff> {
+    let view = committed_view(meta, volumes, base, target)?;
+    let [base_size, target_size] = view.size_blocks;
+    let end = base_size.max(target_size);
+    let wanted = blocks.map_or(0..end, |r| r.start.get()..r.end.get().min(end));
+    let common = wanted.start..wanted.end.min(base_size.min(target_size));
+    let beyond = wanted.start.max(common.end)..wanted.end;
+    let [base_root, target_root] = view.roots;
+    let mut ranges = Vec::new();
+    if !common.is_empty() {
         let walked = diff::diff(
             &*view.block_manager,
             &DiffRequest {
-                list_same: true,
+                keys: common.start..=common.end - 1,
                 ..DiffRequest::new(Some(base_root), Some(target_root))
             },
         )?;
-        Ok(Delta {
-            header: view.header,
-            base_id: view.ids[0],
-            target_id: view.ids[1],
-            ranges: walked.ranges,
-        })
+        append(&mut ranges, walked.ranges);
     }
+    if !beyond.is_empty() {
+        // Past the smaller volume's end: only the larger one's mappings count.
+        let (left, right) = if base_size > target_size {
+            (Some(base_root), None)
+        } else {
+            (None, Some(target_root))
+        };
+        let walked = diff::diff(
+            &*view.block_manager,
+            &DiffRequest {
+                keys: beyond.start..=beyond.end - 1,
+                ..DiffRequest::new(left, right)
+            },
+        )?;
+        append(&mut ranges, walked.ranges);
+    }
+    Ok(VolumeDiff {
+        block_size_bytes: meta.block_size_bytes(),
+        base_size_blocks: base_size,
+        target_size_blocks: target_size,
+        ranges,
+    })
+}
 
-    /// Commit what either volume has queued, then take the commit lock and read both
-    /// volumes' roots in the committed transaction.
-    fn committed_view(&self, base: &str, target: &str) -> Result<View<'_>> {
-        let shared: &Shared = &self.shared;
-        let commit = shared.lock_commit();
-        // Under the commit lock no management operation runs: names, ids and sizes hold.
-        let volumes = [shared.volume_named(base)?, shared.volume_named(target)?];
-        let ids = [volumes[0].id, volumes[1].id];
-        let mut meta = shared.lock_meta();
-        let queued = meta.ops.iter().any(|op| {
-            let volume = match op {
-                Op::Insert { volume, .. } | Op::Remove { volume, .. } => volume,
-            };
-            ids.contains(volume)
-        });
-        if queued || meta.md()?.has_changes() {
-            drop(meta);
-            shared.check_changes_allowed()?;
-            let (mut locked, taken) = shared.flush_and_lock()?;
-            shared.commit_locked(&mut locked, taken)?;
-            meta = locked;
-        }
-        let md = meta.md()?;
+/// `thin_delta`'s report of `base` (left) and `target` (right): every mapped range of
+/// either, `same` included, over the whole trees. Listing `same` ranges reads the shared
+/// subtrees, so this costs the mapped size; [`diff`] costs only the difference.
+pub(crate) fn delta(meta: &Meta, volumes: &Volumes, base: &str, target: &str) -> Result<Delta> {
+    let view = committed_view(meta, volumes, base, target)?;
+    let [base_root, target_root] = view.roots;
+    let walked = diff::diff(
+        &*view.block_manager,
+        &DiffRequest {
+            list_same: true,
+            ..DiffRequest::new(Some(base_root), Some(target_root))
+        },
+    )?;
+    Ok(Delta {
+        header: view.header,
+        base_id: view.ids[0],
+        target_id: view.ids[1],
+        ranges: walked.ranges,
+    })
+}
+
+/// Commit what either volume has queued, then take the commit lock and read both volumes'
+/// roots in the committed transaction.
+fn committed_view<'a>(
+    meta: &'a Meta,
+    volumes: &Volumes,
+    base: &str,
+    target: &str,
+) -> Result<Committed<'a>> {
+    let turn = meta.turn();
+    // Under the commit lock no management operation runs: names, ids and sizes hold.
+    let volumes = [volumes.named(base)?, volumes.named(target)?];
+    let ids = [volumes[0].id(), volumes[1].id()];
+    let read = |view: &crate::engine::meta_state::View<'_>| -> Result<_> {
+        let md = view.md()?;
         if md.has_changes() {
             return Err(Error::Internal(
                 "the metadata holds uncommitted changes after a commit".to_string(),
@@ -210,21 +200,40 @@ impl Pool {
             data_block_count: md.data_space_map().block_count(),
         };
         let roots = [md.volume_root(ids[0])?, md.volume_root(ids[1])?];
-        let block_manager = md.transaction_manager().block_manager().clone();
-        drop(meta);
-        let block_size = shared.block_size_bytes;
-        let size_blocks = volumes
-            .each_ref()
-            .map(|v| v.size_bytes.load(Ordering::Acquire).div_ceil(block_size));
-        Ok(View {
-            _commit: commit,
-            block_manager,
+        Ok((
             header,
-            ids,
             roots,
-            size_blocks,
-        })
-    }
+            md.transaction_manager().block_manager().clone(),
+        ))
+    };
+    let clean = turn.read(|view| -> Result<_> {
+        if view.queue.touches(&ids) || view.md()?.has_changes() {
+            return Ok(None);
+        }
+        read(view).map(Some)
+    })?;
+    let (turn, (header, roots, block_manager)) = match clean {
+        Some(read) => (turn, read),
+        None => {
+            meta.check_changes_allowed()?;
+            let mut change = turn.begin()?;
+            change.commit()?;
+            let read = read(&change.view())?;
+            (change.into_turn(), read)
+        }
+    };
+    let block_size = meta.block_size_bytes();
+    let size_blocks = volumes
+        .each_ref()
+        .map(|v| v.size_bytes().div_ceil(block_size));
+    Ok(Committed {
+        _turn: turn,
+        block_manager,
+        header,
+        ids,
+        roots,
+        size_blocks,
+    })
 }
 
 /// Append the ranges of a walk to `ranges` (differences only, in the engine's terms),

@@ -38,8 +38,6 @@ use crate::ids::{BlockTime, Time, VirtualBlock, DATA_BLOCK_MAX};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-/// Virtual blocks per leaf.
-pub const LEAF_ENTRIES: usize = 512;
 /// The largest data block the index can hold (one less than the format's: the bias).
 pub const INDEX_DATA_BLOCK_MAX: u64 = DATA_BLOCK_MAX - 1;
 /// The most virtual blocks one index covers (2^44).
@@ -52,7 +50,9 @@ const SLOTS: usize = 1 << DIGIT_BITS;
 /// Virtual blocks below one root slot (a node3): 2^36.
 const ROOT_SLOT_SHIFT: u32 = 4 * DIGIT_BITS;
 /// Bytes of a leaf and of a node, for the RAM formula.
+#[cfg(test)]
 const LEAF_BYTES: u64 = 8 * SLOTS as u64;
+#[cfg(test)]
 const NODE_BYTES: u64 = 16 * SLOTS as u64;
 
 type Leaf = [AtomicU64; SLOTS];
@@ -335,6 +335,7 @@ impl Index {
         count
     }
 
+    #[cfg(test)]
     /// Leaves allocated (for the RAM formula).
     pub fn leaves_in_use(&self) -> usize {
         let mut leaves = 0;
@@ -342,6 +343,7 @@ impl Index {
         leaves
     }
 
+    #[cfg(test)]
     /// Nodes allocated (for the RAM formula).
     fn nodes_in_use(&self) -> usize {
         let mut nodes = 0;
@@ -355,6 +357,7 @@ impl Index {
         nodes
     }
 
+    #[cfg(test)]
     /// RAM used by the index, per the module's formula.
     pub fn ram_bytes(&self) -> u64 {
         LEAF_BYTES * self.leaves_in_use() as u64

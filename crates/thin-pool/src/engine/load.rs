@@ -3,13 +3,13 @@
 //! (as LVM runs thin_check before activation), and every volume's mappings checked: bounded
 //! by the volume's size and the data device, with no block a volume would write in place
 //! while another mapping shares it. No index is built at activation: a volume's index is
-//! built from its tree on first use ([`build_index`], called by `Shared::index`), so an open
+//! built from its tree on first use ([`build_index`], called by `Meta::index`), so an open
 //! pool holds indexes only for the volumes in use.
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
-use crate::engine::manage::VOLUME_SIZE_MAX_BYTES;
-use crate::engine::shared::VolumeState;
+use crate::engine::limits::VOLUME_SIZE_MAX_BYTES;
+use crate::engine::volumes::VolumeState;
 use crate::error::{Error, Result};
 use crate::format::details::DeviceDetails;
 use crate::format::metadata::PoolMetadata;
@@ -18,11 +18,10 @@ use persistent_data::block_manager::BlockManager;
 use persistent_data::btree;
 use persistent_data::{BlockDevice, MetadataBlock};
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 /// The catalog must list exactly the metadata's volumes.
-pub(super) fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> {
+pub(crate) fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> {
     let md_ids = md.volumes();
     let mut names = std::collections::HashSet::new();
     let mut ids = std::collections::HashSet::new();
@@ -102,7 +101,7 @@ const CHECK_PROBLEMS_SHOWN: usize = 10;
 /// activates a pool: metadata that breaks a rule could make one volume's writes land on
 /// another's data (a data block counted free while mapped), so it is not opened
 /// (`PoolOptions::skip_check` to take that risk). The error lists what the check found.
-pub(super) fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: u64) -> Result<()> {
+pub(crate) fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: u64) -> Result<()> {
     let report = crate::format::check::check_before_open(metadata.clone(), data_bytes);
     if report.passes(true) {
         return Ok(());
@@ -123,13 +122,13 @@ pub(super) fn check_before_writing(metadata: &Arc<dyn BlockDevice>, data_bytes: 
     )))
 }
 
-/// Build every volume's state, its index left unbuilt (`Shared::index` builds it on first
+/// Build every volume's state, its index left unbuilt (`Meta::index` builds it on first
 /// use). Every mapping tree is still walked once, keeping nothing: each mapping bounded
 /// (its data block inside the data space map, its virtual block inside the volume), the
 /// count the details give, and, read-write, no data block that a volume would write in
 /// place while another mapping shares it (a rule across volumes, so checked here, where
 /// every tree is read).
-pub(super) fn load_volumes(
+pub(crate) fn load_volumes(
     md: &PoolMetadata,
     catalog: &Catalog,
     block_size_bytes: u64,
@@ -165,11 +164,11 @@ pub(super) fn load_volumes(
 
 /// What [`build_index`] needs of the metadata, taken under the metadata mutex.
 pub(crate) struct TreeToIndex {
-    pub(crate) source: Arc<BlockManager>,
-    pub(crate) root: MetadataBlock,
-    pub(crate) size_bytes: u64,
-    pub(crate) mapped_blocks: u64,
-    pub(crate) data_blocks: u64,
+    source: Arc<BlockManager>,
+    root: MetadataBlock,
+    size_bytes: u64,
+    mapped_blocks: u64,
+    data_blocks: u64,
 }
 
 impl TreeToIndex {
@@ -177,9 +176,9 @@ impl TreeToIndex {
     pub(crate) fn of(md: &PoolMetadata, volume: &VolumeState) -> Result<TreeToIndex> {
         Ok(TreeToIndex {
             source: md.transaction_manager().block_manager().clone(),
-            root: md.volume_root(volume.id)?,
-            size_bytes: volume.size_bytes.load(Ordering::Acquire),
-            mapped_blocks: md.details(volume.id)?.mapped_blocks,
+            root: md.volume_root(volume.id())?,
+            size_bytes: volume.size_bytes(),
+            mapped_blocks: md.details(volume.id())?.mapped_blocks,
             data_blocks: md.data_space_map().block_count(),
         })
     }
@@ -196,7 +195,7 @@ pub(crate) fn build_index(
     volume: &VolumeState,
     block_size_bytes: u64,
 ) -> Result<Index> {
-    let name = &volume.name;
+    let name = volume.name();
     let size_bytes = tree.size_bytes;
     let block_count = check_size(name, size_bytes, block_size_bytes)?;
     let index = Index::new(block_count);
@@ -225,7 +224,7 @@ pub(crate) fn build_index(
         (Err(e), None) => return Err(e.into()),
         (Ok(()), None) => {}
     }
-    check_mapped_count(name, volume.id, tree.mapped_blocks, mapped)?;
+    check_mapped_count(name, volume.id(), tree.mapped_blocks, mapped)?;
     Ok(index)
 }
 

@@ -2,50 +2,55 @@
 //! and the volume catalog.
 //!
 //! It uses `crate::format::metadata::PoolMetadata` as its one metadata writer and never
-//! touches on-disk structures directly. Files, one job each:
+//! touches on-disk structures directly. Files, one owner or one job each, in layers: a
+//! file uses only files of lower layers (checked by the import-graph script in
+//! ARCHITECTURE.md's engine section):
 //!
-//! - `pool`: the public handle (create, open, close, status, list);
-//! - `manage`: management operations (volumes, growth, transaction id, metadata snapshot);
-//! - `revert`: revert a volume to a snapshot's content, rename a volume;
-//! - `volume`: volume I/O, on the caller's thread;
-//! - `provision`: what volume I/O needs from the pool (reserve, map, unmap a data block);
-//! - `commit`: applying queued ops and committing the metadata;
-//! - `diff`: the difference of two volumes (`thin_delta`), on committed trees;
-//! - `committer`: the periodic commit thread;
-//! - `shared`: the state the pool's threads share, and one volume's state;
-//! - `options`: options, mode, status and volume information;
-//! - `usage`: per-volume space accounting (mapped, exclusive, shared) without stalling I/O;
-//! - `autoextend`: the low-water marks and the thread that grows the data and metadata;
-//! - `trim`: giving every free data block back to the data device (`thinpool trim`);
-//! - `stats`: commit counters and the duration histogram monitoring reads;
-//! - `grace`: grace periods that keep a freed data block from reuse while lock-free I/O
-//!   may still reach it;
-//! - `index`, `gate`, `catalog`, `data_device`: the mapping index, the write gate, the
-//!   volume catalog and the data device.
-//! - `block_device`: pools on block devices (the directory names them; the data device on
-//!   a block device, exclusive, with zero-out, passdown and optional `O_DIRECT`).
-//!
-//! See ARCHITECTURE.md for the read, provisioning-write and commit paths and the files
-//! each crosses.
+//! 1. leaves: `options`, `limits`, `layout`, `health` (mode, fail reason, events),
+//!    `index`, `gate`, `grace`, `data_device`, `catalog`, `stats`, `queue` (the op queue),
+//!    `block_device`;
+//! 2. `space`: the low-water marks and growth requests (`SpaceWatch`);
+//! 3. `volumes`: the volume registry (`Volumes`, `VolumeState`, `Lookup`);
+//! 4. `load`: what opening reads and checks, index builds from a tree;
+//! 5. `recovery`: indexes against the metadata (resync, debug checks);
+//! 6. `meta_state`, then `meta`: the metadata owner (`Meta`: the metadata mutex, the
+//!    commit lock, reserve, queue, commit, changes, fail);
+//! 7. `provision`: what volume I/O needs from the pool (`Provisioner`);
+//! 8. `volume`: volume I/O on the caller's thread (`Volume`);
+//! 9. management, free functions over the owners: `manage`, `grow`, `revert`, `usage`,
+//!    `diff`, `trim`, `listing`;
+//! 10. workers, started by the pool with handles to the owners: `committer`, `autoextend`;
+//! 11. `open`: creating, opening and assembling a pool (`Owners`);
+//! 12. `pool`: the façade, the only `impl Pool`.
 
 mod autoextend;
-pub mod block_device;
-pub mod catalog;
-mod commit;
+pub(crate) mod block_device;
+pub(crate) mod catalog;
 mod committer;
-pub mod data_device;
-pub mod diff;
-pub mod gate;
+pub(crate) mod data_device;
+pub(crate) mod diff;
+mod gate;
 mod grace;
-pub mod index;
+mod grow;
+mod health;
+mod index;
+pub(crate) mod layout;
+pub(crate) mod limits;
+mod listing;
 mod load;
 mod manage;
-pub mod options;
-pub mod pool;
+mod meta;
+mod meta_state;
+pub(crate) mod open;
+pub(crate) mod options;
+pub(crate) mod pool;
 mod provision;
+mod queue;
+mod recovery;
 mod revert;
-mod shared;
-pub mod stats;
+pub(crate) mod space;
+pub(crate) mod stats;
 mod trim;
-pub mod usage;
-pub mod volume;
+pub(crate) mod usage;
+pub(crate) mod volume;
+mod volumes;

@@ -1,10 +1,10 @@
 //! Provisioning: what volume I/O needs from the pool, and nothing more.
 //!
-//! [`Provisioner`] is the volume's view of the pool: the data device, the mode, and the
-//! three steps that change mappings:
+//! [`Provisioner`] is the volume's view of the pool: the data device, the mode, the grace
+//! pins, and the steps that change mappings, over the metadata owner (`meta`):
 //!
 //! ```text
-//!   alloc(volume)             reserve a data block in the metadata (short metadata lock);
+//!   alloc(volume)             reserve a data block (Meta::reserve, short metadata lock);
 //!                             out of space: commit once, then fail or wait per the policy
 //!   alloc_many(count)         reserve several under one metadata lock hold (None: too few)
 //!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
@@ -15,14 +15,18 @@
 //! A [`Reservation`] not mapped (the write failed) is released when dropped. The caller
 //! holds the volume's block lock for `block` across `map` and `unmap`: that lock orders the
 //! index updates of one block, so a block is mapped once. The index is updated together
-//! with the op queue, under the metadata lock, so the index always equals the trees plus
-//! the queued ops, also when a metadata failure drops the queue.
+//! with the op queue, under the metadata lock (`Meta::queue`), so the index always equals
+//! the trees plus the queued ops, also when a metadata failure drops the queue.
 
 use crate::engine::data_device::DataDevice;
-use crate::engine::grace::Pin;
-use crate::engine::index::INDEX_DATA_BLOCK_MAX;
+use crate::engine::grace::{Pin, Readers};
+use crate::engine::health::Health;
+use crate::engine::meta::Meta;
+use crate::engine::meta_state::Grant;
 use crate::engine::options::{FaultPoint, PoolMode, PoolOptions};
-use crate::engine::shared::{Op, Shared, VolumeState};
+use crate::engine::queue::Op;
+use crate::engine::space::SpaceWatch;
+use crate::engine::volumes::{Lookup, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{BlockTime, DataBlock, VirtualBlock};
 use std::sync::Arc;
@@ -35,10 +39,20 @@ const SPACE_WAIT_STEP: Duration = Duration::from_millis(200);
 /// to finish) before the no-space policy applies.
 const GRACE_WAIT_MAX: Duration = Duration::from_secs(5);
 
+/// The owners a provisioner uses.
+pub(crate) struct ProvisionParts {
+    pub(crate) meta: Arc<Meta>,
+    pub(crate) data: Arc<dyn DataDevice>,
+    pub(crate) options: Arc<PoolOptions>,
+    pub(crate) readers: Arc<Readers>,
+    pub(crate) watch: Arc<SpaceWatch>,
+    pub(crate) health: Arc<Health>,
+}
+
 /// The pool as volume I/O sees it. Cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Provisioner {
-    shared: Arc<Shared>,
+    parts: Arc<ProvisionParts>,
 }
 
 /// A data block reserved for one write. Map it with [`Provisioner::map`]; dropping it
@@ -62,49 +76,57 @@ impl Reservation<'_> {
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         if !self.mapped {
-            self.provisioner.release(self.block, self.generation);
+            self.provisioner
+                .parts
+                .meta
+                .release(self.block, self.generation);
         }
     }
 }
 
 impl Provisioner {
-    pub(crate) fn new(shared: Arc<Shared>) -> Provisioner {
-        Provisioner { shared }
+    pub(crate) fn new(parts: ProvisionParts) -> Provisioner {
+        Provisioner {
+            parts: Arc::new(parts),
+        }
     }
 
     /// The pool's mode.
+    #[inline]
     pub(crate) fn mode(&self) -> PoolMode {
-        self.shared.mode()
+        self.parts.health.mode()
     }
 
     /// The data device.
+    #[inline]
     pub(crate) fn data(&self) -> &dyn DataDevice {
-        &*self.shared.data
+        &*self.parts.data
     }
 
     /// Data block size in bytes.
+    #[inline]
     pub(crate) fn block_size_bytes(&self) -> u64 {
-        self.shared.block_size_bytes
+        self.parts.meta.block_size_bytes()
     }
 
     /// The pool's options.
     pub(crate) fn options(&self) -> &PoolOptions {
-        &self.shared.options
+        &self.parts.options
     }
 
     /// Pin the calling thread around a lookup and the data I/O it leads to (see `grace`):
     /// while pinned, take no lock and do not wait for space.
     #[inline]
     pub(crate) fn pin(&self) -> Pin<'_> {
-        self.shared.readers.pin()
+        self.parts.readers.pin()
     }
 
     /// Make every completed write durable: commit (a pool read-only by option only
     /// flushes the data device).
     pub(crate) fn flush(&self) -> Result<()> {
         match self.mode() {
-            PoolMode::ReadOnly if self.shared.options.read_only => self.shared.flush_data(),
-            _ => self.shared.commit(),
+            PoolMode::ReadOnly if self.parts.options.read_only => self.parts.meta.flush_data(),
+            _ => self.parts.meta.commit(),
         }
     }
 
@@ -116,130 +138,94 @@ impl Provisioner {
     /// inside the gate, and must not wait up to the no-space timeout. The write has changed
     /// nothing yet, and out of data space is what it gets at the timeout anyway.
     pub(crate) fn alloc(&self, volume: &VolumeState) -> Result<Reservation<'_>> {
-        let shared = &*self.shared;
+        let parts = &*self.parts;
+        let meta = &*parts.meta;
         // A zero timeout queues forever, as dm-thin's.
-        let timeout = shared.options.no_space_timeout;
+        let timeout = parts.options.no_space_timeout;
         let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
         let mut committed_once = false;
         loop {
-            shared.check_changes_allowed()?;
-            let mut meta = shared.lock_meta();
-            let generation = meta.generation;
-            let md = meta.md()?;
-            match md.alloc_data_block() {
-                Ok(block) => {
-                    if block.get() > INDEX_DATA_BLOCK_MAX {
-                        md.release_data_block(block);
-                        return Err(Error::Invalid(format!(
-                            "data block {block} beyond the engine's range"
-                        )));
-                    }
-                    let usage = md.usage();
-                    drop(meta);
-                    self.reserved(usage.data_used_blocks, usage.data_total_blocks);
-                    return Ok(Reservation {
-                        provisioner: self,
-                        block,
-                        generation,
-                        mapped: false,
-                    });
-                }
-                Err(Error::OutOfDataSpace { block_count }) => {
-                    drop(meta);
-                    if !committed_once {
-                        committed_once = true;
-                        // Frees the blocks discards unmapped; they become reservable once
-                        // the I/O pinned before their unmap is done.
-                        shared.commit()?;
-                        let grace = Instant::now() + GRACE_WAIT_MAX;
-                        shared.wait_for_held(deadline.map_or(grace, |d| d.min(grace)));
-                        continue;
-                    }
-                    let now = Instant::now();
-                    let expired = deadline.is_some_and(|d| now >= d);
-                    if shared.watch.may_grow() && !volume.gate.is_paused() {
-                        // Autoextend can still grow the data: wait for it, whatever the
-                        // policy and the timeout (the growth thread wakes us, or says it
-                        // cannot grow).
-                        shared.watch.request_space();
-                        let meta = shared.lock_meta();
-                        let _ = shared.space.wait_timeout(meta, SPACE_WAIT_STEP);
-                        continue;
-                    }
-                    shared.set_mode(PoolMode::OutOfDataSpace);
-                    if shared.options.error_if_no_space || expired || volume.gate.is_paused() {
-                        return Err(Error::OutOfDataSpace { block_count });
-                    }
-                    // Queued: autoextend (if on) retries while writes wait.
-                    shared.watch.request();
-                    let meta = shared.lock_meta();
-                    let wait = deadline.map_or(SPACE_WAIT_STEP, |d| (d - now).min(SPACE_WAIT_STEP));
-                    let _ = shared.space.wait_timeout(meta, wait);
-                    committed_once = false;
-                }
+            meta.check_changes_allowed()?;
+            let block_count = match meta.reserve() {
+                Ok((block, grant)) => return Ok(self.reserved(block, grant)),
+                Err(Error::OutOfDataSpace { block_count }) => block_count,
                 Err(e) => return Err(e),
+            };
+            if !committed_once {
+                committed_once = true;
+                // Frees the blocks discards unmapped; they become reservable once the I/O
+                // pinned before their unmap is done.
+                meta.commit()?;
+                let grace = Instant::now() + GRACE_WAIT_MAX;
+                meta.wait_for_held(deadline.map_or(grace, |d| d.min(grace)));
+                continue;
             }
+            let now = Instant::now();
+            let expired = deadline.is_some_and(|d| now >= d);
+            if parts.watch.may_grow() && !volume.gate().is_paused() {
+                // Autoextend can still grow the data: wait for it, whatever the policy and
+                // the timeout (the worker wakes us, or says it cannot grow).
+                parts.watch.request_space();
+                meta.wait_for_space(SPACE_WAIT_STEP);
+                continue;
+            }
+            parts.health.set_mode(PoolMode::OutOfDataSpace);
+            if parts.options.error_if_no_space || expired || volume.gate().is_paused() {
+                return Err(Error::OutOfDataSpace { block_count });
+            }
+            // Queued: autoextend (if on) retries while writes wait.
+            parts.watch.request();
+            meta.wait_for_space(
+                deadline.map_or(SPACE_WAIT_STEP, |d| (d - now).min(SPACE_WAIT_STEP)),
+            );
+            committed_once = false;
         }
     }
 
     /// Reserve `count` data blocks under one hold of the metadata lock, for a write that
     /// provisions that many whole blocks. None when the pool has fewer free blocks (nothing
-    /// stays reserved): the caller then provisions block by block through [`Provisioner::alloc`],
-    /// which applies the no-space policy.
+    /// stays reserved): the caller then provisions block by block through
+    /// [`Provisioner::alloc`], which applies the no-space policy.
     pub(crate) fn alloc_many(&self, count: usize) -> Result<Option<Vec<Reservation<'_>>>> {
-        let shared = &*self.shared;
-        shared.check_changes_allowed()?;
-        let mut meta = shared.lock_meta();
-        let generation = meta.generation;
-        let md = meta.md()?;
-        let mut blocks = Vec::with_capacity(count);
-        let failure = loop {
-            if blocks.len() == count {
-                break None;
-            }
-            match md.alloc_data_block() {
-                Ok(block) if block.get() <= INDEX_DATA_BLOCK_MAX => blocks.push(block),
-                Ok(block) => {
-                    blocks.push(block);
-                    break Some(Err(Error::Invalid(format!(
-                        "data block {block} beyond the engine's range"
-                    ))));
-                }
-                Err(Error::OutOfDataSpace { .. }) => break Some(Ok(None)),
-                Err(e) => break Some(Err(e)),
-            }
+        assert!(count > 0, "a run reserves at least one block");
+        self.parts.meta.check_changes_allowed()?;
+        let Some((blocks, grant)) = self.parts.meta.reserve_many(count)? else {
+            return Ok(None);
         };
-        if let Some(result) = failure {
-            for &block in &blocks {
-                md.release_data_block(block);
-            }
-            return result;
-        }
-        let usage = md.usage();
-        drop(meta);
-        self.reserved(usage.data_used_blocks, usage.data_total_blocks);
+        assert_eq!(blocks.len(), count);
+        self.after_reservation(grant);
         Ok(Some(
             blocks
                 .into_iter()
                 .map(|block| Reservation {
                     provisioner: self,
                     block,
-                    generation,
+                    generation: grant.generation,
                     mapped: false,
                 })
                 .collect(),
         ))
     }
 
-    /// After a reservation: the low-water event and the autoextend request (`autoextend`),
-    /// and leaving out-of-data-space mode.
-    fn reserved(&self, used_blocks: u64, total_blocks: u64) {
-        let shared = &*self.shared;
-        shared
+    fn reserved(&self, block: DataBlock, grant: Grant) -> Reservation<'_> {
+        self.after_reservation(grant);
+        Reservation {
+            provisioner: self,
+            block,
+            generation: grant.generation,
+            mapped: false,
+        }
+    }
+
+    /// After a reservation: the low-water event and the autoextend request (`space`), and
+    /// leaving out-of-data-space mode.
+    fn after_reservation(&self, grant: Grant) {
+        let parts = &*self.parts;
+        parts
             .watch
-            .after_reservation(shared, used_blocks, total_blocks);
-        if shared.mode() == PoolMode::OutOfDataSpace {
-            shared.set_mode(PoolMode::Write);
+            .after_reservation(grant.data_used_blocks, grant.data_total_blocks);
+        if parts.health.mode() == PoolMode::OutOfDataSpace {
+            parts.health.set_mode(PoolMode::Write);
         }
     }
 
@@ -263,83 +249,83 @@ impl Provisioner {
         volume: &VolumeState,
         mut mappings: Vec<(VirtualBlock, Reservation<'_>)>,
     ) -> Result<()> {
-        let time = self.shared.time();
+        let Some(generation) = mappings.first().map(|(_, r)| r.generation) else {
+            return Ok(());
+        };
+        let time = self.parts.meta.time();
+        let index = volume.index();
         for (block, reservation) in &mappings {
-            if let Some(old) = volume.index().lookup(*block) {
-                assert!(
-                    volume.is_shared(old),
-                    "volume {:?} block {block}: provisioning over an unshared mapping",
-                    volume.name
-                );
-                assert_ne!(old.data_block(), reservation.block, "a block maps once");
-            }
-        }
-        let mut meta = self.shared.lock_meta();
-        if let Some((_, stale)) = mappings
-            .iter()
-            .find(|(_, r)| r.generation != meta.generation)
-        {
-            // The metadata was abandoned since the block was reserved: the reservation
-            // went with it, and the write cannot be recorded.
-            let generation = stale.generation;
-            for (_, reservation) in &mut mappings {
-                if reservation.generation == generation {
-                    reservation.mapped = true;
+            assert_eq!(
+                reservation.generation, generation,
+                "one reservation generation"
+            );
+            assert!(!reservation.mapped, "a reservation is mapped once");
+            match volume.classify(index.lookup(*block)) {
+                Lookup::Unmapped => {}
+                Lookup::Shared(old) => {
+                    assert_ne!(old, reservation.block, "a block maps once")
                 }
+                Lookup::Exclusive(_) => panic!(
+                    "volume {:?} block {block}: provisioning over an unshared mapping",
+                    volume.name()
+                ),
             }
-            drop(meta);
-            return Err(Error::ReadOnly { needs_check: true });
         }
-        // The volume's size only changes under this lock (and with its writers paused); a
-        // write beyond it is refused, never queued.
-        let block_count = volume.index().block_count();
-        if let Some((block, _)) = mappings.iter().find(|(b, _)| b.get() >= block_count) {
-            let block = *block;
-            drop(meta);
-            return Err(Error::Invalid(format!(
-                "volume {:?}: block {block} is beyond its {block_count} blocks",
-                volume.name
-            )));
+        let queued = self.parts.meta.queue(Some(generation), |queue| {
+            // The volume's size only changes under this lock (and with its writers
+            // paused); a write beyond it is refused, never queued.
+            let block_count = index.block_count();
+            if let Some((block, _)) = mappings.iter().find(|(b, _)| b.get() >= block_count) {
+                return Err(Error::BlockBeyondVolume {
+                    volume: volume.name().to_string(),
+                    block: *block,
+                    block_count,
+                });
+            }
+            for (block, reservation) in &mut mappings {
+                let mapping = BlockTime::new(reservation.block, time);
+                queue.push(Op::Insert {
+                    volume: volume.id(),
+                    block: *block,
+                    mapping,
+                });
+                reservation.mapped = true;
+                queue.fault_point(FaultPoint::Map);
+                // Published under the metadata lock, so a metadata failure (which drops the
+                // queued ops and reloads the index under that lock) never misses it.
+                index.set(*block, mapping);
+            }
+            Ok(())
+        });
+        if let Err(Error::ReadOnly { needs_check: true }) = &queued {
+            // The metadata was abandoned since the blocks were reserved: the reservations
+            // went with it, and the write cannot be recorded.
+            for (_, reservation) in &mut mappings {
+                reservation.mapped = true;
+            }
         }
-        for (block, reservation) in &mut mappings {
-            let mapping = BlockTime::new(reservation.block, time);
-            meta.push(Op::Insert {
-                volume: volume.id,
-                block: *block,
-                mapping,
-            });
-            reservation.mapped = true;
-            self.shared.fault_point(FaultPoint::Map);
-            // Published under the metadata lock, so a metadata failure (which drops the
-            // queued ops and reloads the index under that lock) never misses it.
-            volume.index().set(*block, mapping);
-        }
-        drop(meta);
-        Ok(())
+        assert!(
+            queued.is_err() || mappings.iter().all(|(_, r)| r.mapped),
+            "every mapping is queued once"
+        );
+        queued
     }
 
     /// Unmap `block` of `volume` if it is mapped: clear the index entry and queue the
     /// removal. The caller holds the volume's block lock for `block`.
     pub(crate) fn unmap(&self, volume: &VolumeState, block: VirtualBlock) {
-        if volume.index().lookup(block).is_some() {
-            let mut meta = self.shared.lock_meta();
-            volume.index().clear(block);
-            meta.push(Op::Remove {
-                volume: volume.id,
-                block,
+        let index = volume.index();
+        if index.lookup(block).is_some() {
+            let queued = self.parts.meta.queue(None, |queue| {
+                index.clear(block);
+                queue.push(Op::Remove {
+                    volume: volume.id(),
+                    block,
+                });
+                Ok(())
             });
-        }
-    }
-
-    /// Give back a reservation that will not be mapped (its write failed).
-    fn release(&self, block: DataBlock, generation: u64) {
-        let mut meta = self.shared.lock_meta();
-        if meta.generation != generation {
-            return;
-        }
-        if let Some(md) = meta.md.as_mut() {
-            let released = md.release_data_block(block);
-            debug_assert!(released, "data block {block} was reserved");
+            assert!(queued.is_ok(), "an unmap is always queued");
+            debug_assert!(index.lookup(block).is_none());
         }
     }
 }

@@ -6,9 +6,8 @@
 //! during a record may count it in one field and not yet in another; every field only
 //! grows). The binary uses the same type for its per-connection request histograms.
 //!
-//! The engine records into `CommitCounters` (in `Shared`) once per metadata commit, from
-//! the start of the data flush that precedes it to the end of the superblock write
-//! (`commit.rs`); [`crate::Pool::commit_stats`] hands out a [`CommitStats`] snapshot.
+//! The metadata owner records into its histogram once per metadata commit, from the start
+//! of the data flush that precedes it to the end of the superblock write (`meta_state`); [`crate::Pool::commit_stats`] hands out a [`CommitStats`] snapshot.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -109,14 +108,6 @@ impl HistogramSnapshot {
     pub fn sum_seconds(&self) -> f64 {
         self.sum_ns as f64 / 1e9
     }
-}
-
-/// What the engine counts about commits (in `Shared`).
-#[derive(Debug, Default)]
-pub(crate) struct CommitCounters {
-    /// Durations of the metadata commits since the pool opened; their count is the number
-    /// of commits.
-    pub(crate) durations: DurationHistogram,
 }
 
 /// Commits since the pool opened: see [`crate::Pool::commit_stats`].

@@ -14,49 +14,51 @@
 //! after its chunk was read is never punched under the data its write puts there. The lock
 //! is released between chunks, so writes wait for one chunk at most.
 
-use crate::engine::pool::Pool;
-use crate::engine::shared::io_error;
-use crate::error::Result;
-use std::sync::atomic::Ordering;
+use crate::engine::data_device::DataDevice;
+use crate::engine::meta::Meta;
+use crate::engine::space::SpaceWatch;
+use crate::error::{Error, Result};
 
 /// Data blocks looked at per hold of the metadata lock.
 const TRIM_CHUNK_BLOCKS: u64 = 4096;
 
-impl Pool {
-    /// Discard every free data block on the data device. Returns the bytes discarded
-    /// (free blocks that were holes already count too).
-    pub fn trim(&self) -> Result<u64> {
-        let shared = &self.shared;
-        // Frees queued so far become free blocks (or, in their grace period, pass down
-        // when it ends).
-        shared.commit()?;
-        let block_size = shared.block_size_bytes;
-        let mut trimmed = 0;
-        let mut begin = 0;
-        loop {
-            shared.check_changes_allowed()?;
-            let mut meta = shared.lock_meta();
-            let md = meta.md()?;
+/// Discard every free data block on the data device. Returns the bytes discarded (free
+/// blocks that were holes already count too).
+pub(crate) fn trim(meta: &Meta, data: &dyn DataDevice, watch: &SpaceWatch) -> Result<u64> {
+    // Frees queued so far become free blocks (or, in their grace period, pass down when it
+    // ends).
+    meta.commit()?;
+    let block_size = meta.block_size_bytes();
+    let mut trimmed = 0;
+    let mut begin = 0;
+    loop {
+        meta.check_changes_allowed()?;
+        let chunk = meta.read(|view| -> Result<Option<u64>> {
+            let md = view.md()?;
             let total = md.data_space_map().block_count();
             if begin >= total {
-                break;
+                return Ok(None);
             }
             let end = (begin + TRIM_CHUNK_BLOCKS).min(total);
             for (first, count) in md.free_data_runs(begin, end) {
+                assert!(
+                    first >= begin && first + count <= end,
+                    "a run inside its chunk"
+                );
                 let (offset, len) = (first * block_size, count * block_size);
-                shared.data.discard(offset, len).map_err(io_error(format!(
-                    "discarding data blocks {first}..{} (trim)",
-                    first + count
-                )))?;
+                data.discard(offset, len).map_err(|source| Error::Io {
+                    what: format!("discarding data blocks {first}..{} (trim)", first + count),
+                    source,
+                })?;
                 trimmed += len;
             }
-            drop(meta);
-            begin = end;
+            Ok(Some(end))
+        })?;
+        match chunk {
+            Some(end) => begin = end,
+            None => break,
         }
-        shared
-            .watch
-            .passed_down_bytes
-            .fetch_add(trimmed, Ordering::Relaxed);
-        Ok(trimmed)
     }
+    watch.passed_down(trimmed);
+    Ok(trimmed)
 }

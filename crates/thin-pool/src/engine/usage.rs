@@ -15,7 +15,7 @@
 //! The figures are those of the last commit (at most one commit interval behind what
 //! clients wrote), as `thin_ls` would print on the metadata at that moment.
 
-use crate::engine::pool::Pool;
+use crate::engine::meta::Meta;
 use crate::error::{Error, Result};
 use crate::format::metadata::usage::{volume_usage, VolumeUsage};
 use crate::ids::VolumeId;
@@ -40,57 +40,47 @@ pub struct VolumeSpace {
     pub shared_bytes: u64,
 }
 
-impl Pool {
-    /// The space of every volume as of the last commit, in catalog order. Holds the
-    /// metadata lock only to take and check a token (see the module doc).
-    pub fn usage(&self) -> Result<Vec<VolumeSpace>> {
-        for _ in 0..OPTIMISTIC_TRIES {
-            if let Some(space) = self.usage_try()? {
-                return Ok(space);
-            }
+/// The space of every volume as of the last commit, in catalog order. Holds the metadata
+/// lock only to take and check a token (see the module doc).
+pub(crate) fn usage(meta: &Meta) -> Result<Vec<VolumeSpace>> {
+    for _ in 0..OPTIMISTIC_TRIES {
+        if let Some(space) = usage_try(meta)? {
+            return Ok(space);
         }
-        let _commit = self.shared.lock_commit();
-        self.usage_try()?.ok_or_else(|| {
-            Error::Internal("the metadata changed under the commit lock".to_string())
-        })
     }
+    let _turn = meta.turn();
+    usage_try(meta)?
+        .ok_or_else(|| Error::Internal("the metadata changed under the commit lock".to_string()))
+}
 
-    /// One walk; None if commits may have reused a block it read.
-    fn usage_try(&self) -> Result<Option<Vec<VolumeSpace>>> {
-        let shared = &self.shared;
-        let (block_manager, root, names, token) = {
-            let meta = shared.lock_meta();
-            let md = meta
+/// One walk; None if commits may have reused a block it read.
+fn usage_try(meta: &Meta) -> Result<Option<Vec<VolumeSpace>>> {
+    let (block_manager, root, names, token) = meta.read(|view| -> Result<_> {
+        let md = view.md()?;
+        let names: Vec<(String, VolumeId)> = view
+            .catalog
+            .volumes
+            .iter()
+            .map(|v| (v.name.clone(), v.id))
+            .collect();
+        Ok((
+            md.transaction_manager().block_manager().clone(),
+            md.superblock().data_mapping_root,
+            names,
+            (view.generation, md.commits_started()),
+        ))
+    })?;
+    let walked = volume_usage(&*block_manager, root);
+    let valid = meta.read(|view| {
+        view.generation == token.0
+            && view
                 .md
-                .as_ref()
-                .ok_or(Error::ReadOnly { needs_check: true })?;
-            let names: Vec<(String, VolumeId)> = meta
-                .catalog
-                .volumes
-                .iter()
-                .map(|v| (v.name.clone(), v.id))
-                .collect();
-            (
-                md.transaction_manager().block_manager().clone(),
-                md.superblock().data_mapping_root,
-                names,
-                (meta.generation, md.commits_started()),
-            )
-        };
-        let walked = volume_usage(&*block_manager, root);
-        let valid = {
-            let meta = shared.lock_meta();
-            meta.generation == token.0
-                && meta
-                    .md
-                    .as_ref()
-                    .is_some_and(|md| md.commits_started() <= token.1 + 1)
-        };
-        if !valid {
-            return Ok(None);
-        }
-        Ok(Some(spaces(&walked?, &names, shared.block_size_bytes)))
+                .is_some_and(|md| md.commits_started() <= token.1 + 1)
+    });
+    if !valid {
+        return Ok(None);
     }
+    Ok(Some(spaces(&walked?, &names, meta.block_size_bytes())))
 }
 
 fn spaces(

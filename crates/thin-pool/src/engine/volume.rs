@@ -26,15 +26,16 @@
 //! write gate: a shrink may have run while they waited at it.
 //!
 //! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
-//! unmap); the volume's own state is its `VolumeState`.
+//! unmap); the volume's own state is its `VolumeState` (`volumes`), whose
+//! [`Lookup`] says what a block needs: nothing (unmapped), in-place I/O (exclusive) or a
+//! copy (shared).
 
 use crate::engine::index::Index;
 use crate::engine::options::PoolMode;
 use crate::engine::provision::Provisioner;
-use crate::engine::shared::VolumeState;
+use crate::engine::volumes::{Lookup, VolumeState};
 use crate::error::{Error, Result};
-use crate::ids::{BlockTime, VirtualBlock, VolumeId};
-use std::sync::atomic::Ordering;
+use crate::ids::{DataBlock, VirtualBlock, VolumeId};
 use std::sync::Arc;
 
 /// Sector size: offsets and lengths are multiples of it.
@@ -107,7 +108,7 @@ impl Drop for Volume {
 impl std::fmt::Debug for Volume {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Volume")
-            .field("name", &self.volume.name)
+            .field("name", &self.volume.name())
             .finish()
     }
 }
@@ -144,22 +145,22 @@ impl Volume {
 
     /// The volume's name.
     pub fn name(&self) -> &str {
-        &self.volume.name
+        self.volume.name()
     }
 
     /// The volume's id in the metadata.
     pub fn id(&self) -> VolumeId {
-        self.volume.id
+        self.volume.id()
     }
 
     /// Virtual size in bytes.
     pub fn size_bytes(&self) -> u64 {
-        self.volume.size_bytes.load(Ordering::Acquire)
+        self.volume.size_bytes()
     }
 
     /// Whether writes are refused (read-only volume or pool).
     pub fn read_only(&self) -> bool {
-        self.volume.read_only.load(Ordering::Acquire) || self.pool.options().read_only
+        self.volume.read_only() || self.pool.options().read_only
     }
 
     /// Data block size in bytes.
@@ -174,16 +175,20 @@ impl Volume {
 
     fn check_range(&self, offset: u64, len: u64) -> Result<()> {
         if !offset.is_multiple_of(SECTOR_SIZE) || !len.is_multiple_of(SECTOR_SIZE) {
-            return Err(Error::Invalid(format!(
-                "offset {offset} and length {len} must be multiples of {SECTOR_SIZE}"
-            )));
+            return Err(Error::Unaligned {
+                offset,
+                length: len,
+                sector_bytes: SECTOR_SIZE,
+            });
         }
         let size = self.size_bytes();
         match offset.checked_add(len) {
             Some(end) if end <= size => Ok(()),
-            _ => Err(Error::Invalid(format!(
-                "range {offset}+{len} is beyond the volume's {size} bytes"
-            ))),
+            _ => Err(Error::BeyondVolume {
+                offset,
+                length: len,
+                size_bytes: size,
+            }),
         }
     }
 
@@ -197,12 +202,17 @@ impl Volume {
         }
     }
 
-    /// Byte offset on the data device of `in_block` bytes into `mapping`'s data block.
-    fn data_offset(&self, mapping: BlockTime, in_block: u64) -> u64 {
-        mapping
-            .data_block()
-            .offset_bytes(self.pool.block_size_bytes())
-            + in_block
+    /// Byte offset on the data device of `in_block` bytes into data block `block`.
+    #[inline]
+    fn data_offset(&self, block: DataBlock, in_block: u64) -> u64 {
+        debug_assert!(in_block < self.pool.block_size_bytes());
+        block.offset_bytes(self.pool.block_size_bytes()) + in_block
+    }
+
+    /// What `block` needs (lock-free: one index lookup).
+    #[inline]
+    fn lookup(&self, block: VirtualBlock) -> Lookup {
+        self.volume.classify(self.index.lookup(block))
     }
 
     /// Split `offset..offset+len` into (virtual block, offset in block, length) pieces.
@@ -217,6 +227,10 @@ impl Volume {
             let block = position / block_size;
             let in_block = position % block_size;
             let n = (block_size - in_block).min(end - position);
+            debug_assert!(
+                n > 0 && in_block + n <= block_size,
+                "a piece stays in its block"
+            );
             position += n;
             Some((VirtualBlock::new(block), in_block, n))
         })
@@ -232,12 +246,12 @@ impl Volume {
         let mut done = 0usize;
         for (block, in_block, n) in self.pieces(offset, buf.len() as u64) {
             let piece = &mut buf[done..done + n as usize];
-            match self.index.lookup(block) {
+            match self.lookup(block).data_block() {
                 None => piece.fill(0),
-                Some(mapping) => self
+                Some(data_block) => self
                     .pool
                     .data()
-                    .read_at(self.data_offset(mapping, in_block), piece)
+                    .read_at(self.data_offset(data_block, in_block), piece)
                     .map_err(data_io("reading the data device"))?,
             }
             done += n as usize;
@@ -250,7 +264,7 @@ impl Volume {
         self.check_range(offset, data.len() as u64)?;
         self.check_writable()?;
         {
-            let _pass = self.volume.gate.enter();
+            let _pass = self.volume.gate().enter();
             self.check_range(offset, data.len() as u64)?;
             let block_size = self.pool.block_size_bytes();
             // Whole blocks to provision, consecutive in the volume and in `data`, are
@@ -292,6 +306,7 @@ impl Volume {
             if let Some(ended) = run {
                 self.provision_run(ended, data)?;
             }
+            debug_assert_eq!(done, data.len(), "every byte of the write is placed");
         }
         if fua {
             self.flush()?;
@@ -305,7 +320,7 @@ impl Volume {
         self.check_range(offset, len)?;
         self.check_writable()?;
         {
-            let _pass = self.volume.gate.enter();
+            let _pass = self.volume.gate().enter();
             self.check_range(offset, len)?;
             let block_size = self.pool.block_size_bytes();
             for (block, in_block, n) in self.pieces(offset, len) {
@@ -328,7 +343,7 @@ impl Volume {
     pub fn discard(&self, offset: u64, len: u64) -> Result<()> {
         self.check_range(offset, len)?;
         self.check_writable()?;
-        let _pass = self.volume.gate.enter();
+        let _pass = self.volume.gate().enter();
         self.check_range(offset, len)?;
         let block_size = self.pool.block_size_bytes();
         for (block, in_block, n) in self.pieces(offset, len) {
@@ -337,13 +352,11 @@ impl Volume {
                 continue;
             }
             let _pin = self.pool.pin();
-            if let Some(mapping) = self.index.lookup(block) {
-                if !self.volume.is_shared(mapping) {
-                    self.pool
-                        .data()
-                        .zero(self.data_offset(mapping, in_block), n)
-                        .map_err(data_io("zeroing on the data device"))?;
-                }
+            if let Lookup::Exclusive(data_block) = self.lookup(block) {
+                self.pool
+                    .data()
+                    .zero(self.data_offset(data_block, in_block), n)
+                    .map_err(data_io("zeroing on the data device"))?;
             }
         }
         Ok(())
@@ -360,7 +373,7 @@ impl Volume {
         self.check_range(offset, len)?;
         let mut extents: Vec<Extent> = Vec::new();
         for (block, _, n) in self.pieces(offset, len) {
-            let mapped = self.index.lookup(block).is_some();
+            let mapped = self.lookup(block) != Lookup::Unmapped;
             match extents.last_mut() {
                 Some(last) if last.mapped == mapped => last.length_bytes += n,
                 _ => extents.push(Extent {
@@ -383,6 +396,8 @@ impl Volume {
     }
 
     fn write_payload(&self, at: u64, payload: Payload<'_>) -> Result<()> {
+        debug_assert!(at.is_multiple_of(SECTOR_SIZE), "data I/O is sector-aligned");
+        debug_assert!(payload.len().is_multiple_of(SECTOR_SIZE));
         match payload {
             Payload::Data(data) => self
                 .pool
@@ -422,7 +437,7 @@ impl Volume {
             return done;
         }
         let pin = self.pool.pin();
-        let current = self.index.lookup(block);
+        let current = self.lookup(block);
         let base = reservation
             .data_block()
             .offset_bytes(self.pool.block_size_bytes());
@@ -446,6 +461,8 @@ impl Volume {
             run.data_start + (block.get() - run.first.get()) as usize * block_size
         };
         let piece = |block: VirtualBlock| &data[start_of(block)..start_of(block) + block_size];
+        assert!(run.count >= 1 && run.count <= RUN_BLOCKS_MAX);
+        assert!(run.data_start + run.count as usize * block_size <= data.len());
         if run.count == 1 {
             return self.write_piece(run.first, 0, Payload::Data(piece(run.first)), true);
         }
@@ -469,6 +486,11 @@ impl Volume {
             }
             return Ok(());
         };
+        assert_eq!(
+            reservations.len(),
+            wanted.len(),
+            "one reserved block per block"
+        );
         let mut start = 0;
         for end in 1..=wanted.len() {
             let continues = end < wanted.len()
@@ -503,31 +525,34 @@ impl Volume {
         provision: bool,
     ) -> Option<Result<()>> {
         let _pin = self.pool.pin();
-        match self.index.lookup(block) {
-            Some(mapping) if !self.volume.is_shared(mapping) => {
-                Some(self.write_payload(self.data_offset(mapping, in_block), payload))
+        match self.lookup(block) {
+            Lookup::Exclusive(data_block) => {
+                Some(self.write_payload(self.data_offset(data_block, in_block), payload))
             }
-            None if !provision => Some(Ok(())),
-            _ => None,
+            Lookup::Unmapped if !provision => Some(Ok(())),
+            Lookup::Unmapped | Lookup::Shared(_) => None,
         }
     }
 
     /// Fill what a write of `len` bytes at `in_block` leaves of a new block at byte `base`:
-    /// a copy of the `shared` block it replaces (breaking sharing), or zeros.
-    fn fill_new_block(
-        &self,
-        base: u64,
-        shared: Option<BlockTime>,
-        in_block: u64,
-        len: u64,
-    ) -> Result<()> {
+    /// a copy of the block it replaces (`current`, breaking sharing), or zeros.
+    fn fill_new_block(&self, base: u64, current: Lookup, in_block: u64, len: u64) -> Result<()> {
         let block_size = self.pool.block_size_bytes();
         let end = in_block + len;
+        assert!(
+            len > 0 && end <= block_size,
+            "a piece stays inside its block"
+        );
+        assert!(
+            base.is_multiple_of(block_size),
+            "a new block starts on a block boundary"
+        );
         let data = self.pool.data();
-        match shared {
+        match current.data_block() {
             Some(old) => {
                 // Break sharing: copy what the write does not cover.
-                let old_base = old.data_block().offset_bytes(block_size);
+                assert_ne!(old.offset_bytes(block_size), base, "a block maps once");
+                let old_base = old.offset_bytes(block_size);
                 if in_block > 0 {
                     data.copy(old_base, base, in_block)
                         .map_err(data_io("copying on the data device"))?;

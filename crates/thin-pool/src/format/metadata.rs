@@ -406,14 +406,17 @@ impl PoolMetadata {
         self.check_writable()?;
         let current = self.data.block_count();
         if block_count < current {
-            return Err(Error::Invalid(format!(
-                "data device of {block_count} blocks is smaller than the pool's {current}"
-            )));
+            return Err(Error::DataDeviceShrank {
+                device_blocks: block_count,
+                recorded_blocks: current,
+            });
         }
         if block_count > DATA_BLOCK_MAX + 1 {
-            return Err(Error::Invalid(format!(
-                "{block_count} data blocks: at most 2^40"
-            )));
+            return Err(Error::SizeOverLimit {
+                what: crate::error::Limit::FormatDataBlocks,
+                requested: block_count,
+                max: 1 << 40,
+            });
         }
         if block_count > current {
             self.data.extend(block_count);

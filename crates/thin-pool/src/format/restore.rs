@@ -103,7 +103,7 @@ pub fn restore<R: BufRead>(
         other => Error::Dump(other),
     })?;
     restorer.summary.ok_or_else(|| {
-        Error::Metadata(crate::Error::Invalid(
+        Error::Metadata(crate::Error::BadDump(
             "the dump ended before </superblock>".to_string(),
         ))
     })
@@ -170,7 +170,7 @@ fn visitor_error(e: impl Into<crate::Error>) -> dump::Error {
 }
 
 fn invalid(message: String) -> dump::Error {
-    visitor_error(crate::Error::Invalid(message))
+    visitor_error(crate::Error::BadDump(message))
 }
 
 impl Restorer {
@@ -474,7 +474,7 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            matches!(error, Error::Metadata(crate::Error::Invalid(_))),
+            matches!(error, Error::Metadata(crate::Error::BadDump(_))),
             "{error:?}"
         );
     }

@@ -89,15 +89,16 @@ impl std::fmt::Debug for Formatted {
 pub fn format(device: Arc<dyn BlockDevice>, pool: &NewPool) -> Result<Formatted> {
     let sectors = pool.data_block_size_sectors;
     if !valid_data_block_size(sectors) {
-        return Err(Error::Invalid(format!(
-            "data block size {sectors} sectors: must be a multiple of 128 (64 KiB) from 128 to 2097152 (1 GiB)"
-        )));
+        return Err(Error::BadBlockSize {
+            bytes: u64::from(sectors) * 512,
+        });
     }
     if pool.data_block_count > DATA_BLOCK_MAX + 1 {
-        return Err(Error::Invalid(format!(
-            "{} data blocks: at most 2^40",
-            pool.data_block_count
-        )));
+        return Err(Error::SizeOverLimit {
+            what: crate::error::Limit::FormatDataBlocks,
+            requested: pool.data_block_count,
+            max: 1 << 40,
+        });
     }
     let metadata_blocks = device.block_count();
     let bm = Arc::new(BlockManager::new(device, CACHE_BLOCKS_DEFAULT));
@@ -193,9 +194,9 @@ mod tests {
     fn format_refuses_what_the_format_cannot_hold() {
         let device = Arc::new(MemoryDevice::new(64));
         let error = format(device.clone(), &new_pool(100, 10)).unwrap_err();
-        assert!(matches!(error, Error::Invalid(_)), "{error:?}");
+        assert!(matches!(error, Error::BadBlockSize { .. }), "{error:?}");
         let error = format(device, &new_pool(128, DATA_BLOCK_MAX + 2)).unwrap_err();
-        assert!(matches!(error, Error::Invalid(_)), "{error:?}");
+        assert!(matches!(error, Error::SizeOverLimit { .. }), "{error:?}");
     }
 
     #[test]

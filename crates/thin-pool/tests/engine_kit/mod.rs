@@ -24,8 +24,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use testkit::crash::{CrashDevice, CrashMode};
 use testkit::fault::{OpCounts, Ops};
 use testkit::tools::ThinTools;
-use thin_pool::engine::catalog::{Catalog, CatalogStore};
-use thin_pool::engine::data_device::{DataCounters, DataDevice, MemoryDataDevice};
+use thin_pool::catalog::{Catalog, CatalogStore};
+use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::format::check::{check, CheckOptions};
 use thin_pool::testing::PoolParts;
 use thin_pool::Pool;
@@ -584,9 +584,7 @@ impl CatalogStore for ForkableCatalog {
         lock(&self.catalogs)
             .get(&transaction_id)
             .cloned()
-            .ok_or_else(|| {
-                thin_pool::Error::Invalid(format!("no catalog for transaction {transaction_id}"))
-            })
+            .ok_or(thin_pool::Error::NoCatalog { transaction_id })
     }
     fn store(&self, catalog: &Catalog) -> thin_pool::Result<()> {
         lock(&self.catalogs).insert(catalog.transaction_id, catalog.clone());

@@ -4,7 +4,7 @@
 
 use super::{device_size_bytes, open_block_device};
 use crate::engine::data_device::{DataCounters, DataDevice};
-use crate::engine::shared::io_error;
+use crate::error::io_error;
 use crate::error::Result;
 use std::cell::RefCell;
 use std::fs::File;

@@ -150,13 +150,12 @@ pub fn not_this_pools(
     expected: &DeviceIdentity,
     found: &DeviceIdentity,
 ) -> Error {
-    Error::Invalid(format!(
-        "device {} is not this pool's {role} device (expected {}, found {}); if the pool's \
-         devices moved, name them in devices.json, or attach the right ones at these paths",
-        path.display(),
-        expected.describe(),
-        found.describe()
-    ))
+    Error::NotThisPoolsDevice {
+        path: path.display().to_string(),
+        role: if role == "metadata" { "metadata" } else { "data" },
+        expected: expected.describe(),
+        found: found.describe(),
+    }
 }
 
 /// A link in [`STABLE_LINK_DIRS`] to block device `rdev`, if udev made one.
@@ -189,11 +188,10 @@ pub fn lock_backing_file(backing: &LoopBacking, device: &Path) -> Result<File> {
         .metadata()
         .map_err(io_error(format!("examining {}", backing.file.display())))?;
     if (metadata.dev(), metadata.ino()) != (backing.dev, backing.ino) {
-        return Err(Error::Invalid(format!(
-            "{}, the backing file of {}, changed while it was opened",
-            backing.file.display(),
-            device.display()
-        )));
+        return Err(Error::BackingFileChanged {
+            file: backing.file.display().to_string(),
+            device: device.display().to_string(),
+        });
     }
     crate::owner::lock_exclusive(&file, &backing.file).map_err(|error| match error {
         Error::Locked { path } => Error::Locked {

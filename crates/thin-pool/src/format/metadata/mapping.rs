@@ -76,7 +76,7 @@ impl PoolMetadata {
             .time
             .checked_add(1)
             .and_then(Time::new)
-            .ok_or_else(|| Error::Invalid("pool time exhausted (2^24 snapshots)".to_string()))?;
+            .ok_or(Error::TimeExhausted)?;
         self.change(|md| {
             md.tm.inc(origin_state.root)?;
             md.superblock.time = time.get();
@@ -249,16 +249,16 @@ impl PoolMetadata {
     ) -> Result<Option<Mapping>> {
         self.check_writable()?;
         if time.get() > self.superblock.time {
-            return Err(Error::Invalid(format!(
-                "mapping time {time} is after the pool time {}",
-                self.superblock.time
-            )));
+            return Err(Error::TimeAfterPoolTime {
+                time: time.get(),
+                pool_time: self.superblock.time,
+            });
         }
         if data_block.get() >= self.data.block_count() {
-            return Err(Error::Invalid(format!(
-                "data block {data_block} beyond the data device ({} blocks)",
-                self.data.block_count()
-            )));
+            return Err(Error::DataBlockBeyondDevice {
+                block: data_block,
+                block_count: self.data.block_count(),
+            });
         }
         if !self.data.is_reserved(data_block) {
             return Err(Error::Internal(format!(
@@ -397,7 +397,7 @@ mod tests {
         md.commit().unwrap();
         md.superblock.time = Time::MAX.get();
         let refused = md.create_snap(VolumeId::new(1), origin);
-        assert!(matches!(refused, Err(Error::Invalid(_))), "{refused:?}");
+        assert!(matches!(refused, Err(Error::TimeExhausted)), "{refused:?}");
         assert!(!md.transaction_failed(), "a refusal is not a failure");
         assert!(!md.has_volume(VolumeId::new(1)));
         md.superblock.time = 0;
