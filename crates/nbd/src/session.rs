@@ -65,6 +65,7 @@
 //! export's file without a copy (plaintext connections, exports that give
 //! [`Export::read_source`]).
 
+mod activity;
 mod batch;
 mod budget;
 mod dispatch;
@@ -85,6 +86,7 @@ use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
 use crate::sync;
 
+pub(crate) use activity::Activity;
 use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
 use input::{Input, PayloadTarget};
@@ -131,6 +133,8 @@ pub(crate) struct Limits {
     pub(crate) spin_max: Duration,
     /// The reading thread serves small quick requests itself, into its batch.
     pub(crate) batch_replies: bool,
+    /// Whether requests are in flight, for the server's choice of a connection to evict.
+    pub(crate) activity: Arc<Activity>,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -277,6 +281,8 @@ struct Connection {
     /// Requests taken and not yet answered (the same count as `budget` holds, without its
     /// lock); a thread serves inline only when its own request is the only one.
     in_flight: AtomicUsize,
+    /// `in_flight`'s transitions to and from 0, seen by the server's connection table.
+    activity: Arc<Activity>,
     budget: Budget,
     server_bytes: Arc<Budget>,
     /// Bytes this connection holds of `server_bytes`.
@@ -345,6 +351,7 @@ pub(crate) fn serve(
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
         in_flight: AtomicUsize::new(0),
+        activity: limits.activity,
         budget: Budget::new(limits.requests_in_flight_max, limits.bytes_in_flight_max),
         server_bytes: limits.server_bytes,
         server_bytes_held: AtomicU64::new(0),
@@ -410,6 +417,7 @@ impl Connection {
         }
         if self.in_flight.fetch_add(1, Ordering::SeqCst) == 0 {
             spin::connection_busy();
+            self.activity.busy();
         }
     }
 
@@ -418,6 +426,7 @@ impl Connection {
         assert!(before > 0, "released a request that was not in flight");
         if before == 1 {
             spin::connection_idle();
+            self.activity.idle();
         }
         if bytes > RETAINED_BUFFER_BYTES as u64 {
             self.server_bytes_held.fetch_sub(bytes, Ordering::SeqCst);
@@ -435,6 +444,7 @@ impl Connection {
         );
         if before == requests && requests > 0 {
             spin::connection_idle();
+            self.activity.idle();
         }
         self.budget.release_many(requests, bytes);
     }
