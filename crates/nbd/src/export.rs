@@ -4,7 +4,8 @@
 //!
 //! Contract between the session and an export: the session only calls data methods with
 //! ranges inside `[0, size_bytes)`, with offsets and lengths that are multiples of
-//! [`crate::protocol::BLOCK_SIZE_MIN`], with READ/WRITE buffers of at most
+//! [`crate::protocol::BLOCK_SIZE_MIN`] (a client's unaligned requests reach the export as
+//! aligned ones, through `unaligned`'s read-modify-write), with READ/WRITE buffers of at most
 //! [`crate::protocol::PAYLOAD_LENGTH_MAX`] bytes, and never calls a writing method on a
 //! read-only export. Every method takes `&self` and is called concurrently from many threads
 //! and connections, so exports are `Send + Sync`. A FLUSH on any connection calls
@@ -290,8 +291,11 @@ impl ExportRegistry for ExportMap {
 }
 
 mod memory;
+mod unaligned;
 
 pub use memory::MemoryExport;
+pub use unaligned::SECTOR_BYTES;
+pub(crate) use unaligned::{Unaligned, UnalignedContext};
 
 #[cfg(test)]
 mod tests;

@@ -115,6 +115,10 @@ pub(crate) struct Negotiated {
     /// Name the client used to select the export, cut to [`QUOTED_CHARS_MAX`] characters (for
     /// logs and events).
     pub(crate) requested_name: String,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in its GO, and so agreed to keep to the
+    /// 512-byte minimum; a client that did not (or used EXPORT_NAME) may send requests of
+    /// any alignment, served by [`crate::export::Unaligned`].
+    pub(crate) block_sizes: bool,
 }
 
 /// How negotiation ended.
@@ -365,10 +369,11 @@ impl<S: Transport> Handshake<'_, S> {
                 self.no_zeroes,
             ))
             .map_err(|e| Error::io("send export name reply", e))?;
-        Ok(Outcome::Transmission(self.negotiated(export, name)))
+        Ok(Outcome::Transmission(self.negotiated(export, name, false)))
     }
 
-    fn negotiated(&self, export: Arc<dyn Export>, name: String) -> Negotiated {
+    /// What transmission needs; `block_sizes` if the GO asked for NBD_INFO_BLOCK_SIZE.
+    fn negotiated(&self, export: Arc<dyn Export>, name: String, block_sizes: bool) -> Negotiated {
         let style = if self.extended {
             ReplyStyle::Extended
         } else if self.structured {
@@ -389,6 +394,7 @@ impl<S: Transport> Handshake<'_, S> {
             style,
             contexts,
             requested_name: truncated(&name),
+            block_sizes,
         }
     }
 
@@ -446,10 +452,13 @@ impl<S: Transport> Handshake<'_, S> {
             self.reply(code, reply::INFO, &item)?;
         }
         self.reply(code, reply::ACK, &[])?;
+        let block_sizes = request.info_requests.contains(&info::BLOCK_SIZE);
         if code == option::GO {
-            Ok(Some(Outcome::Transmission(
-                self.negotiated(export, request.name),
-            )))
+            Ok(Some(Outcome::Transmission(self.negotiated(
+                export,
+                request.name,
+                block_sizes,
+            ))))
         } else {
             Ok(None)
         }

@@ -49,9 +49,11 @@
 //! blocks in its own reply write, then in its own budget while holding its own input lock:
 //! it stops reading requests, and of the server's budget it holds at most its own byte
 //! limit, and only while the budget is under half used. A request reaches the export only
-//! with a range inside the export, aligned to
-//! [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN), and a payload of at most
-//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX); every reply is written whole,
+//! with a range inside the export and a payload of at most
+//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX), aligned to
+//! [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN) if the client asked for the block
+//! sizes in its GO; the session calls the export through [`Unaligned`], which gives the
+//! real export only whole sectors (read-modify-write for the rest); every reply is written whole,
 //! alone or in a batch of whole replies, while holding the writer lock, so replies never
 //! interleave byte-wise. Out-of-range, misaligned, unknown or badly flagged requests get an
 //! error reply and the connection goes on; a bad magic, an oversize WRITE payload or a
@@ -80,8 +82,8 @@ use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::export::Export;
-use crate::handshake::{Negotiated, ReplyStyle, SelectedContext};
+use crate::export::{Export, Unaligned, UnalignedContext};
+use crate::handshake::{ContextSource, Negotiated, ReplyStyle, SelectedContext};
 use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
 use crate::sync;
@@ -271,7 +273,11 @@ impl Payload {
 
 /// State shared by the threads of one connection.
 struct Connection {
+    /// The negotiated export, wrapped to serve unaligned requests (see [`Unaligned`]).
     export: Arc<dyn Export>,
+    /// The client did not agree to the 512-byte minimum block size: requests of any
+    /// alignment are served.
+    any_alignment: bool,
     style: ReplyStyle,
     /// Metadata contexts selected in the handshake; BLOCK_STATUS answers one chunk for each.
     contexts: Vec<SelectedContext>,
@@ -342,10 +348,23 @@ pub(crate) fn serve(
         return;
     }
     let server_share_bytes = limits.server_bytes.fair_share_bytes();
+    let any_alignment = !negotiated.block_sizes;
+    let contexts = negotiated
+        .contexts
+        .into_iter()
+        .map(|context| match context.source {
+            ContextSource::Export(source) if any_alignment => SelectedContext {
+                id: context.id,
+                source: ContextSource::Export(Arc::new(UnalignedContext(source))),
+            },
+            _ => context,
+        })
+        .collect();
     let connection = Arc::new(Connection {
-        export: negotiated.export,
+        export: Arc::new(Unaligned::new(negotiated.export, any_alignment)),
+        any_alignment,
         style: negotiated.style,
-        contexts: negotiated.contexts,
+        contexts,
         input: Mutex::new(Input::new(reader, idle_ticks_max, limits.spin_max)),
         idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),

@@ -527,7 +527,8 @@ impl Connection {
             );
         }
         let block = u64::from(BLOCK_SIZE_MIN);
-        if !request.offset.is_multiple_of(block) || !request.length.is_multiple_of(block) {
+        let aligned = request.offset.is_multiple_of(block) && request.length.is_multiple_of(block);
+        if !aligned && !self.any_alignment {
             return refuse(
                 ErrorKind::InvalidArgument,
                 format!(
