@@ -22,8 +22,8 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use nbd::{
-    Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, MetaContext,
-    ReadSource, ZeroOptions,
+    Capabilities, Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent,
+    MetaContext, ReadSource, ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
 
@@ -110,27 +110,19 @@ impl Export for VolumeExport {
         self.volume.size_bytes()
     }
 
-    fn preferred_block_size_bytes(&self) -> u32 {
-        self.volume
-            .block_size_bytes()
-            .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64) as u32
-    }
-
-    fn read_only(&self) -> bool {
-        self.volume.read_only()
-    }
-
-    fn can_trim(&self) -> bool {
-        self.volume.can_discard()
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        true
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        // A flush commits the whole pool, so it covers every connection's writes.
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            read_only: self.volume.read_only(),
+            trim: self.volume.can_discard(),
+            fast_zero: true,
+            // A flush commits the whole pool, so it covers every connection's writes.
+            multi_conn: true,
+            preferred_block_size_bytes: self
+                .volume
+                .block_size_bytes()
+                .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64)
+                as u32,
+        }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {
@@ -273,9 +265,12 @@ impl Export for RawFileExport {
         self.size_bytes
     }
 
-    fn can_multi_conn(&self) -> bool {
-        // fdatasync covers writes made through every connection's copy of the file.
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            // fdatasync covers writes made through every connection's copy of the file.
+            multi_conn: true,
+            ..Capabilities::default()
+        }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {

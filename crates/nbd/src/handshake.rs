@@ -527,18 +527,19 @@ impl<S: Transport> Handshake<'_, S> {
             | transmission_flags::SEND_FLUSH
             | transmission_flags::SEND_FUA
             | transmission_flags::SEND_CACHE;
-        if export.read_only() {
+        let capabilities = export.capabilities();
+        if capabilities.read_only {
             flags |= transmission_flags::READ_ONLY;
         } else {
             flags |= transmission_flags::SEND_WRITE_ZEROES;
-            if export.can_trim() {
+            if capabilities.trim {
                 flags |= transmission_flags::SEND_TRIM;
             }
-            if export.can_fast_zero() {
+            if capabilities.fast_zero {
                 flags |= transmission_flags::SEND_FAST_ZERO;
             }
         }
-        if export.can_multi_conn() {
+        if capabilities.multi_conn {
             flags |= transmission_flags::CAN_MULTI_CONN;
         }
         if self.structured || self.extended {
@@ -636,7 +637,7 @@ fn selected_contexts(
 /// The export's preferred block size if it is a power of two from 512 bytes to the maximum
 /// payload, else [`BLOCK_SIZE_PREFERRED`].
 fn preferred_block_size(export: &dyn Export) -> u32 {
-    let preferred = export.preferred_block_size_bytes();
+    let preferred = export.capabilities().preferred_block_size_bytes;
     if preferred.is_power_of_two() && (BLOCK_SIZE_MIN..=PAYLOAD_LENGTH_MAX).contains(&preferred) {
         preferred
     } else {

@@ -32,8 +32,8 @@ pub mod tls;
 
 pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
 pub use export::{
-    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
-    ReadSource, StatusExtent, ZeroOptions,
+    Capabilities, Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport,
+    MetaContext, ReadSource, StatusExtent, ZeroOptions,
 };
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle, SpliceReads};
 pub use tls::{Tls, TlsMode};

@@ -27,7 +27,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-use super::{Export, Extent, MetaContext, ReadSource, StatusExtent, ZeroOptions};
+use super::{Capabilities, Export, Extent, MetaContext, ReadSource, StatusExtent, ZeroOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::BLOCK_SIZE_MIN;
 use crate::sync;
@@ -247,24 +247,8 @@ impl Export for Unaligned {
         self.inner.size_bytes()
     }
 
-    fn preferred_block_size_bytes(&self) -> u32 {
-        self.inner.preferred_block_size_bytes()
-    }
-
-    fn read_only(&self) -> bool {
-        self.inner.read_only()
-    }
-
-    fn can_trim(&self) -> bool {
-        self.inner.can_trim()
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        self.inner.can_fast_zero()
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        self.inner.can_multi_conn()
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> Result<()> {

@@ -127,7 +127,7 @@ impl Shared {
             Err(error) => return end(Err(error), 0),
         };
         let export = handshake::quoted(&negotiated.requested_name);
-        tracing::info!(export = %export, read_only = negotiated.export.read_only(), "serving export");
+        tracing::info!(export = %export, read_only = negotiated.export.capabilities().read_only, "serving export");
         sync::lock(&self.connections).serving(id, export);
         self.emit(Event::Serving {
             connection: id,

@@ -470,7 +470,7 @@ impl Connection {
             command::WRITE if extended => flags_allowed |= command_flags::PAYLOAD_LEN,
             command::WRITE_ZEROES => {
                 flags_allowed |= command_flags::NO_HOLE;
-                if self.export.can_fast_zero() {
+                if self.export.capabilities().fast_zero {
                     flags_allowed |= command_flags::FAST_ZERO;
                 }
             }
@@ -502,7 +502,7 @@ impl Connection {
             command,
             command::WRITE | command::TRIM | command::WRITE_ZEROES
         );
-        if writes && self.export.read_only() {
+        if writes && self.export.capabilities().read_only {
             return refuse(
                 ErrorKind::PermissionDenied,
                 "export is read-only".to_owned(),
