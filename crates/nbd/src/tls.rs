@@ -42,6 +42,8 @@ use rustls::{RootCertStore, ServerConfig, ServerConnection};
 use crate::error::{Error, Result};
 use crate::stream::{Deadline, Stream};
 
+mod key;
+
 /// The CA certificate(s) that client certificates must chain to (`--tls-verify-peer`).
 pub const CA_CERT_FILE: &str = "ca-cert.pem";
 /// The server's certificate chain, leaf first.
@@ -121,12 +123,22 @@ impl Tls {
         } else {
             builder.with_no_client_auth()
         };
+        let described = key::describe(&key);
         let config = builder.with_single_cert(chain, key).map_err(|error| {
+            let refused = !key::usable(&described);
             tls_error(
                 format!(
-                    "{} and {} do not make a usable certificate",
+                    "{} and {} ({described}) do not make a usable certificate{}",
                     certificate_path.display(),
-                    key_path.display()
+                    key_path.display(),
+                    if refused {
+                        format!(
+                            ": the TLS library cannot sign with this key ({})",
+                            key::supported()
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 error,
             )
