@@ -61,8 +61,9 @@
 //!
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
-//! server-wide fair share; `input` the buffered read side and the reading and checking of
-//! requests; `dispatch` serving a checked request on the export and making its reply;
+//! server-wide fair share; `input` the buffered read side and the reading of requests;
+//! `check` their checks; `standby` waiting for the input; `payload` a thread's payload
+//! buffer; `activity` what the server's table sees of the session; `dispatch` serving a checked request on the export and making its reply;
 //! `batch` a thread's replies not yet sent; `splice` sending large READ replies from the
 //! export's file without a copy (plaintext connections, exports that give
 //! [`Export::read_source`]).
@@ -70,15 +71,18 @@
 mod activity;
 mod batch;
 mod budget;
+mod check;
 mod dispatch;
 mod input;
+mod payload;
 mod spin;
 mod splice;
+mod standby;
 mod watchdog;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
@@ -86,12 +90,12 @@ use crate::export::{Export, Unaligned, UnalignedContext};
 use crate::handshake::{ContextSource, Negotiated, ReplyStyle, SelectedContext};
 use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
-use crate::sync;
 
 pub(crate) use activity::Activity;
 use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
-use input::{Input, PayloadTarget};
+use input::Input;
+use payload::Payload;
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -208,67 +212,6 @@ struct Scratch {
     pipe: splice::Pipe,
     /// Replies not yet sent.
     batch: Batch,
-}
-
-/// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
-#[derive(Default)]
-struct Payload {
-    /// Grows to the largest payload up to [`RETAINED_BUFFER_BYTES`] and stays; never zeroed
-    /// again (READs are filled completely by the export, WRITEs by the socket).
-    retained: Vec<u8>,
-    /// A larger payload's buffer, for one request only.
-    large: Vec<u8>,
-}
-
-impl Payload {
-    /// A buffer of `length` bytes; its contents are left over from earlier requests.
-    fn prepare(&mut self, length: usize) -> &mut [u8] {
-        if length <= RETAINED_BUFFER_BYTES {
-            if self.retained.len() < length {
-                self.retained.resize(length, 0);
-            }
-            &mut self.retained[..length]
-        } else {
-            self.large = vec![0u8; length];
-            &mut self.large
-        }
-    }
-
-    /// Where a WRITE payload of `length` bytes is to be received. A large one gets a fresh
-    /// vector of exactly that capacity, filled without zeroing it first (zeroing a 1 MiB
-    /// buffer per WRITE was a few percent of the server's CPU on large writes).
-    fn target(&mut self, length: usize) -> PayloadTarget<'_> {
-        if length <= RETAINED_BUFFER_BYTES {
-            return PayloadTarget::Slice {
-                buffer: self.prepare(length),
-                filled: 0,
-            };
-        }
-        self.large = Vec::with_capacity(length);
-        if self.large.capacity() != length {
-            // Receiving into spare capacity must not read past the payload.
-            return PayloadTarget::Slice {
-                buffer: self.prepare(length),
-                filled: 0,
-            };
-        }
-        PayloadTarget::Spare(&mut self.large)
-    }
-
-    /// The buffer [`Payload::prepare`] or [`Payload::target`] gave out last, for `length`
-    /// bytes.
-    fn current(&self, length: usize) -> &[u8] {
-        if length <= RETAINED_BUFFER_BYTES {
-            &self.retained[..length]
-        } else {
-            &self.large[..length]
-        }
-    }
-
-    /// Frees a large buffer once its request is answered.
-    fn shrink(&mut self) {
-        self.large = Vec::new();
-    }
 }
 
 /// State shared by the threads of one connection.
@@ -596,38 +539,53 @@ impl Connection {
                 scratch.payload.shrink();
                 return Led::GaveUp;
             }
-            if self.watch.waiters.load(Ordering::SeqCst) == 0
-                && !self.standby_starting.swap(true, Ordering::SeqCst)
-            {
-                // Requests sent after this one must not wait if this call gets stuck: keep a
-                // thread ready to take over.
-                if !self.add_thread(Start::Standby) {
-                    self.standby_starting.store(false, Ordering::SeqCst);
-                }
+            match self.serve_batched(input, &job, scratch) {
+                Some(again) => input = again,
+                None => return Led::GaveUp,
             }
-            self.watch.in_call.store(true, Ordering::SeqCst);
-            self.watch.entering_call();
-            drop(input);
-            self.serve(&job, scratch);
-            self.watch.calls.fetch_add(1, Ordering::SeqCst);
-            if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
-                // A lone large request also holds some of the server's budget.
+        }
+    }
+
+    /// Serves a quick `job` into the thread's batch with the input given up during the
+    /// export call (a standby kept ready in case the call gets stuck); the input again, or
+    /// `None` if a standby took it over meanwhile (the batch is then sent).
+    fn serve_batched<'a>(
+        self: &'a Arc<Self>,
+        input: MutexGuard<'a, Input>,
+        job: &Job,
+        scratch: &mut Scratch,
+    ) -> Option<MutexGuard<'a, Input>> {
+        if self.watch.waiters.load(Ordering::SeqCst) == 0
+            && !self.standby_starting.swap(true, Ordering::SeqCst)
+        {
+            // Requests sent after this one must not wait if this call gets stuck: keep a
+            // thread ready to take over.
+            if !self.add_thread(Start::Standby) {
+                self.standby_starting.store(false, Ordering::SeqCst);
+            }
+        }
+        self.watch.in_call.store(true, Ordering::SeqCst);
+        self.watch.entering_call();
+        drop(input);
+        self.serve(job, scratch);
+        self.watch.calls.fetch_add(1, Ordering::SeqCst);
+        if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
+            // A lone large request also holds some of the server's budget.
+            self.flush(&mut scratch.batch);
+            self.release(job.reserved_bytes);
+            scratch.payload.shrink();
+        } else {
+            scratch.batch.add_request(job.reserved_bytes);
+        }
+        match self.try_lock_input() {
+            Some(again) => {
+                self.watch.in_call.store(false, Ordering::SeqCst);
+                Some(again)
+            }
+            None => {
+                // A standby took over while this thread was in the export.
                 self.flush(&mut scratch.batch);
-                self.release(job.reserved_bytes);
-                scratch.payload.shrink();
-            } else {
-                scratch.batch.add_request(job.reserved_bytes);
-            }
-            match self.try_lock_input() {
-                Some(again) => {
-                    self.watch.in_call.store(false, Ordering::SeqCst);
-                    input = again;
-                }
-                None => {
-                    // A standby took over while this thread was in the export.
-                    self.flush(&mut scratch.batch);
-                    return Led::GaveUp;
-                }
+                None
             }
         }
     }
@@ -636,60 +594,6 @@ impl Connection {
     fn serve(&self, job: &Job, scratch: &mut Scratch) {
         if !self.broken.load(Ordering::SeqCst) {
             self.run(job, scratch);
-        }
-    }
-
-    /// Waits for the input: takes it if it is free and either `take_now`, or no reading
-    /// thread is in an export call (the input is free because nobody reads); otherwise waits
-    /// as a standby, until a thread hands the input off or the watchdog finds the reading
-    /// thread stuck in an export call (both wake it: it takes the input over). `None` if the
-    /// thread should leave: woken by nothing for [`STANDBY_QUIET`] with nothing in flight.
-    fn wait_for_input(&self, take_now: bool) -> Option<MutexGuard<'_, Input>> {
-        let watch = &*self.watch;
-        let mut notified = take_now;
-        let mut timed_out = false;
-        let mut standby = sync::lock(&watch.standby);
-        loop {
-            watch.waiters.fetch_add(1, Ordering::SeqCst);
-            // A thread started as a standby counts as one from here on.
-            self.standby_starting.store(false, Ordering::SeqCst);
-            // After a quiet wait the input is tried in any case: a thread that panicked
-            // holding it woke nobody, and the poisoned lock ends the session (see
-            // `try_lock_input`).
-            if notified || timed_out || !watch.in_call.load(Ordering::SeqCst) {
-                if let Some(input) = self.try_lock_input() {
-                    watch.waiters.fetch_sub(1, Ordering::SeqCst);
-                    // This thread reads now, and is in no export call.
-                    watch.in_call.store(false, Ordering::SeqCst);
-                    return Some(input);
-                }
-            }
-            if timed_out && self.in_flight.load(Ordering::SeqCst) == 0 && self.leave_if_not_last() {
-                watch.waiters.fetch_sub(1, Ordering::SeqCst);
-                return None;
-            }
-            let (guard, wait) = sync::wait_timeout(&watch.wake, standby, STANDBY_QUIET);
-            standby = guard;
-            watch.waiters.fetch_sub(1, Ordering::SeqCst);
-            timed_out = wait.timed_out();
-            notified = !timed_out;
-        }
-    }
-
-    /// The input, if no other thread holds it. A thread that panicked holding it may have
-    /// left a request half-read, so the stream is no longer framed: reading stops for every
-    /// thread (see [`crate::sync`]).
-    fn try_lock_input(&self) -> Option<MutexGuard<'_, Input>> {
-        match self.input.try_lock() {
-            Ok(input) => Some(input),
-            Err(TryLockError::WouldBlock) => None,
-            Err(TryLockError::Poisoned(poisoned)) => {
-                let mut input = poisoned.into_inner();
-                input.stop(Err(Error::Internal(
-                    "a thread serving this connection panicked while reading".to_string(),
-                )));
-                Some(input)
-            }
         }
     }
 }
