@@ -133,6 +133,14 @@ fn handshaking(server: &TestServer) -> UnixStream {
     stream
 }
 
+/// Returns once the server has counted the connection's last request answered (idle from
+/// then on): a request refused by the checks (a READ past the end) is read by the same
+/// thread after it released the earlier one, and takes no slot itself.
+fn settle(client: &mut Client) {
+    let past_the_end = client.request(CMD_READ, 0, 4 * MIB, 512, &[]);
+    assert_ne!(past_the_end.error, 0, "a READ past the end succeeded");
+}
+
 /// True if the server closed `stream` (whatever it sent before, a greeting perhaps); false
 /// if it is still open after the read timeout.
 fn closed(stream: &mut UnixStream) -> bool {
@@ -251,9 +259,11 @@ fn peer_limits_evict_the_oldest_handshake_then_the_longest_idle_then_refuse() {
     // A request answered: the server counts `second` in transmission (it may count it in
     // the handshake until just after its GO reply).
     second.write(512, &[3u8; 512]);
+    settle(&mut second);
     let mut third = Client::open(&server.socket, "disk");
-    // `second` is idle the longest now.
     third.write(0, &[1u8; 512]);
+    settle(&mut third);
+    // `second` is idle the longest now.
     let mut fourth = Client::open(&server.socket, "disk");
     assert!(
         second.is_closed(),
