@@ -37,10 +37,6 @@ use anyhow::{bail, ensure, Context};
 use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
-<<<<<<< HEAD:crates/bench/src/scale.rs
-=======
-use thin_pool::METADATA_FILE;
->>>>>>> owners:crates/cli/src/commands/bench/scale.rs
 use thin_pool::{Pool, PoolOptions};
 
 /// The volume in each pool.

@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use anyhow::bail;
 use nbd::{
-    Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent, MetaContext,
-    ZeroOptions,
+    Capabilities, Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent,
+    MetaContext, ReadSource, ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
 
@@ -103,27 +103,19 @@ impl Export for VolumeExport {
         self.volume.size_bytes()
     }
 
-    fn preferred_block_size_bytes(&self) -> u32 {
-        self.volume
-            .block_size_bytes()
-            .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64) as u32
-    }
-
-    fn read_only(&self) -> bool {
-        self.volume.read_only()
-    }
-
-    fn can_trim(&self) -> bool {
-        self.volume.can_discard()
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        true
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        // A flush commits the whole pool, so it covers every connection's writes.
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            read_only: self.volume.read_only(),
+            trim: self.volume.can_discard(),
+            fast_zero: true,
+            // A flush commits the whole pool, so it covers every connection's writes.
+            multi_conn: true,
+            preferred_block_size_bytes: self
+                .volume
+                .block_size_bytes()
+                .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64)
+                as u32,
+        }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {

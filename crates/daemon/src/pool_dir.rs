@@ -204,31 +204,6 @@ impl PoolDir {
     /// through it), a file of another user too (unless `--allow-shared-dir`), and a file
     /// other users may read (made by an older version) is made private (0600), with a note.
     pub fn check_files(&self) -> anyhow::Result<()> {
-<<<<<<< HEAD:crates/daemon/src/pool_dir.rs
-=======
-        let mut names: Vec<std::ffi::OsString> = [
-            thin_pool::METADATA_FILE,
-            thin_pool::DATA_FILE,
-            OPTIONS_FILE,
-            thin_pool::block_device::DEVICES_FILE,
-        ]
-        .iter()
-        .map(|name| name.into())
-        .collect();
-        let entries = std::fs::read_dir(&self.path)
-            .with_context(|| format!("cannot list {}", self.path.display()))?;
-        for entry in entries {
-            let name = entry
-                .with_context(|| format!("cannot list {}", self.path.display()))?
-                .file_name();
-            if name
-                .to_str()
-                .is_some_and(|n| n.starts_with("catalog-") && n.ends_with(".json"))
-            {
-                names.push(name);
-            }
-        }
->>>>>>> owners:crates/cli/src/pool_dir.rs
         let me = current_uid();
         for name in self.pool_file_names()? {
             let path = self.path.join(&name);

@@ -4,7 +4,8 @@
 //!
 //! Contract between the session and an export: the session only calls data methods with
 //! ranges inside `[0, size_bytes)`, with offsets and lengths that are multiples of
-//! [`crate::protocol::BLOCK_SIZE_MIN`], with READ/WRITE buffers of at most
+//! [`crate::protocol::BLOCK_SIZE_MIN`] (a client's unaligned requests reach the export as
+//! aligned ones, through `unaligned`'s read-modify-write), with READ/WRITE buffers of at most
 //! [`crate::protocol::PAYLOAD_LENGTH_MAX`] bytes, and never calls a writing method on a
 //! read-only export. Every method takes `&self` and is called concurrently from many threads
 //! and connections, so exports are `Send + Sync`. A FLUSH on any connection calls
@@ -85,6 +86,36 @@ pub struct ZeroOptions {
     pub fua: bool,
 }
 
+/// What an export can do ([`Export::capabilities`]): the transmission flags it is
+/// advertised with and the block size it prefers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Writes, trims and zeroing are refused with `NBD_EPERM` (NBD_FLAG_READ_ONLY).
+    pub read_only: bool,
+    /// TRIM does something useful (NBD_FLAG_SEND_TRIM).
+    pub trim: bool,
+    /// [`ZeroOptions::fast`] can ever succeed (NBD_FLAG_SEND_FAST_ZERO).
+    pub fast_zero: bool,
+    /// FLUSH and FUA on one connection cover writes completed on every connection
+    /// (NBD_FLAG_CAN_MULTI_CONN).
+    pub multi_conn: bool,
+    /// Block size that avoids read-modify-write inside the export (NBD_INFO_BLOCK_SIZE
+    /// preferred); a power of two from 512 bytes to 32 MiB, otherwise 4096 is advertised.
+    pub preferred_block_size_bytes: u32,
+}
+
+impl Default for Capabilities {
+    fn default() -> Self {
+        Capabilities {
+            read_only: false,
+            trim: false,
+            fast_zero: false,
+            multi_conn: false,
+            preferred_block_size_bytes: crate::protocol::BLOCK_SIZE_PREFERRED,
+        }
+    }
+}
+
 /// A block device served over NBD. Byte-offset based; see the module docs for what the
 /// session guarantees about the arguments.
 pub trait Export: Send + Sync {
@@ -99,31 +130,11 @@ pub trait Export: Send + Sync {
     /// Size in bytes; a multiple of 512.
     fn size_bytes(&self) -> u64;
 
-    /// Block size that avoids read-modify-write inside the export (NBD_INFO_BLOCK_SIZE
-    /// preferred); a power of two from 512 bytes to 32 MiB, otherwise 4096 is advertised.
-    fn preferred_block_size_bytes(&self) -> u32 {
-        crate::protocol::BLOCK_SIZE_PREFERRED
-    }
-
-    /// Writes, trims and zeroing are refused with `NBD_EPERM`.
-    fn read_only(&self) -> bool {
-        false
-    }
-
-    /// TRIM does something useful (advertised as NBD_FLAG_SEND_TRIM).
-    fn can_trim(&self) -> bool {
-        false
-    }
-
-    /// [`ZeroOptions::fast`] can ever succeed (advertised as NBD_FLAG_SEND_FAST_ZERO).
-    fn can_fast_zero(&self) -> bool {
-        false
-    }
-
-    /// FLUSH and FUA on one connection cover writes completed on every connection
-    /// (advertised as NBD_FLAG_CAN_MULTI_CONN).
-    fn can_multi_conn(&self) -> bool {
-        false
+    /// What the export can do and how it likes to be used; the default is
+    /// [`Capabilities::default`] (writable, no trim, no fast zero, no multi-conn, 4 KiB
+    /// preferred blocks).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
     }
 
     /// Fills all of `buffer` with the bytes at `offset`. The buffer's previous contents are
@@ -290,8 +301,11 @@ impl ExportRegistry for ExportMap {
 }
 
 mod memory;
+mod unaligned;
 
 pub use memory::MemoryExport;
+pub use unaligned::SECTOR_BYTES;
+pub(crate) use unaligned::{Unaligned, UnalignedContext};
 
 #[cfg(test)]
 mod tests;

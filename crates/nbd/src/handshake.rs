@@ -27,7 +27,6 @@
 //! a LIST or SET with more than [`CONTEXT_QUERIES_MAX`] queries gets `ERR_TOO_BIG`, so one
 //! option costs a bounded number of export lookups.
 
-use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
@@ -35,8 +34,8 @@ use crate::error::{Error, Result};
 use crate::export::{Export, ExportRegistry, MetaContext};
 use crate::protocol::{
     self, encode_option_reply, info, option, reply, transmission_flags, ExportRequest,
-    MetaContextRequest, OptionHeader, BASE_ALLOCATION, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED,
-    OPTION_DATA_LENGTH_MAX, OPTION_HEADER_SIZE, PAYLOAD_LENGTH_MAX,
+    MetaContextRequest, OptionHeader, BLOCK_SIZE_MIN, BLOCK_SIZE_PREFERRED, OPTION_DATA_LENGTH_MAX,
+    OPTION_HEADER_SIZE, PAYLOAD_LENGTH_MAX,
 };
 use crate::stream::read_exact_or_eof;
 use crate::tls::{Tls, TlsMode, Transport};
@@ -115,6 +114,10 @@ pub(crate) struct Negotiated {
     /// Name the client used to select the export, cut to [`QUOTED_CHARS_MAX`] characters (for
     /// logs and events).
     pub(crate) requested_name: String,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in its GO, and so agreed to keep to the
+    /// 512-byte minimum; a client that did not (or used EXPORT_NAME) may send requests of
+    /// any alignment, served by [`crate::export::Unaligned`].
+    pub(crate) block_sizes: bool,
 }
 
 /// How negotiation ended.
@@ -260,28 +263,8 @@ impl<S: Transport> Handshake<'_, S> {
                 Ok(None)
             }
             option::INFO | option::GO => self.info_or_go(code, data),
-            option::STRUCTURED_REPLY => {
-                if !data.is_empty() {
-                    self.reply(code, reply::ERR_INVALID, b"option takes no data")?;
-                } else if self.extended {
-                    self.reply(
-                        code,
-                        reply::ERR_EXT_HEADER_REQD,
-                        b"extended headers already negotiated",
-                    )?;
-                } else {
-                    self.structured = true;
-                    self.reply(code, reply::ACK, &[])?;
-                }
-                Ok(None)
-            }
-            option::EXTENDED_HEADERS => {
-                if data.is_empty() {
-                    self.extended = true;
-                    self.reply(code, reply::ACK, &[])?;
-                } else {
-                    self.reply(code, reply::ERR_INVALID, b"option takes no data")?;
-                }
+            option::STRUCTURED_REPLY | option::EXTENDED_HEADERS => {
+                self.reply_style(code, data)?;
                 Ok(None)
             }
             option::LIST_META_CONTEXT | option::SET_META_CONTEXT => {
@@ -297,6 +280,25 @@ impl<S: Transport> Handshake<'_, S> {
                 Ok(None)
             }
         }
+    }
+
+    /// NBD_OPT_STRUCTURED_REPLY or NBD_OPT_EXTENDED_HEADERS.
+    fn reply_style(&mut self, code: u32, data: &[u8]) -> Result<()> {
+        if !data.is_empty() {
+            return self.reply(code, reply::ERR_INVALID, b"option takes no data");
+        }
+        if code == option::EXTENDED_HEADERS {
+            self.extended = true;
+        } else if self.extended {
+            return self.reply(
+                code,
+                reply::ERR_EXT_HEADER_REQD,
+                b"extended headers already negotiated",
+            );
+        } else {
+            self.structured = true;
+        }
+        self.reply(code, reply::ACK, &[])
     }
 
     fn start_tls(&mut self, data: &[u8]) -> Result<()> {
@@ -365,10 +367,11 @@ impl<S: Transport> Handshake<'_, S> {
                 self.no_zeroes,
             ))
             .map_err(|e| Error::io("send export name reply", e))?;
-        Ok(Outcome::Transmission(self.negotiated(export, name)))
+        Ok(Outcome::Transmission(self.negotiated(export, name, false)))
     }
 
-    fn negotiated(&self, export: Arc<dyn Export>, name: String) -> Negotiated {
+    /// What transmission needs; `block_sizes` if the GO asked for NBD_INFO_BLOCK_SIZE.
+    fn negotiated(&self, export: Arc<dyn Export>, name: String, block_sizes: bool) -> Negotiated {
         let style = if self.extended {
             ReplyStyle::Extended
         } else if self.structured {
@@ -389,6 +392,7 @@ impl<S: Transport> Handshake<'_, S> {
             style,
             contexts,
             requested_name: truncated(&name),
+            block_sizes,
         }
     }
 
@@ -446,10 +450,13 @@ impl<S: Transport> Handshake<'_, S> {
             self.reply(code, reply::INFO, &item)?;
         }
         self.reply(code, reply::ACK, &[])?;
+        let block_sizes = request.info_requests.contains(&info::BLOCK_SIZE);
         if code == option::GO {
-            Ok(Some(Outcome::Transmission(
-                self.negotiated(export, request.name),
-            )))
+            Ok(Some(Outcome::Transmission(self.negotiated(
+                export,
+                request.name,
+                block_sizes,
+            ))))
         } else {
             Ok(None)
         }
@@ -518,18 +525,19 @@ impl<S: Transport> Handshake<'_, S> {
             | transmission_flags::SEND_FLUSH
             | transmission_flags::SEND_FUA
             | transmission_flags::SEND_CACHE;
-        if export.read_only() {
+        let capabilities = export.capabilities();
+        if capabilities.read_only {
             flags |= transmission_flags::READ_ONLY;
         } else {
             flags |= transmission_flags::SEND_WRITE_ZEROES;
-            if export.can_trim() {
+            if capabilities.trim {
                 flags |= transmission_flags::SEND_TRIM;
             }
-            if export.can_fast_zero() {
+            if capabilities.fast_zero {
                 flags |= transmission_flags::SEND_FAST_ZERO;
             }
         }
-        if export.can_multi_conn() {
+        if capabilities.multi_conn {
             flags |= transmission_flags::CAN_MULTI_CONN;
         }
         if self.structured || self.extended {
@@ -540,100 +548,20 @@ impl<S: Transport> Handshake<'_, S> {
     }
 }
 
-/// Whether `name` may come from an export as a context of its own: `namespace:leaf` with a
-/// namespace other than `base`, within the protocol's string limit.
-fn is_export_context_name(name: &str) -> bool {
-    match name.split_once(':') {
-        Some((namespace, _)) => {
-            !namespace.is_empty()
-                && namespace != "base"
-                && name.len() <= protocol::STRING_LENGTH_MAX
-                && !name.contains('\0')
-        }
-        None => false,
-    }
-}
-
-/// The contexts NBD_OPT_LIST_META_CONTEXT answers for `queries` (see the module docs), each
-/// once, in the order found.
-fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<String> {
-    let mut names: Vec<String> = Vec::new();
-    let mut seen: BTreeSet<String> = BTreeSet::new();
-    let mut add = |name: String, names: &mut Vec<String>| {
-        if seen.insert(name.clone()) {
-            names.push(name);
-        }
-    };
-    let everything = [String::new()];
-    let queries = if queries.is_empty() {
-        &everything[..]
-    } else {
-        queries
-    };
-    for query in queries {
-        let wildcard = query.is_empty() || query.ends_with(':');
-        if (wildcard && BASE_ALLOCATION.starts_with(query.as_str())) || query == BASE_ALLOCATION {
-            add(BASE_ALLOCATION.to_owned(), &mut names);
-        }
-        if query.starts_with("base:") {
-            continue;
-        }
-        for name in export.meta_contexts(query) {
-            let matches = if wildcard {
-                name.starts_with(query.as_str())
-            } else {
-                name == *query
-            };
-            if matches && is_export_context_name(&name) {
-                add(name, &mut names);
-            }
-        }
-    }
-    names
-}
-
-/// The contexts NBD_OPT_SET_META_CONTEXT selects for `queries`, each once; `Err` if they
-/// are more than [`CONTEXTS_SELECTED_MAX`].
-fn selected_contexts(
-    export: &dyn Export,
-    queries: &[String],
-) -> std::result::Result<Vec<(String, ContextSource)>, ()> {
-    let mut names: Vec<&str> = Vec::new();
-    let mut seen: BTreeSet<&str> = BTreeSet::new();
-    for query in queries {
-        let exact = query == BASE_ALLOCATION || is_export_context_name(query);
-        if exact && !query.ends_with(':') && seen.insert(query.as_str()) {
-            names.push(query);
-        }
-    }
-    let mut chosen = Vec::new();
-    for name in names {
-        let source = if name == BASE_ALLOCATION {
-            ContextSource::BaseAllocation
-        } else {
-            match export.meta_context(name) {
-                Some(context) => ContextSource::Export(context),
-                None => continue,
-            }
-        };
-        if chosen.len() == CONTEXTS_SELECTED_MAX {
-            return Err(());
-        }
-        chosen.push((name.to_owned(), source));
-    }
-    Ok(chosen)
-}
-
 /// The export's preferred block size if it is a power of two from 512 bytes to the maximum
 /// payload, else [`BLOCK_SIZE_PREFERRED`].
 fn preferred_block_size(export: &dyn Export) -> u32 {
-    let preferred = export.preferred_block_size_bytes();
+    let preferred = export.capabilities().preferred_block_size_bytes;
     if preferred.is_power_of_two() && (BLOCK_SIZE_MIN..=PAYLOAD_LENGTH_MAX).contains(&preferred) {
         preferred
     } else {
         BLOCK_SIZE_PREFERRED
     }
 }
+
+mod contexts;
+
+use contexts::{listed_contexts, selected_contexts};
 
 #[cfg(test)]
 mod starttls_tests;

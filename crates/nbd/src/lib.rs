@@ -28,12 +28,15 @@ pub mod server;
 mod session;
 mod stream;
 pub mod sync;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod tls;
 
-pub use error::{nbd_error_code, Error, ErrorKind, Report, Result};
+pub use error::{Error, ErrorKind, Report, Result};
 pub use export::{
-    Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport, MetaContext,
-    ReadSource, StatusExtent, ZeroOptions,
+    Capabilities, Export, ExportListing, ExportMap, ExportRegistry, Extent, MemoryExport,
+    MetaContext, ReadSource, StatusExtent, ZeroOptions,
 };
+pub use protocol::nbd_error_code;
 pub use server::{Config, Event, EventHandler, Server, ShutdownHandle, SpliceReads};
 pub use tls::{Tls, TlsMode};

@@ -16,7 +16,7 @@
 //! big-endian conversions guards on-disk formats, which are little-endian.
 #![allow(clippy::big_endian_bytes)]
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// "NBDMAGIC", first 8 bytes of the greeting.
 pub const NBDMAGIC: u64 = 0x4e42_444d_4147_4943;
@@ -205,6 +205,21 @@ pub mod errno {
     pub const ESHUTDOWN: u32 = 108;
 }
 
+/// Maps an error to the NBD error value sent in a reply, by its kind. The only such mapping
+/// in the crate (`error` knows nothing of the wire; this module depends on it, not back).
+pub fn nbd_error_code(error: &Error) -> u32 {
+    match error.kind() {
+        ErrorKind::Io => errno::EIO,
+        ErrorKind::NoSpace => errno::ENOSPC,
+        ErrorKind::InvalidArgument => errno::EINVAL,
+        ErrorKind::PermissionDenied => errno::EPERM,
+        ErrorKind::Overflow => errno::EOVERFLOW,
+        ErrorKind::NotSupported => errno::ENOTSUP,
+        ErrorKind::OutOfMemory => errno::ENOMEM,
+        ErrorKind::Shutdown => errno::ESHUTDOWN,
+    }
+}
+
 /// Bounds-checked big-endian reader over a byte slice.
 struct Cursor<'a> {
     bytes: &'a [u8],
@@ -319,3 +334,6 @@ fn truncate_str(text: &str, maximum: usize) -> &str {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod error_code_tests;

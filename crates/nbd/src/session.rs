@@ -49,9 +49,11 @@
 //! blocks in its own reply write, then in its own budget while holding its own input lock:
 //! it stops reading requests, and of the server's budget it holds at most its own byte
 //! limit, and only while the budget is under half used. A request reaches the export only
-//! with a range inside the export, aligned to
-//! [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN), and a payload of at most
-//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX); every reply is written whole,
+//! with a range inside the export and a payload of at most
+//! [`PAYLOAD_LENGTH_MAX`](crate::protocol::PAYLOAD_LENGTH_MAX), aligned to
+//! [`BLOCK_SIZE_MIN`](crate::protocol::BLOCK_SIZE_MIN) if the client asked for the block
+//! sizes in its GO; the session calls the export through [`Unaligned`], which gives the
+//! real export only whole sectors (read-modify-write for the rest); every reply is written whole,
 //! alone or in a batch of whole replies, while holding the writer lock, so replies never
 //! interleave byte-wise. Out-of-range, misaligned, unknown or badly flagged requests get an
 //! error reply and the connection goes on; a bad magic, an oversize WRITE payload or a
@@ -59,35 +61,41 @@
 //!
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
-//! server-wide fair share; `input` the buffered read side and the reading and checking of
-//! requests; `dispatch` serving a checked request on the export and making its reply;
+//! server-wide fair share; `input` the buffered read side and the reading of requests;
+//! `check` their checks; `standby` waiting for the input; `payload` a thread's payload
+//! buffer; `activity` what the server's table sees of the session; `dispatch` serving a checked request on the export and making its reply;
 //! `batch` a thread's replies not yet sent; `splice` sending large READ replies from the
 //! export's file without a copy (plaintext connections, exports that give
 //! [`Export::read_source`]).
 
+mod activity;
 mod batch;
 mod budget;
+mod check;
 mod dispatch;
 mod input;
+mod payload;
 mod spin;
 mod splice;
+mod standby;
 mod watchdog;
 
 use std::io;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::error::{Error, Result};
-use crate::export::Export;
-use crate::handshake::{Negotiated, ReplyStyle, SelectedContext};
+use crate::export::{Export, Unaligned, UnalignedContext};
+use crate::handshake::{ContextSource, Negotiated, ReplyStyle, SelectedContext};
 use crate::protocol::{command, command_flags, HeaderStyle, Request};
 use crate::stream::Stream;
-use crate::sync;
 
+pub(crate) use activity::Activity;
 use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
-use input::{Input, PayloadTarget};
+use input::Input;
+use payload::Payload;
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -131,6 +139,8 @@ pub(crate) struct Limits {
     pub(crate) spin_max: Duration,
     /// The reading thread serves small quick requests itself, into its batch.
     pub(crate) batch_replies: bool,
+    /// Whether requests are in flight, for the server's choice of a connection to evict.
+    pub(crate) activity: Arc<Activity>,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -204,70 +214,13 @@ struct Scratch {
     batch: Batch,
 }
 
-/// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
-#[derive(Default)]
-struct Payload {
-    /// Grows to the largest payload up to [`RETAINED_BUFFER_BYTES`] and stays; never zeroed
-    /// again (READs are filled completely by the export, WRITEs by the socket).
-    retained: Vec<u8>,
-    /// A larger payload's buffer, for one request only.
-    large: Vec<u8>,
-}
-
-impl Payload {
-    /// A buffer of `length` bytes; its contents are left over from earlier requests.
-    fn prepare(&mut self, length: usize) -> &mut [u8] {
-        if length <= RETAINED_BUFFER_BYTES {
-            if self.retained.len() < length {
-                self.retained.resize(length, 0);
-            }
-            &mut self.retained[..length]
-        } else {
-            self.large = vec![0u8; length];
-            &mut self.large
-        }
-    }
-
-    /// Where a WRITE payload of `length` bytes is to be received. A large one gets a fresh
-    /// vector of exactly that capacity, filled without zeroing it first (zeroing a 1 MiB
-    /// buffer per WRITE was a few percent of the server's CPU on large writes).
-    fn target(&mut self, length: usize) -> PayloadTarget<'_> {
-        if length <= RETAINED_BUFFER_BYTES {
-            return PayloadTarget::Slice {
-                buffer: self.prepare(length),
-                filled: 0,
-            };
-        }
-        self.large = Vec::with_capacity(length);
-        if self.large.capacity() != length {
-            // Receiving into spare capacity must not read past the payload.
-            return PayloadTarget::Slice {
-                buffer: self.prepare(length),
-                filled: 0,
-            };
-        }
-        PayloadTarget::Spare(&mut self.large)
-    }
-
-    /// The buffer [`Payload::prepare`] or [`Payload::target`] gave out last, for `length`
-    /// bytes.
-    fn current(&self, length: usize) -> &[u8] {
-        if length <= RETAINED_BUFFER_BYTES {
-            &self.retained[..length]
-        } else {
-            &self.large[..length]
-        }
-    }
-
-    /// Frees a large buffer once its request is answered.
-    fn shrink(&mut self) {
-        self.large = Vec::new();
-    }
-}
-
 /// State shared by the threads of one connection.
 struct Connection {
+    /// The negotiated export, wrapped to serve unaligned requests (see [`Unaligned`]).
     export: Arc<dyn Export>,
+    /// The client did not agree to the 512-byte minimum block size: requests of any
+    /// alignment are served.
+    any_alignment: bool,
     style: ReplyStyle,
     /// Metadata contexts selected in the handshake; BLOCK_STATUS answers one chunk for each.
     contexts: Vec<SelectedContext>,
@@ -277,6 +230,8 @@ struct Connection {
     /// Requests taken and not yet answered (the same count as `budget` holds, without its
     /// lock); a thread serves inline only when its own request is the only one.
     in_flight: AtomicUsize,
+    /// `in_flight`'s transitions to and from 0, seen by the server's connection table.
+    activity: Arc<Activity>,
     budget: Budget,
     server_bytes: Arc<Budget>,
     /// Bytes this connection holds of `server_bytes`.
@@ -336,15 +291,29 @@ pub(crate) fn serve(
         return;
     }
     let server_share_bytes = limits.server_bytes.fair_share_bytes();
+    let any_alignment = !negotiated.block_sizes;
+    let contexts = negotiated
+        .contexts
+        .into_iter()
+        .map(|context| match context.source {
+            ContextSource::Export(source) if any_alignment => SelectedContext {
+                id: context.id,
+                source: ContextSource::Export(Arc::new(UnalignedContext(source))),
+            },
+            _ => context,
+        })
+        .collect();
     let connection = Arc::new(Connection {
-        export: negotiated.export,
+        export: Arc::new(Unaligned::new(negotiated.export, any_alignment)),
+        any_alignment,
         style: negotiated.style,
-        contexts: negotiated.contexts,
+        contexts,
         input: Mutex::new(Input::new(reader, idle_ticks_max, limits.spin_max)),
         idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
         in_flight: AtomicUsize::new(0),
+        activity: limits.activity,
         budget: Budget::new(limits.requests_in_flight_max, limits.bytes_in_flight_max),
         server_bytes: limits.server_bytes,
         server_bytes_held: AtomicU64::new(0),
@@ -410,6 +379,7 @@ impl Connection {
         }
         if self.in_flight.fetch_add(1, Ordering::SeqCst) == 0 {
             spin::connection_busy();
+            self.activity.busy();
         }
     }
 
@@ -418,6 +388,7 @@ impl Connection {
         assert!(before > 0, "released a request that was not in flight");
         if before == 1 {
             spin::connection_idle();
+            self.activity.idle();
         }
         if bytes > RETAINED_BUFFER_BYTES as u64 {
             self.server_bytes_held.fetch_sub(bytes, Ordering::SeqCst);
@@ -435,6 +406,7 @@ impl Connection {
         );
         if before == requests && requests > 0 {
             spin::connection_idle();
+            self.activity.idle();
         }
         self.budget.release_many(requests, bytes);
     }
@@ -567,38 +539,53 @@ impl Connection {
                 scratch.payload.shrink();
                 return Led::GaveUp;
             }
-            if self.watch.waiters.load(Ordering::SeqCst) == 0
-                && !self.standby_starting.swap(true, Ordering::SeqCst)
-            {
-                // Requests sent after this one must not wait if this call gets stuck: keep a
-                // thread ready to take over.
-                if !self.add_thread(Start::Standby) {
-                    self.standby_starting.store(false, Ordering::SeqCst);
-                }
+            match self.serve_batched(input, &job, scratch) {
+                Some(again) => input = again,
+                None => return Led::GaveUp,
             }
-            self.watch.in_call.store(true, Ordering::SeqCst);
-            self.watch.entering_call();
-            drop(input);
-            self.serve(&job, scratch);
-            self.watch.calls.fetch_add(1, Ordering::SeqCst);
-            if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
-                // A lone large request also holds some of the server's budget.
+        }
+    }
+
+    /// Serves a quick `job` into the thread's batch with the input given up during the
+    /// export call (a standby kept ready in case the call gets stuck); the input again, or
+    /// `None` if a standby took it over meanwhile (the batch is then sent).
+    fn serve_batched<'a>(
+        self: &'a Arc<Self>,
+        input: MutexGuard<'a, Input>,
+        job: &Job,
+        scratch: &mut Scratch,
+    ) -> Option<MutexGuard<'a, Input>> {
+        if self.watch.waiters.load(Ordering::SeqCst) == 0
+            && !self.standby_starting.swap(true, Ordering::SeqCst)
+        {
+            // Requests sent after this one must not wait if this call gets stuck: keep a
+            // thread ready to take over.
+            if !self.add_thread(Start::Standby) {
+                self.standby_starting.store(false, Ordering::SeqCst);
+            }
+        }
+        self.watch.in_call.store(true, Ordering::SeqCst);
+        self.watch.entering_call();
+        drop(input);
+        self.serve(job, scratch);
+        self.watch.calls.fetch_add(1, Ordering::SeqCst);
+        if job.reserved_bytes > RETAINED_BUFFER_BYTES as u64 {
+            // A lone large request also holds some of the server's budget.
+            self.flush(&mut scratch.batch);
+            self.release(job.reserved_bytes);
+            scratch.payload.shrink();
+        } else {
+            scratch.batch.add_request(job.reserved_bytes);
+        }
+        match self.try_lock_input() {
+            Some(again) => {
+                self.watch.in_call.store(false, Ordering::SeqCst);
+                Some(again)
+            }
+            None => {
+                // A standby took over while this thread was in the export.
                 self.flush(&mut scratch.batch);
-                self.release(job.reserved_bytes);
-                scratch.payload.shrink();
-            } else {
-                scratch.batch.add_request(job.reserved_bytes);
-            }
-            match self.try_lock_input() {
-                Some(again) => {
-                    self.watch.in_call.store(false, Ordering::SeqCst);
-                    input = again;
-                }
-                None => {
-                    // A standby took over while this thread was in the export.
-                    self.flush(&mut scratch.batch);
-                    return Led::GaveUp;
-                }
+                None
             }
         }
     }
@@ -607,60 +594,6 @@ impl Connection {
     fn serve(&self, job: &Job, scratch: &mut Scratch) {
         if !self.broken.load(Ordering::SeqCst) {
             self.run(job, scratch);
-        }
-    }
-
-    /// Waits for the input: takes it if it is free and either `take_now`, or no reading
-    /// thread is in an export call (the input is free because nobody reads); otherwise waits
-    /// as a standby, until a thread hands the input off or the watchdog finds the reading
-    /// thread stuck in an export call (both wake it: it takes the input over). `None` if the
-    /// thread should leave: woken by nothing for [`STANDBY_QUIET`] with nothing in flight.
-    fn wait_for_input(&self, take_now: bool) -> Option<MutexGuard<'_, Input>> {
-        let watch = &*self.watch;
-        let mut notified = take_now;
-        let mut timed_out = false;
-        let mut standby = sync::lock(&watch.standby);
-        loop {
-            watch.waiters.fetch_add(1, Ordering::SeqCst);
-            // A thread started as a standby counts as one from here on.
-            self.standby_starting.store(false, Ordering::SeqCst);
-            // After a quiet wait the input is tried in any case: a thread that panicked
-            // holding it woke nobody, and the poisoned lock ends the session (see
-            // `try_lock_input`).
-            if notified || timed_out || !watch.in_call.load(Ordering::SeqCst) {
-                if let Some(input) = self.try_lock_input() {
-                    watch.waiters.fetch_sub(1, Ordering::SeqCst);
-                    // This thread reads now, and is in no export call.
-                    watch.in_call.store(false, Ordering::SeqCst);
-                    return Some(input);
-                }
-            }
-            if timed_out && self.in_flight.load(Ordering::SeqCst) == 0 && self.leave_if_not_last() {
-                watch.waiters.fetch_sub(1, Ordering::SeqCst);
-                return None;
-            }
-            let (guard, wait) = sync::wait_timeout(&watch.wake, standby, STANDBY_QUIET);
-            standby = guard;
-            watch.waiters.fetch_sub(1, Ordering::SeqCst);
-            timed_out = wait.timed_out();
-            notified = !timed_out;
-        }
-    }
-
-    /// The input, if no other thread holds it. A thread that panicked holding it may have
-    /// left a request half-read, so the stream is no longer framed: reading stops for every
-    /// thread (see [`crate::sync`]).
-    fn try_lock_input(&self) -> Option<MutexGuard<'_, Input>> {
-        match self.input.try_lock() {
-            Ok(input) => Some(input),
-            Err(TryLockError::WouldBlock) => None,
-            Err(TryLockError::Poisoned(poisoned)) => {
-                let mut input = poisoned.into_inner();
-                input.stop(Err(Error::Internal(
-                    "a thread serving this connection panicked while reading".to_string(),
-                )));
-                Some(input)
-            }
         }
     }
 }

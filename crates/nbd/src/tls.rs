@@ -42,6 +42,8 @@ use rustls::{RootCertStore, ServerConfig, ServerConnection};
 use crate::error::{Error, Result};
 use crate::stream::{Deadline, Stream};
 
+mod key;
+
 /// The CA certificate(s) that client certificates must chain to (`--tls-verify-peer`).
 pub const CA_CERT_FILE: &str = "ca-cert.pem";
 /// The server's certificate chain, leaf first.
@@ -121,12 +123,22 @@ impl Tls {
         } else {
             builder.with_no_client_auth()
         };
+        let described = key::describe(&key);
         let config = builder.with_single_cert(chain, key).map_err(|error| {
+            let refused = !key::usable(&described);
             tls_error(
                 format!(
-                    "{} and {} do not make a usable certificate",
+                    "{} and {} ({described}) do not make a usable certificate{}",
                     certificate_path.display(),
-                    key_path.display()
+                    key_path.display(),
+                    if refused {
+                        format!(
+                            ": the TLS library cannot sign with this key ({})",
+                            key::supported()
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 error,
             )
@@ -292,155 +304,221 @@ fn would_block(error: &io::Error) -> bool {
     )
 }
 
+/// Where a pump's two directions stand, between turns of its loop.
+struct Progress {
+    /// Client plaintext waiting for the session: `to_local[sent..filled]`.
+    to_local: Vec<u8>,
+    filled: usize,
+    sent: usize,
+    from_local: Vec<u8>,
+    /// read_tls saw the end of the raw stream (or close_notify).
+    raw_closed: bool,
+    /// The client's plaintext has ended; the session is told once all of it is delivered.
+    client_done: bool,
+    local_shut: bool,
+    /// The session closed its end: send close_notify, flush, finish.
+    session_done: bool,
+    raw_hung_up: bool,
+    local_hung_up: bool,
+}
+
+/// What a step of the pump's loop says to do next.
+enum Flow {
+    /// Go on with the next step of this turn.
+    Next,
+    /// Start the next turn of the loop at once.
+    Again,
+    /// The pump is done.
+    Done,
+}
+
 impl Pump {
     /// Moves bytes until either side is done; see the module docs.
     fn run(&mut self) -> Result<()> {
         self.tls.set_buffer_limit(None);
-        // Client plaintext waiting for the session: `to_local[sent..filled]`.
-        let mut to_local = vec![0u8; CHUNK_BYTES];
-        let mut filled = 0;
-        let mut sent = 0;
-        let mut from_local = vec![0u8; CHUNK_BYTES];
-        // read_tls saw the end of the raw stream (or close_notify).
-        let mut raw_closed = false;
-        // The client's plaintext has ended; the session is told once all of it is delivered.
-        let mut client_done = false;
-        let mut local_shut = false;
-        // The session closed its end: send close_notify, flush, finish.
-        let mut session_done = false;
-        let mut raw_hung_up = false;
-        let mut local_hung_up = false;
+        let mut progress = Progress {
+            to_local: vec![0u8; CHUNK_BYTES],
+            filled: 0,
+            sent: 0,
+            from_local: vec![0u8; CHUNK_BYTES],
+            raw_closed: false,
+            client_done: false,
+            local_shut: false,
+            session_done: false,
+            raw_hung_up: false,
+            local_hung_up: false,
+        };
         let timeout = Timespec::try_from(self.stall_timeout)
             .map_err(|_| Error::Internal("TLS stall timeout out of range".into()))?;
         loop {
-            while self.tls.wants_write() {
-                match self.tls.write_tls(&mut self.raw) {
-                    Ok(_) => {}
-                    Err(error) if would_block(&error) => break,
-                    Err(error) => return Err(failed("send", error)),
-                }
-            }
-            // Client plaintext to the session.
-            while !client_done || sent < filled {
-                if sent == filled {
-                    sent = 0;
-                    filled = 0;
-                    match self.tls.reader().read(&mut to_local) {
-                        Ok(0) => client_done = true,
-                        Ok(count) => filled = count,
-                        Err(error) => {
-                            match error.kind() {
-                                io::ErrorKind::WouldBlock => break,
-                                // Closed without close_notify: most clients just hang up.
-                                io::ErrorKind::UnexpectedEof => client_done = true,
-                                _ => return Err(failed("read", error)),
-                            }
-                        }
-                    }
-                    continue;
-                }
-                match self.local.write(&to_local[sent..filled]) {
-                    Ok(0) => {
-                        return Err(failed(
-                            "pass plaintext on",
-                            io::Error::from(io::ErrorKind::WriteZero),
-                        ))
-                    }
-                    Ok(count) => sent += count,
-                    Err(error) if would_block(&error) => break,
-                    // The session has closed its end: nothing is left to serve.
-                    Err(_) => return Ok(()),
-                }
-            }
-            if client_done && sent == filled && !local_shut {
-                let _ = self.local.shutdown(Shutdown::Write);
-                local_shut = true;
-            }
-            // Session plaintext to the client, once earlier records are out.
-            // Before the TLS handshake ends rustls keeps what is written and sends it after;
-            // the NBD handshake writes nothing then anyway (the client speaks first).
-            if !session_done && !self.tls.wants_write() {
-                match self.local.read(&mut from_local) {
-                    Ok(0) => {
-                        session_done = true;
-                        self.tls.send_close_notify();
-                        continue;
-                    }
-                    Ok(count) => {
-                        self.tls
-                            .writer()
-                            .write_all(&from_local[..count])
-                            .map_err(|error| failed("encrypt", error))?;
-                        continue;
-                    }
-                    Err(error) if would_block(&error) => {}
-                    Err(error) => return Err(failed("read the replies", error)),
-                }
-            }
-            if session_done && !self.tls.wants_write() {
+            self.send_records()?;
+            if let Flow::Done = self.deliver_to_session(&mut progress)? {
                 return Ok(());
             }
+            match self.forward_replies(&mut progress)? {
+                Flow::Next => {}
+                Flow::Again => continue,
+                Flow::Done => return Ok(()),
+            }
+            match self.wait(&mut progress, &timeout)? {
+                Flow::Next => {}
+                Flow::Again => continue,
+                Flow::Done => return Ok(()),
+            }
+        }
+    }
 
-            let mut raw_events = PollFlags::empty();
-            if !raw_closed && self.tls.wants_read() {
-                raw_events |= PollFlags::IN;
+    /// Sends the TLS records rustls has ready, until the socket would block.
+    fn send_records(&mut self) -> Result<()> {
+        while self.tls.wants_write() {
+            match self.tls.write_tls(&mut self.raw) {
+                Ok(_) => {}
+                Err(error) if would_block(&error) => break,
+                Err(error) => return Err(failed("send", error)),
             }
-            if self.tls.wants_write() {
-                raw_events |= PollFlags::OUT;
-            }
-            let mut local_events = PollFlags::empty();
-            if sent < filled {
-                local_events |= PollFlags::OUT;
-            }
-            if !session_done && !self.tls.wants_write() {
-                local_events |= PollFlags::IN;
-            }
-            // A socket that hung up reports it on every poll: watch it again only for what
-            // we want of it (which then fails or reads the end), or the loop would spin.
-            let watch_raw = !raw_hung_up || !raw_events.is_empty();
-            let watch_local = !local_hung_up || !local_events.is_empty();
-            let mut fds = [
-                PollFd::new(&self.raw, raw_events),
-                PollFd::new(&self.local, local_events),
-            ];
-            let watched = match (watch_raw, watch_local) {
-                (true, true) => &mut fds[..],
-                (true, false) => &mut fds[..1],
-                (false, true) => &mut fds[1..],
-                (false, false) => return Ok(()),
-            };
-            let ready = match rustix::event::poll(watched, Some(&timeout)) {
-                Ok(ready) => ready,
-                Err(rustix::io::Errno::INTR) => continue,
-                Err(errno) => return Err(failed("poll", errno)),
-            };
-            let hung_up = PollFlags::HUP | PollFlags::ERR;
-            let raw_ready = watch_raw && !fds[0].revents().is_empty();
-            raw_hung_up |= watch_raw && fds[0].revents().intersects(hung_up);
-            local_hung_up |= watch_local && fds[1].revents().intersects(hung_up);
-            if ready == 0 {
-                if self.tls.wants_write() || sent < filled {
-                    return Err(failed(
-                        "stalled",
-                        format!("nothing moved for {} s", self.stall_timeout.as_secs_f64()),
-                    ));
+        }
+        Ok(())
+    }
+
+    /// Client plaintext to the session, until either side would block; shuts the session's
+    /// read side once the client's plaintext has ended and all of it is delivered.
+    fn deliver_to_session(&mut self, progress: &mut Progress) -> Result<Flow> {
+        while !progress.client_done || progress.sent < progress.filled {
+            if progress.sent == progress.filled {
+                progress.sent = 0;
+                progress.filled = 0;
+                match self.tls.reader().read(&mut progress.to_local) {
+                    Ok(0) => progress.client_done = true,
+                    Ok(count) => progress.filled = count,
+                    Err(error) => match error.kind() {
+                        io::ErrorKind::WouldBlock => break,
+                        // Closed without close_notify: most clients just hang up.
+                        io::ErrorKind::UnexpectedEof => progress.client_done = true,
+                        _ => return Err(failed("read", error)),
+                    },
                 }
                 continue;
             }
-            if raw_ready && !raw_closed && self.tls.wants_read() {
-                match self.tls.read_tls(&mut self.raw) {
-                    Ok(0) => raw_closed = true,
-                    Ok(_) => {
-                        if let Err(error) = self.tls.process_new_packets() {
-                            // Best effort: the alert rustls queued tells the client why.
-                            let _ = self.tls.write_tls(&mut self.raw);
-                            return Err(failed("session", error));
-                        }
-                    }
-                    Err(error) if would_block(&error) => {}
-                    Err(error) => return Err(failed("receive", error)),
+            match self
+                .local
+                .write(&progress.to_local[progress.sent..progress.filled])
+            {
+                Ok(0) => {
+                    return Err(failed(
+                        "pass plaintext on",
+                        io::Error::from(io::ErrorKind::WriteZero),
+                    ))
                 }
+                Ok(count) => progress.sent += count,
+                Err(error) if would_block(&error) => break,
+                // The session has closed its end: nothing is left to serve.
+                Err(_) => return Ok(Flow::Done),
             }
         }
+        if progress.client_done && progress.sent == progress.filled && !progress.local_shut {
+            let _ = self.local.shutdown(Shutdown::Write);
+            progress.local_shut = true;
+        }
+        Ok(Flow::Next)
+    }
+
+    /// Session plaintext to the client, once earlier records are out. Before the TLS
+    /// handshake ends rustls keeps what is written and sends it after; the NBD handshake
+    /// writes nothing then anyway (the client speaks first).
+    fn forward_replies(&mut self, progress: &mut Progress) -> Result<Flow> {
+        if !progress.session_done && !self.tls.wants_write() {
+            match self.local.read(&mut progress.from_local) {
+                Ok(0) => {
+                    progress.session_done = true;
+                    self.tls.send_close_notify();
+                    return Ok(Flow::Again);
+                }
+                Ok(count) => {
+                    self.tls
+                        .writer()
+                        .write_all(&progress.from_local[..count])
+                        .map_err(|error| failed("encrypt", error))?;
+                    return Ok(Flow::Again);
+                }
+                Err(error) if would_block(&error) => {}
+                Err(error) => return Err(failed("read the replies", error)),
+            }
+        }
+        if progress.session_done && !self.tls.wants_write() {
+            return Ok(Flow::Done);
+        }
+        Ok(Flow::Next)
+    }
+
+    /// Polls both sockets for what the pump waits for, then takes in the client's records;
+    /// fails if nothing moved for the stall timeout while something waits to go out.
+    fn wait(&mut self, progress: &mut Progress, timeout: &Timespec) -> Result<Flow> {
+        let mut raw_events = PollFlags::empty();
+        if !progress.raw_closed && self.tls.wants_read() {
+            raw_events |= PollFlags::IN;
+        }
+        if self.tls.wants_write() {
+            raw_events |= PollFlags::OUT;
+        }
+        let mut local_events = PollFlags::empty();
+        if progress.sent < progress.filled {
+            local_events |= PollFlags::OUT;
+        }
+        if !progress.session_done && !self.tls.wants_write() {
+            local_events |= PollFlags::IN;
+        }
+        // A socket that hung up reports it on every poll: watch it again only for what
+        // we want of it (which then fails or reads the end), or the loop would spin.
+        let watch_raw = !progress.raw_hung_up || !raw_events.is_empty();
+        let watch_local = !progress.local_hung_up || !local_events.is_empty();
+        let mut fds = [
+            PollFd::new(&self.raw, raw_events),
+            PollFd::new(&self.local, local_events),
+        ];
+        let watched = match (watch_raw, watch_local) {
+            (true, true) => &mut fds[..],
+            (true, false) => &mut fds[..1],
+            (false, true) => &mut fds[1..],
+            (false, false) => return Ok(Flow::Done),
+        };
+        let ready = match rustix::event::poll(watched, Some(timeout)) {
+            Ok(ready) => ready,
+            Err(rustix::io::Errno::INTR) => return Ok(Flow::Again),
+            Err(errno) => return Err(failed("poll", errno)),
+        };
+        let hung_up = PollFlags::HUP | PollFlags::ERR;
+        let raw_ready = watch_raw && !fds[0].revents().is_empty();
+        progress.raw_hung_up |= watch_raw && fds[0].revents().intersects(hung_up);
+        progress.local_hung_up |= watch_local && fds[1].revents().intersects(hung_up);
+        if ready == 0 {
+            if self.tls.wants_write() || progress.sent < progress.filled {
+                return Err(failed(
+                    "stalled",
+                    format!("nothing moved for {} s", self.stall_timeout.as_secs_f64()),
+                ));
+            }
+            return Ok(Flow::Again);
+        }
+        if raw_ready && !progress.raw_closed && self.tls.wants_read() {
+            self.receive_records(progress)?;
+        }
+        Ok(Flow::Next)
+    }
+
+    /// Reads the client's TLS records and has rustls process them.
+    fn receive_records(&mut self, progress: &mut Progress) -> Result<()> {
+        match self.tls.read_tls(&mut self.raw) {
+            Ok(0) => progress.raw_closed = true,
+            Ok(_) => {
+                if let Err(error) = self.tls.process_new_packets() {
+                    // Best effort: the alert rustls queued tells the client why.
+                    let _ = self.tls.write_tls(&mut self.raw);
+                    return Err(failed("session", error));
+                }
+            }
+            Err(error) if would_block(&error) => {}
+            Err(error) => return Err(failed("receive", error)),
+        }
+        Ok(())
     }
 }

@@ -347,6 +347,8 @@ fn idle_connections_cost_one_thread_each() {
     let _serial = serial();
     let config = Config {
         idle_timeout: Duration::from_secs(8),
+        // 100 handshakes of one uid held at once (past the default, its oldest would close).
+        handshakes_per_peer_max: 200,
         ..quick_shutdown(Config::default())
     };
     let server = TestServer::start(vec![memory("disk", MIB)], config, false);
@@ -511,7 +513,8 @@ fn idle_connections_are_closed_after_the_idle_timeout() {
 }
 
 /// The per-peer limit: one uid on the Unix socket, one address on TCP, cannot take more
-/// than `connections_per_peer_max` connections, and other peers are still served.
+/// than `connections_per_peer_max` connections (none of these is idle, so a new one is
+/// refused; `peer_fairness.rs` tests evictions), and other peers are still served.
 #[test]
 fn per_peer_limit_leaves_room_for_other_peers() {
     let _serial = serial();
@@ -750,10 +753,11 @@ fn legitimate_client_is_served_under_attack() {
             .flat_map(|worker| worker.join().unwrap())
             .collect()
     });
-    // 256 slow-loris handshakes from two addresses: one byte every 2 s.
+    // 256 slow-loris handshakes from eight addresses, 32 each (the per-peer handshake
+    // limit: past it an address's oldest handshake would close): one byte every 2 s.
     let loris: Vec<TcpStream> = (0..LORIS)
         .map(|index| {
-            let source = Ipv4Addr::new(127, 0, 0, 7 + (index % 2) as u8);
+            let source = Ipv4Addr::new(127, 0, 0, 10 + (index % 8) as u8);
             tcp_from(source, tcp)
         })
         .collect();

@@ -1,6 +1,7 @@
 //! X.509 certificates for TLS tests, made with the real `openssl` command: a CA and leaf
 //! certificates it signs, in nbdkit's and qemu's file layout (`ca-cert.pem`,
-//! `{prefix}-cert.pem`, `{prefix}-key.pem`). P-256 keys, valid for two days.
+//! `{prefix}-cert.pem`, `{prefix}-key.pem`). P-256 keys unless asked for others
+//! ([`make_leaf_with_key`]), valid for two days.
 
 use crate::process::{require_tool, run_ok};
 use std::path::Path;
@@ -48,23 +49,49 @@ pub fn make_ca(dir: &Path, name: &str) {
 /// e.g. `extendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1`). The key usage includes
 /// keyEncipherment, which qemu wants in the certificates it loads.
 pub fn make_leaf(ca: &Path, dir: &Path, prefix: &str, name: &str, extensions: &str) {
+    make_leaf_with_key(ca, dir, prefix, name, extensions, LeafKey::Ec("P-256"));
+}
+
+/// The key of a leaf certificate ([`make_leaf_with_key`]).
+#[derive(Clone, Copy, Debug)]
+pub enum LeafKey {
+    /// RSA with a modulus of this many bits.
+    Rsa(u32),
+    /// ECDSA on the named curve ("P-256", "P-384", "P-521").
+    Ec(&'static str),
+    /// Ed25519.
+    Ed25519,
+}
+
+/// [`make_leaf`] with a key of the given kind.
+pub fn make_leaf_with_key(
+    ca: &Path,
+    dir: &Path,
+    prefix: &str,
+    name: &str,
+    extensions: &str,
+    key: LeafKey,
+) {
     std::fs::create_dir_all(dir).unwrap();
+    let key_arguments: Vec<String> = match key {
+        LeafKey::Rsa(bits) => vec!["-newkey".into(), format!("rsa:{bits}")],
+        LeafKey::Ec(curve) => vec![
+            "-newkey".into(),
+            "ec".into(),
+            "-pkeyopt".into(),
+            format!("ec_paramgen_curve:{curve}"),
+        ],
+        LeafKey::Ed25519 => vec!["-newkey".into(), "ed25519".into()],
+    };
     let request = dir.join(format!("{prefix}.csr"));
     let extension_file = dir.join(format!("{prefix}.ext"));
-    openssl(&[
-        "req",
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-        "-subj",
-        &format!("/CN={name}"),
-        "-keyout",
-        text(&dir.join(format!("{prefix}-key.pem"))),
-        "-out",
-        text(&request),
-    ]);
+    let subject = format!("/CN={name}");
+    let key_file = dir.join(format!("{prefix}-key.pem"));
+    let mut arguments: Vec<&str> = vec!["req"];
+    arguments.extend(key_arguments.iter().map(String::as_str));
+    arguments.extend(["-nodes", "-subj", &subject, "-keyout", text(&key_file)]);
+    arguments.extend(["-out", text(&request)]);
+    openssl(&arguments);
     std::fs::write(
         &extension_file,
         format!(

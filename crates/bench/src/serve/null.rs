@@ -5,7 +5,7 @@
 //! compare it with a raw export to see what the I/O itself costs, and with `nbdkit null` for
 //! the same measurement of nbdkit.
 
-use nbd::{Export, Extent, ZeroOptions};
+use nbd::{Capabilities, Export, Extent, ZeroOptions};
 
 use thinpool_daemon::pool_dir::{format_size, parse_size};
 
@@ -59,17 +59,14 @@ impl Export for NullExport {
         self.size_bytes
     }
 
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        true
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        // Nothing is kept, so every flush trivially covers every connection.
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            trim: true,
+            fast_zero: true,
+            // Nothing is kept, so every flush trivially covers every connection.
+            multi_conn: true,
+            ..Capabilities::default()
+        }
     }
 
     fn read_at(&self, _offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {

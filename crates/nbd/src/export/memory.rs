@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::{Export, Extent, MetaContext, StatusExtent, ZeroOptions};
+use super::{Capabilities, Export, Extent, MetaContext, StatusExtent, ZeroOptions};
 use crate::error::{Error, ErrorKind, Result};
 use crate::protocol::BLOCK_SIZE_MIN;
 use crate::sync;
@@ -191,20 +191,14 @@ impl Export for MemoryExport {
         self.size_bytes
     }
 
-    fn read_only(&self) -> bool {
-        self.read_only
-    }
-
-    fn can_trim(&self) -> bool {
-        true
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        true
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        true
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            read_only: self.read_only,
+            trim: true,
+            fast_zero: true,
+            multi_conn: true,
+            ..Capabilities::default()
+        }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> Result<()> {

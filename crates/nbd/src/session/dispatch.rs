@@ -20,13 +20,13 @@ use rustix::net::SendFlags;
 use super::batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 use super::splice::{Pipe, SPLICE_MIN_BYTES};
 use super::{Connection, Job, Scratch};
-use crate::error::{nbd_error_code, Error, ErrorKind, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::export::ZeroOptions;
 use crate::handshake::ReplyStyle;
 use crate::handshake::{ContextSource, SelectedContext};
 use crate::protocol::{
-    self, chunk, command, command_flags, encode_simple_reply, state, ChunkHeader, Descriptor,
-    Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
+    self, chunk, command, command_flags, encode_simple_reply, nbd_error_code, state, ChunkHeader,
+    Descriptor, Request, EXTENTS_PER_REPLY_MAX, REPLY_FLAG_DONE,
 };
 use crate::stream::Stream;
 

@@ -18,11 +18,12 @@ use std::time::{Duration, Instant};
 
 use rustix::net::RecvFlags;
 
+use super::check::Verdict;
 use super::spin::{self, Spin};
 use super::{Connection, Job, Next, Scratch};
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::handshake::ReplyStyle;
-use crate::protocol::{command, command_flags, Request, BLOCK_SIZE_MIN, PAYLOAD_LENGTH_MAX};
+use crate::protocol::{command, command_flags, Request, PAYLOAD_LENGTH_MAX};
 use crate::stream::Stream;
 
 /// Size of each connection's input buffer: room for the headers of many queued requests in
@@ -310,14 +311,6 @@ impl Input {
     }
 }
 
-/// What the checks decided about one request.
-enum Verdict {
-    /// Serve it.
-    Run,
-    /// Answer at once with this error (after discarding any payload).
-    Refuse(Error),
-}
-
 impl Connection {
     /// Reads and checks the next request; a WRITE payload goes into `scratch`.
     pub(super) fn next(&self, input: &mut Input, scratch: &mut Scratch) -> Next {
@@ -456,110 +449,6 @@ impl Connection {
             _ if request.command == command::WRITE => request.length,
             _ => 0,
         }
-    }
-
-    /// Checks a request before it may reach the export.
-    fn check(&self, request: &Request, payload_length: u64) -> Verdict {
-        let refuse =
-            |kind: ErrorKind, message: String| Verdict::Refuse(Error::export(kind, message));
-        let command = request.command;
-        let extended = self.style == ReplyStyle::Extended;
-        let mut flags_allowed = command_flags::FUA;
-        match command {
-            command::READ => flags_allowed |= command_flags::DF,
-            command::WRITE if extended => flags_allowed |= command_flags::PAYLOAD_LEN,
-            command::WRITE_ZEROES => {
-                flags_allowed |= command_flags::NO_HOLE;
-                if self.export.can_fast_zero() {
-                    flags_allowed |= command_flags::FAST_ZERO;
-                }
-            }
-            command::BLOCK_STATUS => flags_allowed |= command_flags::REQ_ONE,
-            command::WRITE | command::FLUSH | command::TRIM | command::CACHE => {}
-            _ => {
-                return refuse(
-                    ErrorKind::InvalidArgument,
-                    format!("unknown command {command}"),
-                )
-            }
-        }
-        if request.flags & !flags_allowed != 0 {
-            return refuse(
-                ErrorKind::InvalidArgument,
-                format!("flags {:#x} not valid for command {command}", request.flags),
-            );
-        }
-        if command != command::WRITE && payload_length > 0 {
-            return refuse(
-                ErrorKind::InvalidArgument,
-                format!("command {command} takes no payload"),
-            );
-        }
-        if command == command::FLUSH {
-            return Verdict::Run;
-        }
-        let writes = matches!(
-            command,
-            command::WRITE | command::TRIM | command::WRITE_ZEROES
-        );
-        if writes && self.export.read_only() {
-            return refuse(
-                ErrorKind::PermissionDenied,
-                "export is read-only".to_owned(),
-            );
-        }
-        let size = self.export.size_bytes();
-        let inside = request
-            .offset
-            .checked_add(request.length)
-            .is_some_and(|end| end <= size);
-        if !inside {
-            let kind = match command {
-                command::WRITE | command::WRITE_ZEROES => ErrorKind::NoSpace,
-                _ => ErrorKind::InvalidArgument,
-            };
-            return refuse(
-                kind,
-                format!(
-                    "offset {} length {} is outside the export of {size} bytes",
-                    request.offset, request.length
-                ),
-            );
-        }
-        let block = u64::from(BLOCK_SIZE_MIN);
-        if !request.offset.is_multiple_of(block) || !request.length.is_multiple_of(block) {
-            return refuse(
-                ErrorKind::InvalidArgument,
-                format!(
-                    "offset {} length {} not aligned to {block} bytes",
-                    request.offset, request.length
-                ),
-            );
-        }
-        if command == command::READ && request.length > u64::from(PAYLOAD_LENGTH_MAX) {
-            return refuse(
-                ErrorKind::Overflow,
-                format!(
-                    "read length {} exceeds the maximum {PAYLOAD_LENGTH_MAX}",
-                    request.length
-                ),
-            );
-        }
-        if command == command::BLOCK_STATUS {
-            if self.contexts.is_empty() {
-                return refuse(
-                    ErrorKind::InvalidArgument,
-                    "no metadata context selected".to_owned(),
-                );
-            }
-            if request.length == 0 {
-                return refuse(
-                    ErrorKind::InvalidArgument,
-                    "block status of zero length".to_owned(),
-                );
-            }
-        }
-        Verdict::Run
     }
 }
 

@@ -35,6 +35,11 @@ impl TestServer {
         for export in exports {
             map.insert(export);
         }
+        Self::start_registry(map, config)
+    }
+
+    /// A server for the exports in `map`.
+    pub fn start_registry(map: Arc<ExportMap>, config: Config) -> Self {
         let dir = ScratchDir::new("nbd-server");
         let socket = dir.join("nbd.sock");
         let mut server = Server::new(map.clone(), config);
