@@ -18,7 +18,7 @@ use std::sync::Arc;
 use anyhow::bail;
 use nbd::{
     Capabilities, Error as NbdError, ErrorKind, Export, ExportListing, ExportRegistry, Extent,
-    MetaContext, ReadSource, ZeroOptions,
+    MetaContext, ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
 

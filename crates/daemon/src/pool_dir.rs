@@ -306,7 +306,6 @@ fn check_path_components(path: &Path) -> anyhow::Result<()> {
     use std::path::Component;
     let shown = path.display();
     let me = current_uid();
-    let trusted = |uid: u32| uid == me || uid == 0;
     let absolute = if path.is_absolute() {
         path.to_path_buf()
     } else {
@@ -348,40 +347,7 @@ fn check_path_components(path: &Path) -> anyhow::Result<()> {
                     .with_context(|| format!("cannot examine {}", entry_path.display()))
             }
         };
-        let mode = parent.mode() & 0o7777;
-        let others_write =
-            mode & OTHERS_WRITE != 0 || (!trusted(parent.uid()) && mode & 0o200 != 0);
-        if others_write {
-            let skip = "--allow-shared-dir skips this check, at that risk";
-            if mode & STICKY == 0 || !trusted(parent.uid()) {
-                let why = if mode & STICKY == 0 {
-                    "not sticky"
-                } else {
-                    "sticky but not yours or root's"
-                };
-                bail!(
-                    "refusing pool directory {shown}: its parent {} is writable by other users \
-                     and {why} (mode {mode:04o}, owner uid {}), so they could replace {} with a \
-                     link to a directory of theirs. Give a path that only you or root can \
-                     change (`chmod go-w {}`, or keep the pool elsewhere); {skip}",
-                    current.display(),
-                    parent.uid(),
-                    entry_path.display(),
-                    current.display()
-                );
-            }
-            if !trusted(entry.uid()) {
-                bail!(
-                    "refusing pool directory {shown}: the path goes through {}, which belongs \
-                     to uid {} in the shared directory {}, so its owner could point it \
-                     elsewhere (e.g. at a directory of theirs). Give the pool directory's own \
-                     path; {skip}",
-                    entry_path.display(),
-                    entry.uid(),
-                    current.display()
-                );
-            }
-        }
+        check_entry_of_parent(&shown, &current, &parent, &entry_path, &entry, me)?;
         if entry.file_type().is_symlink() {
             links += 1;
             if links > SYMLINKS_MAX {
@@ -392,6 +358,54 @@ fn check_path_components(path: &Path) -> anyhow::Result<()> {
             push_front(&mut pending, &target);
         } else {
             current = entry_path;
+        }
+    }
+    Ok(())
+}
+
+/// One step of [`check_path_components`]: `entry` (at `entry_path`), taken from directory
+/// `current` (`parent` its metadata), may be changed by nobody but the caller (`me`) and
+/// root: `current` is writable only by them, or sticky and theirs with `entry` theirs.
+fn check_entry_of_parent(
+    shown: &std::path::Display<'_>,
+    current: &Path,
+    parent: &std::fs::Metadata,
+    entry_path: &Path,
+    entry: &std::fs::Metadata,
+    me: u32,
+) -> anyhow::Result<()> {
+    let trusted = |uid: u32| uid == me || uid == 0;
+    let mode = parent.mode() & 0o7777;
+    let others_write = mode & OTHERS_WRITE != 0 || (!trusted(parent.uid()) && mode & 0o200 != 0);
+    if others_write {
+        let skip = "--allow-shared-dir skips this check, at that risk";
+        if mode & STICKY == 0 || !trusted(parent.uid()) {
+            let why = if mode & STICKY == 0 {
+                "not sticky"
+            } else {
+                "sticky but not yours or root's"
+            };
+            bail!(
+                "refusing pool directory {shown}: its parent {} is writable by other users \
+                 and {why} (mode {mode:04o}, owner uid {}), so they could replace {} with a \
+                 link to a directory of theirs. Give a path that only you or root can \
+                 change (`chmod go-w {}`, or keep the pool elsewhere); {skip}",
+                current.display(),
+                parent.uid(),
+                entry_path.display(),
+                current.display()
+            );
+        }
+        if !trusted(entry.uid()) {
+            bail!(
+                "refusing pool directory {shown}: the path goes through {}, which belongs \
+                 to uid {} in the shared directory {}, so its owner could point it \
+                 elsewhere (e.g. at a directory of theirs). Give the pool directory's own \
+                 path; {skip}",
+                entry_path.display(),
+                entry.uid(),
+                current.display()
+            );
         }
     }
     Ok(())

@@ -9,8 +9,8 @@ use persistent_data::FileDevice;
 use std::path::Path;
 use std::sync::Arc;
 use thin_pool::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use thin_pool::{DATA_FILE, METADATA_FILE};
 use thin_pool::PoolMetadata;
+use thin_pool::{DATA_FILE, METADATA_FILE};
 
 /// If the pool directory `dir` has no volume catalog (its metadata was restored, e.g. by
 /// LVM's `thin_restore`), write one naming each volume `thin-ID`. Returns whether it did.

@@ -9,10 +9,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use thin_pool::HostFreeProbe;
 use thin_pool::testing::MemoryParts;
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
+use thin_pool::HostFreeProbe;
 use thin_pool::{Autoextend, Error, ExtendBy, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;

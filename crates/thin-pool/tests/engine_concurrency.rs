@@ -22,8 +22,6 @@ use std::time::Duration;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::testing::MemoryParts;
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -15,8 +15,6 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use rand::Rng;
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::format::diff::DeltaKind;
 use thin_pool::testing::MemoryParts;
 use thin_pool::{DiffKind, DiffRange, Pool, PoolOptions, VirtualBlock};

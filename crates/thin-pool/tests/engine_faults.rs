@@ -20,9 +20,6 @@ use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::testing::{deterministic_options as options, MemoryParts};
 use thin_pool::{Error, Pool, PoolMetadata, PoolMode};
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
-use thin_pool::{Error, Pool, PoolMetadata, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
 

@@ -17,9 +17,6 @@ use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::data_device::DataDevice;
 use thin_pool::testing::{deterministic_options as options, MemoryParts};
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::{DataDevice, MemoryDataDevice};
-use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;
 

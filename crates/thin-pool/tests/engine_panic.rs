@@ -21,11 +21,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::testing::{deterministic_options, MemoryParts};
+use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::{PoolMode, PoolOptions};
-use thin_pool::data_device::{DataDevice, MemoryDataDevice};
-use thin_pool::{Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;
 const EIO: i32 = 5;

@@ -25,7 +25,6 @@ use std::collections::BTreeMap;
 use testkit::crash::CrashMode;
 use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
-use thin_pool::data_device::DataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

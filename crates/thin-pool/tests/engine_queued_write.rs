@@ -13,8 +13,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thin_pool::testing::MemoryParts;
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -17,7 +17,6 @@ use testkit::scratch::ScratchDir;
 use testkit::tools::ThinTools;
 use thin_pool::catalog::MemoryCatalog;
 use thin_pool::testing::{MemoryParts, PoolParts};
-use thin_pool::data_device::MemoryDataDevice;
 use thin_pool::{Error, Pool, PoolMode, PoolOptions};
 
 const BLOCK: u64 = 65536;

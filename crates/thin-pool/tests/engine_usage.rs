@@ -11,9 +11,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use thin_pool::testing::MemoryParts;
 use thin_pool::{PoolMetadata, PoolOptions, VolumeId};
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::MemoryDataDevice;
-use thin_pool::{Pool, PoolMetadata, PoolOptions, VolumeId};
 
 const BLOCK: u64 = 65536;
 const VOLUME_BLOCKS: u64 = 64;

@@ -19,10 +19,8 @@ use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thin_pool::data_device::DataDevice;
-use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::testing::{deterministic_options as options, MemoryParts};
-use thin_pool::catalog::MemoryCatalog;
-use thin_pool::data_device::{DataDevice, MemoryDataDevice};
+use thin_pool::{FaultHook, FaultPoint};
 use thin_pool::{Pool, PoolOptions};
 
 const BLOCK: u64 = 65536;

@@ -30,7 +30,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use thin_pool::catalog::{Catalog, CatalogStore, MemoryCatalog};
 use thin_pool::data_device::{DataCounters, DataDevice};
-use thin_pool::data_device::{DataCounters, DataDevice, MemoryDataDevice};
 use thin_pool::format::check::{check, check_before_open, CheckOptions, Rule};
 use thin_pool::format::dump::metadata::{dump, DumpOptions};
 use thin_pool::format::dump::XmlWriter;

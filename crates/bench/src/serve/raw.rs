@@ -65,9 +65,12 @@ impl Export for RawFileExport {
         self.size_bytes
     }
 
-    fn can_multi_conn(&self) -> bool {
-        // fdatasync covers writes made through every connection's copy of the file.
-        true
+    fn capabilities(&self) -> nbd::Capabilities {
+        nbd::Capabilities {
+            // fdatasync covers writes made through every connection's copy of the file.
+            multi_conn: true,
+            ..nbd::Capabilities::default()
+        }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {

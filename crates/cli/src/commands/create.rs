@@ -9,8 +9,6 @@
 use anyhow::{anyhow, bail, Context};
 use std::process::ExitCode;
 use thin_pool::CreateOptions;
-use thin_pool::BLOCK_SIZE_DEFAULT_BYTES;
-use thin_pool::{CreateOptions, Pool};
 
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions};

@@ -20,11 +20,8 @@ use std::io::BufReader;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use thin_pool::METADATA_FILE;
 use thin_pool::format::restore::{self, RestoreOptions};
-use thin_pool::catalog::{Catalog, CatalogStore, CatalogVolume, DirCatalog};
-use thin_pool::PoolMetadata;
-use thin_pool::{DATA_FILE, METADATA_FILE};
+use thin_pool::METADATA_FILE;
 
 use super::{tools_exit, SuperblockOverrides, ToolsVersionFlag};
 use thinpool_daemon::restored::{has_catalog, write_restored_catalog};

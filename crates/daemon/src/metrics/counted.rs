@@ -69,24 +69,8 @@ impl Export for CountedExport {
         self.inner.size_bytes()
     }
 
-    fn preferred_block_size_bytes(&self) -> u32 {
-        self.inner.preferred_block_size_bytes()
-    }
-
-    fn read_only(&self) -> bool {
-        self.inner.read_only()
-    }
-
-    fn can_trim(&self) -> bool {
-        self.inner.can_trim()
-    }
-
-    fn can_fast_zero(&self) -> bool {
-        self.inner.can_fast_zero()
-    }
-
-    fn can_multi_conn(&self) -> bool {
-        self.inner.can_multi_conn()
+    fn capabilities(&self) -> nbd::Capabilities {
+        self.inner.capabilities()
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {

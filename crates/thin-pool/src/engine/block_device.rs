@@ -75,7 +75,7 @@ use std::sync::Arc;
 mod data;
 mod identity;
 pub use data::{BlockDataDevice, QueueLimits};
-pub use identity::{lock_backing_file, DeviceIdentity, LoopBacking};
+pub use identity::{lock_backing_file, DeviceIdentity};
 
 /// The devices of a pool on block devices, as stored in `devices.json`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -22,7 +22,7 @@
 //! The pool therefore also takes an exclusive `flock` on each loop device's backing file
 //! ([`lock_backing_file`]), which every alias shares.
 
-use crate::engine::shared::io_error;
+use crate::error::io_error;
 use crate::error::{Error, Result};
 use serde::{Deserialize, Serialize};
 use std::fs::File;
@@ -152,7 +152,11 @@ pub fn not_this_pools(
 ) -> Error {
     Error::NotThisPoolsDevice {
         path: path.display().to_string(),
-        role: if role == "metadata" { "metadata" } else { "data" },
+        role: if role == "metadata" {
+            "metadata"
+        } else {
+            "data"
+        },
         expected: expected.describe(),
         found: found.describe(),
     }
