@@ -4,9 +4,9 @@
 //! protocol ([`Error::Protocol`], [`Error::TooLong`], [`Error::BadMagic`]), an export that
 //! refuses or fails an operation ([`Error::Export`]), TLS set-up and sessions ([`Error::Tls`])
 //! and the server's own bugs
-//! ([`Error::Internal`]). Every error has an [`ErrorKind`], an
-//! errno-like classification, and [`nbd_error_code`] is the only function that maps a kind to
-//! the error value sent on the wire. Invariant: no other code in the crate chooses an NBD error
+//! ([`Error::Internal`]). Every error has an [`ErrorKind`], an errno-like classification,
+//! and [`nbd_error_code`](crate::protocol::nbd_error_code) is the only function that maps a
+//! kind to the error value sent on the wire. Invariant: no other code in the crate chooses an NBD error
 //! number for an export failure.
 //!
 //! An export whose own errors carry a Linux errno (the binary's thin volumes do) classifies

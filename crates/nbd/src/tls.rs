@@ -24,6 +24,9 @@
 //! error is kept for the server's event), or when nothing moves for `stall_timeout` while
 //! bytes wait to be sent. A server shutdown shuts the raw socket's read side, which the pump
 //! passes on to the session as EOF, exactly as on a plaintext connection.
+//!
+//! Server keys: RSA of 2048, 3072 or 4096 bits (the sizes `ring` signs with), ECDSA P-256 and
+//! P-384, and Ed25519; other keys are refused by type and size (`tls/key.rs` reads the DER).
 
 use std::fmt;
 use std::io::{self, Read, Write};

@@ -1,5 +1,16 @@
 //! What an embedding binary sets ([`Config`], [`SpliceReads`]) and what it hears
 //! ([`Event`]).
+//!
+//! The defaults ([`Config::default`]): 4096 connections, 256 per peer, of them at most 32 in
+//! the handshake, which must finish within 30 s of the accept; an idle timeout of 10 minutes
+//! after GO (no request in flight, nothing received); up to 4 threads per connection with
+//! 512 KiB stacks; 64 requests and 32 MiB of payload in flight per connection, and a
+//! server-wide 512 MiB for payloads over 256 KiB (a connection's fair share of it is 1/64);
+//! reply writes time out after 60 s; a shutdown waits 10 s before it closes the sockets. Each
+//! refusal and eviction is an [`Event`] and a `warn` line naming the peer and the reason (at
+//! most 20 lines a minute, then a count of those left out: `server/log_limit.rs`).
+//! `crates/nbd/tests/fair_service.rs` holds the regression and load tests of these limits,
+//! `peer_fairness.rs` those of the per-peer evictions.
 
 use std::fmt;
 use std::sync::Arc;

@@ -9,6 +9,10 @@
 //! is marked broken, its socket shut, and nothing more is written. A READ of at most
 //! [`BATCH_REQUEST_BYTES_MAX`] is read by the export straight into the batch, behind the
 //! room left for its reply header.
+//!
+//! BLOCK_STATUS sends one status chunk per selected metadata context, the last one flagged
+//! DONE, all in one write; if any context fails it sends one error reply instead, and the
+//! connection goes on.
 
 use std::io::IoSlice;
 use std::net::Shutdown;

@@ -9,6 +9,15 @@
 //! may hold leftover bytes (any failure) is closed and a fresh one made next time, so a
 //! reply never carries another's bytes. Only for ranges that fit in the pipe whole (its size
 //! is raised up to the system's `pipe-max-size`, 1 MiB by default).
+//!
+//! When: on a plaintext TCP connection (no TLS; `Config::splice_reads`, by default TCP only,
+//! because over a Unix socket the client paid three times the CPU and throughput halved), a
+//! READ of 64 KiB or more whose export answers `Export::read_source` (the raw export of
+//! `thinpool-bench serve`: the file is the export). Other READs of more than the batch's limit
+//! are read into the thread's payload buffer and sent, header and data, in one `writev`. Thin
+//! volumes never splice: the socket's send queue keeps references to the file's pages after
+//! the reply is written, and a block freed once the read's grace pin drops could be reused by
+//! another volume before the client has read it.
 
 use std::io;
 

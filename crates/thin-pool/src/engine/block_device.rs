@@ -53,6 +53,11 @@
 //! cache, a file system on the volume): the host then does not keep a second copy and has
 //! no dirty data of its own to write back at a flush. It costs the read-ahead and caching
 //! of the host for small reads (`docs/performance.md`).
+//!
+//! On open: `Pool::open` looks for `devices.json` first. The sizes come from the devices
+//! (a seek to the end), so a grown data device is noticed by `grow_data`, `create --grow` and
+//! the next open. `docs/lvm.md` moves pools to and from the kernel; `docs/scale-out.md` covers
+//! replicated devices and fencing.
 
 use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
 use crate::engine::data_device::DataDevice;

@@ -1,6 +1,14 @@
 //! The engine's limits and the metadata-space arithmetic every layer checks against: the
 //! largest volume, the metadata blocks kept free for management, what a commit of `n` ops
 //! and a data grow may take. Pure functions; no state.
+//!
+//! Every management operation checks its limits before it changes anything (here, in
+//! `open.rs` and in `grow.rs`): volumes up to 1 EiB ([`VOLUME_SIZE_MAX_BYTES`]), at most
+//! 2^40 − 1 data blocks, 255 × 16320 metadata blocks (`METADATA_BLOCKS_MAX`), and a data grow
+//! is refused when its new space map does not fit beside the metadata reserve (a tenth of the
+//! metadata blocks, 8 to 4096: [`metadata_reserve_blocks`]). The metadata file is preallocated
+//! at create and grow, so a full host file system cannot fail a commit; the data file stays
+//! sparse, and a host ENOSPC on it reaches the client as ENOSPC.
 
 use crate::engine::index::INDEX_BLOCKS_MAX;
 use crate::error::{Error, Limit, Result};

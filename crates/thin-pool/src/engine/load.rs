@@ -5,6 +5,12 @@
 //! while another mapping shares it. No index is built at activation: a volume's index is
 //! built from its tree on first use ([`build_index`], called by `Meta::index`), so an open
 //! pool holds indexes only for the volumes in use.
+//!
+//! Building an index ([`build_index`]) runs under the commit lock and reads the tree without
+//! the metadata mutex: 17 ms for 1M mappings, 0.36 s for 10M. A snapshot or revert leaves the
+//! new state without an index too. Besides the indexes (their size is in `index.rs`), an open
+//! pool keeps up to 64 MiB of metadata blocks in its block cache (`thinpool-bench --only
+//! scale`: 42 bytes per mapped block at 1M mappings, 15 at 10M).
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
