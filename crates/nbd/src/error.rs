@@ -5,9 +5,9 @@
 //! refuses or fails an operation ([`Error::Export`]), TLS set-up and sessions ([`Error::Tls`])
 //! and the server's own bugs
 //! ([`Error::Internal`]). Every error has an [`ErrorKind`], an errno-like classification,
-//! and [`nbd_error_code`](crate::protocol::nbd_error_code) is the only function that maps a
-//! kind to the error value sent on the wire. Invariant: no other code in the crate chooses an NBD error
-//! number for an export failure.
+//! and [`nbd_error_code`](crate::protocol::nbd_error_code) is the only function that
+//! maps a kind to the error value sent on the wire. Invariant: no other code in the crate
+//! chooses an NBD error number for an export failure.
 //!
 //! An export whose own errors carry a Linux errno (the binary's thin volumes do) classifies
 //! them with [`ErrorKind::from_errno`], the one table from errno to what the client sees, so

@@ -6,21 +6,20 @@
 //! buffered, first tries non-blocking receives for a short window; a client that sends its
 //! next request within it finds the server awake, and one wake-up per request is gone.
 //!
-//! Spinning pays only where the wake-up it saves is slow and the CPU it burns is idle: on
-//! a quiet VM, where waking a halted vCPU takes tens of microseconds, it does; on a busy
-//! machine, where wake-ups are quick and the spinning thread takes a CPU the client needs,
-//! it makes requests come later. So [`Spin`] measures rather than guesses. The wait of a
-//! request is the time from the thread starting to wait for it to having its first bytes
-//! (spin, sleep and wake-up included). Requests are counted in epochs of
-//! [`EPOCH_REQUESTS`], each run spinning or sleeping, and now and then an epoch (a probe)
-//! runs the mode not preferred: after [`PROBE_EVERY`] epochs, then after twice as many each
-//! time the preference holds, up to [`PROBE_EVERY_MAX`], and again after [`PROBE_EVERY`]
-//! once it changes, so a steady state pays for few probes. Two adjacent epochs of different modes saw nearly the same load,
-//! so each such pair gives the fraction of the wait that spinning saved (negative if it
-//! cost); a smoothed mean of these fractions decides, and spinning is preferred only while
-//! it saves at least [`SPIN_GAIN_PERCENT`]. (Comparing each mode's own mean instead let the
-//! load's swings between epochs decide: on a busy machine, a quarter of the epochs spun
-//! although spinning lengthened the wait.)
+//! Spinning pays only where the wake-up it saves is slow and the CPU it burns is idle: on a quiet
+//! VM, where waking a halted vCPU takes tens of microseconds, it does; on a busy machine, where
+//! wake-ups are quick and the spinning thread takes a CPU the client needs, it makes requests come
+//! later. So [`Spin`] measures rather than guesses. The wait of a request is the time from the
+//! thread starting to wait for it to having its first bytes (spin, sleep and wake-up included).
+//! Requests are counted in epochs of [`EPOCH_REQUESTS`], each run spinning or sleeping, and now and
+//! then an epoch (a probe) runs the mode not preferred: after [`PROBE_EVERY`] epochs, then after
+//! twice as many each time the preference holds, up to [`PROBE_EVERY_MAX`], and again after
+//! [`PROBE_EVERY`] once it changes, so a steady state pays for few probes. Two adjacent epochs of
+//! different modes saw nearly the same load, so each such pair gives the fraction of the wait that
+//! spinning saved (negative if it cost); a smoothed mean of these fractions decides, and spinning
+//! is preferred only while it saves at least [`SPIN_GAIN_PERCENT`]. (Comparing each mode's own mean
+//! instead let the load's swings between epochs decide: on a busy machine, a quarter of the epochs
+//! spun although spinning lengthened the wait.)
 //!
 //! Within spinning epochs the window adapts to each request:
 //! - a request caught by the spin keeps the window (and widens it to twice the wait, if
