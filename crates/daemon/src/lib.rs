@@ -4,6 +4,20 @@
 //! server holds the pool), the volume → `nbd::Export` adapter, and the pool directory layout
 //! and stored options every command shares. The `thinpool` binary parses arguments and calls
 //! into it; tests can run it in-process.
+//!
+//! Files: `serve.rs` (`Serving::start` opens the pool, checks TCP exposure, binds and
+//! announces; `Serving::stop` shuts down; `run` waits for a signal between them; `serve/` has
+//! the banner, TCP, TLS, systemd, shutdown and the metrics endpoint); `export.rs`
+//! (`VolumeExport`, and `PoolRegistry` with any fixed exports a caller adds; `export/` the
+//! diff metadata context); `metrics.rs` (counting in `metrics/counted.rs`); `pool_dir.rs`
+//! (layout, stored options, checks); `text.rs` (sizes, tables); `create.rs`, `restored.rs`,
+//! `space.rs`; `logging.rs` (the subscriber the binary installs; the library never calls it);
+//! and the control socket: `control.rs` (`perform`: the pool directly, or its server),
+//! `control/protocol.rs` (requests, answers, `OpError`, strict parsing), `control/target.rs`
+//! (the operations on an open pool), `control/log.rs` (each management operation logged once,
+//! with its result), `control/listing.rs` (the `list` answer with each volume's space),
+//! `control/diff.rs` (the `diff` request and its record) and `control/server.rs` (accept
+//! loop, connections). `tests/serve_in_process.rs` serves a pool in-process.
 #![forbid(unsafe_code)]
 
 pub mod control;

@@ -11,6 +11,17 @@
 //! new state without an index too. Besides the indexes (their size is in `index.rs`), an open
 //! pool keeps up to 64 MiB of metadata blocks in its block cache (`thinpool-bench --only
 //! scale`: 42 bytes per mapped block at 1M mappings, 15 at 10M).
+//!
+//! The checker ([`crate::format::check::check_before_open`]) can be skipped at one's own risk
+//! (`PoolOptions::skip_check`, `serve --skip-check`). A read-only open (`PoolOptions::read_only`,
+//! `serve --read-only`) writes nothing at all: no check, commit, commit thread or catalog
+//! clean-up, and the metadata file is opened read-only. Every count read from disk is bounded
+//! by the devices present before it sizes anything (the data space map's `nr_blocks` by the
+//! metadata its bitmaps need and, when known, the data device; the checker's per-block counts
+//! go sparse beyond that), and the open bounds every mapping (data block inside the data space
+//! map, `mapped_blocks` equal to the tree, the catalog's sizes and ids).
+//! `tests/pool_corruption.rs` damages real metadata with valid checksums and holds every reader
+//! to an error or a read-only pool.
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
