@@ -1,4 +1,6 @@
 //! Goal (issue 20, findings 4, 10 and 11): operator mistakes and neighbours lose no data.
+//! Each test fails on today's code (run with `--ignored`): they are ignored until the fixes
+//! land, which enables them.
 //!
 //! - Safe shrink (4): shrinking a volume past its mapped data needs `--force` and says how
 //!   much mapped data it would unmap; a shrink of a volume a client has open is refused
@@ -33,6 +35,7 @@ fn mapped_bytes(pool: &str, name: &str) -> u64 {
 }
 
 #[test]
+#[ignore = "issue 20 finding 4 (safe shrink) is not fixed yet: the engine shrinks past mapped data without --force (the fix lands on the engine's owners next)"]
 fn shrinking_past_mapped_data_needs_force_and_says_how_much() {
     let scratch = ScratchDir::new("traps-shrink");
     let pool = scratch.join("pool");
@@ -77,6 +80,7 @@ fn shrinking_past_mapped_data_needs_force_and_says_how_much() {
 }
 
 #[test]
+#[ignore = "issue 20 finding 4 (safe shrink) is not fixed yet: a shrink of an open volume is allowed (the fix lands on the engine's owners next)"]
 fn a_volume_in_use_is_not_shrunk() {
     let scratch = ScratchDir::new("traps-shrink-open");
     let pool = scratch.join("pool");
@@ -102,6 +106,7 @@ fn a_volume_in_use_is_not_shrunk() {
 }
 
 #[test]
+#[ignore = "issue 20 finding 10 (queue means queue) is not fixed yet: the queued write fails with ENOSPC once the snapshot pauses its volume (the fix lands on the engine's owners next)"]
 fn a_write_queued_for_space_survives_a_snapshot_of_its_volume() {
     let scratch = ScratchDir::new("traps-queue");
     let pool = scratch.join("pool");
@@ -183,6 +188,7 @@ fn ids(pool: &str) -> Vec<(u64, String)> {
 }
 
 #[test]
+#[ignore = "issue 20 finding 11 (adopt) is not fixed yet: the pool does not open (the fix lands on the engine's owners next)"]
 fn an_unknown_thin_id_is_named_served_around_and_adopted() {
     let scratch = ScratchDir::new("traps-adopt");
     let pool = scratch.join("pool");
@@ -266,6 +272,7 @@ fn an_unknown_thin_id_is_named_served_around_and_adopted() {
 }
 
 #[test]
+#[ignore = "issue 20 finding 11 (forget) is not fixed yet: the pool does not open (the fix lands on the engine's owners next)"]
 fn a_catalog_entry_whose_thin_id_is_gone_is_named_and_forgotten() {
     let scratch = ScratchDir::new("traps-forget");
     let pool = scratch.join("pool");

@@ -110,7 +110,7 @@ pub fn restore<R: BufRead>(
 }
 
 /// State after `<superblock>`.
-struct Pool {
+struct Restoring {
     /// The metadata being written (its superblock holds the dump's settings).
     metadata: Formatted,
     /// Empty trees for the superblock of intermediate commits, made at the first one (so
@@ -118,7 +118,7 @@ struct Pool {
     placeholder_roots: Option<(MetadataBlock, MetadataBlock)>,
 }
 
-impl Pool {
+impl Restoring {
     /// Commit with these roots in the superblock.
     fn commit(
         &mut self,
@@ -148,7 +148,7 @@ struct Section {
 pub struct Restorer {
     device: Arc<dyn BlockDevice>,
     options: RestoreOptions,
-    pool: Option<Pool>,
+    pool: Option<Restoring>,
     section: Option<Section>,
     defs: HashMap<String, Vec<NodeSummary>>,
     devices: BTreeMap<VolumeId, (MetadataBlock, DeviceDetails)>,
@@ -193,7 +193,7 @@ impl Restorer {
         self.summary
     }
 
-    fn pool(&mut self) -> &mut Pool {
+    fn pool(&mut self) -> &mut Restoring {
         self.pool.as_mut().expect("events after <superblock>")
     }
 
@@ -259,7 +259,7 @@ impl DumpVisitor for Restorer {
             ),
         };
         let metadata = writer::format(self.device.clone(), &new_pool).map_err(visitor_error)?;
-        self.pool = Some(Pool {
+        self.pool = Some(Restoring {
             metadata,
             placeholder_roots: None,
         });
