@@ -431,6 +431,12 @@ fn nbd_config(args: &Args, tls: Option<nbd::Tls>) -> nbd::Config {
         shutdown_grace: SHUTDOWN_GRACE,
         connections_max: args.connections_max,
         connections_per_peer_max: args.connections_per_peer_max,
+        // A legitimate client opens all its connections at once (fio's `numjobs=256`,
+        // multi-conn clients), and each is in the handshake for a moment: nbd's small default
+        // would close the oldest of such a burst. Past the per-peer limit the connection idle
+        // the longest gives way anyway, so a client that only holds handshakes still keeps no
+        // newcomer out (`peer_fairness`). An age-aware handshake limit is a follow-up.
+        handshakes_per_peer_max: args.connections_per_peer_max,
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
         spin_max: Duration::from_micros(args.spin_us),
         batch_replies: !args.no_batch_replies,

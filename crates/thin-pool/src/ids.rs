@@ -128,7 +128,7 @@ pub struct BlockTime {
 }
 
 impl BlockTime {
-    /// A mapping value. Panics if `data_block` exceeds [`DATA_BLOCK_MAX`]: callers bound data
+    /// A mapping value. Panics if `data_block` exceeds `DATA_BLOCK_MAX`: callers bound data
     /// blocks by the data device, which the format limits to 2^40 blocks.
     pub fn new(data_block: DataBlock, time: Time) -> BlockTime {
         assert!(

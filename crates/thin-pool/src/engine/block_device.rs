@@ -94,7 +94,7 @@ pub struct DevicePaths {
     /// Open the data device with `O_DIRECT`.
     #[serde(default)]
     pub direct_io: bool,
-    /// What identifies the metadata device ([`DeviceIdentity`]); recorded at create, or at
+    /// What identifies the metadata device (`DeviceIdentity`); recorded at create, or at
     /// the first read-write open of a pool recorded before identities were.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub metadata_identity: Option<DeviceIdentity>,

@@ -16,7 +16,7 @@ use persistent_data::btree::node::max_entries;
 use persistent_data::space_map::core::{bitmap_count, ENTRIES_PER_BITMAP};
 
 /// The largest volume, in bytes: 1 EiB. dm-thin's virtual block keys are 64-bit; the limit
-/// is the index's ([`INDEX_BLOCKS_MAX`] blocks of the smallest block size, 64 KiB), and keeps
+/// is the index's (`INDEX_BLOCKS_MAX` blocks of the smallest block size, 64 KiB), and keeps
 /// every byte offset far inside the `i64` that NBD clients and the kernel use. An unwritten
 /// volume of this size costs 4 KiB of index.
 pub const VOLUME_SIZE_MAX_BYTES: u64 = 1 << 60;
