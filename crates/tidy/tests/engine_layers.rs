@@ -30,7 +30,9 @@ const LAYERS: &[&[&str]] = &[
     &["meta"],
     &["provision"],
     &["volume"],
-    &["manage", "grow", "revert", "usage", "diff", "trim", "listing"],
+    &[
+        "manage", "grow", "revert", "usage", "diff", "trim", "listing",
+    ],
     &["committer", "autoextend"],
     &["open"],
     &["pool"],
