@@ -549,5 +549,7 @@ fn unique() -> u64 {
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
 
+pub mod nbd;
+
 #[cfg(test)]
 mod tests;
