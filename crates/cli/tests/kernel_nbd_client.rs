@@ -8,17 +8,19 @@
 //! only `serve --metrics`, whose request counts by command say what the kernel sent.
 //!
 //! - Function (one boot): `/dev/nbd0` over four connections (`-C 4`): read what the host
-//!   wrote, write, flush (`fsync` of the device: `sync` and `blockdev
-//!   --flushbufs` send none), trim (`blkdiscard`: thinpool then
-//!   lists the blocks unmapped), a block-status-aware copy (`nbdcopy` reads a sparse source
-//!   volume with block status and writes only its data through `/dev/nbd1`, one connection:
-//!   the copy maps as many blocks as the source), disconnect (`nbd-client -d`). Every
-//!   kernel connection negotiates with NBD_OPT_GO alone, and no request is refused.
-//! - A server restart: a write acknowledged by a flush, thinpool killed (SIGKILL by its pid
-//!   inside the guest) and started again; `nbd-client -persist` is given the chance to
-//!   reconnect (with Linux 6.1 it does not: the kernel ends the device when the socket
-//!   closes, and nbd-client 3.24 reconnects only after a timeout), else a new `nbd-client`
-//!   connects; the flushed write is there, and so is a write after the restart.
+//!   wrote, write, flush (`fsync` of the device; `sync` and `blockdev --flushbufs` send
+//!   none, which the test prints), trim (`blkdiscard`: thinpool then lists the blocks
+//!   unmapped), a block-status-aware copy (`nbdcopy` reads a sparse source volume with block
+//!   status and writes only its data through `/dev/nbd1`, one connection: the copy maps as
+//!   many blocks as the source), disconnect (`nbd-client -d`). Every kernel connection
+//!   negotiates with NBD_OPT_GO alone, and no request is refused.
+//! - A server restart: a write acknowledged by a flush and one written with O_DSYNC (FUA),
+//!   thinpool killed (SIGKILL by its pid inside the guest) and started again; `nbd-client
+//!   -persist` is given 5 s to reconnect (with Linux 6.1 it does not: the kernel keeps the
+//!   device configured but failing, and nbd-client 3.24 reconnects only when NBD_DO_IT
+//!   fails, which it does not), else a new `nbd-client` connects; both acknowledged writes
+//!   are there, an unflushed one is whole or absent per block, and a write after the
+//!   restart lands.
 //! - The first dm-devel report's experiment as function: a fully provisioned volume in a
 //!   pool of 8 MiB blocks read with `dd bs=4096` through `/dev/nbd0` equals what was written
 //!   (SHA-256 of the stream against the host's).
@@ -190,34 +192,8 @@ nbd_down /dev/nbd0
 serve_stop
 "#;
 
-const V_SIZE: u64 = 64 * MIB;
-const COPY_SIZE: u64 = 32 * MIB;
-
-#[test]
-fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
-    let temp = ScratchDir::new("kernel-nbd");
-    let result = temp.join("result");
-    let pool = make_pool(
-        &result,
-        "64K",
-        "256M",
-        &[("v", V_SIZE), ("src", COPY_SIZE), ("dst", COPY_SIZE)],
-    );
-    let seeded = pattern(1, (4 * MIB) as usize);
-    seed(&pool, "v", &[(0, seeded.clone())]);
-    let src_extents: Vec<(u64, Vec<u8>)> = [(MIB, 2), (12 * MIB, 1), (COPY_SIZE - MIB, 3)]
-        .iter()
-        .map(|&(offset, id)| (offset, pattern(10 + id, MIB as usize)))
-        .collect();
-    seed(&pool, "src", &src_extents);
-    let written = pattern(2, (2 * MIB) as usize);
-    std::fs::write(result.join("write.bin"), &written).unwrap();
-
-    let serve = guest_serve(&pool).args(&["--metrics", METRICS]);
-    let script = format!("METRICS={METRICS}\n{FUNCTION_SCRIPT}");
-    let outcome = boot(&result, &serve, &script);
-    outcome.assert_success();
-
+/// The flags thinpool sends, as the kernel took them (its queue attributes).
+fn check_kernel_view(result: &Path) {
     let queue = read_text(&result.join("queue.txt"));
     eprintln!("the kernel's view of /dev/nbd0:\n{queue}");
     let queue: BTreeMap<&str, &str> = queue
@@ -231,7 +207,11 @@ fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
     assert_eq!(queue["fua"], "1");
     assert_ne!(queue["discard_max_bytes"], "0");
     assert_eq!(queue["logical_block_size"], "4096");
+}
 
+/// nbd-client's connections: four to `v` (`-C 4`), one to `dst`, each NBD_OPT_GO alone; no
+/// request refused.
+fn check_connections(result: &Path) {
     let log = read_text(&result.join("serve.log"));
     let served = connections(&log);
     let kernel: Vec<_> = served
@@ -260,7 +240,10 @@ fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
         Vec::<String>::new(),
         "refused requests"
     );
+}
 
+/// What the kernel sent, by command, from `serve --metrics`.
+fn check_requests(result: &Path) {
     let after_sync = request_counts(&read_text(&result.join("metrics-after-sync.txt")));
     let sync_flushes = after_sync[&("v".to_string(), "flush".to_string())];
     eprintln!("flushes to v after sync and blockdev --flushbufs: {sync_flushes}");
@@ -291,6 +274,39 @@ fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
         "nbdcopy reads with block status"
     );
     assert!(count("dst", "write") > 0 && count("dst", "flush") > 0);
+}
+
+const V_SIZE: u64 = 64 * MIB;
+const COPY_SIZE: u64 = 32 * MIB;
+
+#[test]
+fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
+    let temp = ScratchDir::new("kernel-nbd");
+    let result = temp.join("result");
+    let pool = make_pool(
+        &result,
+        "64K",
+        "256M",
+        &[("v", V_SIZE), ("src", COPY_SIZE), ("dst", COPY_SIZE)],
+    );
+    let seeded = pattern(1, (4 * MIB) as usize);
+    seed(&pool, "v", &[(0, seeded.clone())]);
+    let src_extents: Vec<(u64, Vec<u8>)> = [(MIB, 2), (12 * MIB, 1), (COPY_SIZE - MIB, 3)]
+        .iter()
+        .map(|&(offset, id)| (offset, pattern(10 + id, MIB as usize)))
+        .collect();
+    seed(&pool, "src", &src_extents);
+    let written = pattern(2, (2 * MIB) as usize);
+    std::fs::write(result.join("write.bin"), &written).unwrap();
+
+    let serve = guest_serve(&pool).args(&["--metrics", METRICS]);
+    let script = format!("METRICS={METRICS}\n{FUNCTION_SCRIPT}");
+    let outcome = boot(&result, &serve, &script);
+    outcome.assert_success();
+
+    check_kernel_view(&result);
+    check_connections(&result);
+    check_requests(&result);
 
     // What the kernel read and what thinpool listed after the trim.
     assert_same_bytes(
@@ -324,12 +340,14 @@ fn kernel_client_reads_writes_flushes_trims_copies_over_four_connections() {
     assert_eq!(listing["src"], 3 * 16, "three 1 MiB extents");
 }
 
-/// The restart test's guest script: `w1` flushed (fsync), `w2` written unflushed, the server
-/// killed and started again; `-persist` gets 5 s to bring the device back.
+/// The restart test's guest script: `w1` flushed (fsync), `w4` written with O_DSYNC (FUA),
+/// `w2` written unflushed, the server killed and started again; `-persist` gets 5 s to bring
+/// the device back; `w3` written and flushed after the restart.
 const RESTART_SCRIPT: &str = r#"
 serve_start serve-1.log
 nbd_up /dev/nbd0 v -persist
 dd if=w1.bin of=/dev/nbd0 bs=64k oflag=direct conv=fsync status=none
+dd if=w4.bin of=/dev/nbd0 bs=64k seek=96 oflag=direct,dsync status=none
 dd if=w2.bin of=/dev/nbd0 bs=64k seek=32 oflag=direct status=none
 serve_kill
 serve_start serve-2.log
@@ -351,6 +369,7 @@ else
 fi
 dd if=/dev/nbd0 of=read-1.bin bs=64k count=16 iflag=direct status=none
 dd if=/dev/nbd0 of=read-2.bin bs=64k count=16 skip=32 iflag=direct status=none
+dd if=/dev/nbd0 of=read-4.bin bs=64k count=16 skip=96 iflag=direct status=none
 dd if=w3.bin of=/dev/nbd0 bs=64k seek=64 oflag=direct conv=fsync status=none
 nbd_down /dev/nbd0
 serve_stop
@@ -362,7 +381,7 @@ fn kernel_client_loses_no_flushed_write_when_the_server_restarts() {
     let size = 16 * MIB;
     let result = temp.join("result");
     let pool = make_pool(&result, "64K", "64M", &[("v", size)]);
-    let writes: Vec<Vec<u8>> = (1..=3).map(|id| pattern(20 + id, MIB as usize)).collect();
+    let writes: Vec<Vec<u8>> = (1..=4).map(|id| pattern(20 + id, MIB as usize)).collect();
     for (index, data) in writes.iter().enumerate() {
         std::fs::write(result.join(format!("w{}.bin", index + 1)), data).unwrap();
     }
@@ -376,6 +395,11 @@ fn kernel_client_loses_no_flushed_write_when_the_server_restarts() {
         "the flushed write read after the restart",
         &read(&result.join("read-1.bin")),
         &writes[0],
+    );
+    assert_same_bytes(
+        "the FUA write read after the restart",
+        &read(&result.join("read-4.bin")),
+        &writes[3],
     );
     // The unflushed write: each 64 KiB block either kept or lost, never torn or misplaced.
     let unflushed = read(&result.join("read-2.bin"));
@@ -394,6 +418,7 @@ fn kernel_client_loses_no_flushed_write_when_the_server_restarts() {
     expected[..MIB as usize].copy_from_slice(&writes[0]);
     expected[(2 * MIB) as usize..(3 * MIB) as usize].copy_from_slice(&unflushed);
     expected[(4 * MIB) as usize..(5 * MIB) as usize].copy_from_slice(&writes[2]);
+    expected[(6 * MIB) as usize..(7 * MIB) as usize].copy_from_slice(&writes[3]);
     assert_same_bytes("v after the restart", &image(&pool, "v", size), &expected);
 }
 
