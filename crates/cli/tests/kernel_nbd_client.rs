@@ -33,7 +33,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use testkit::tools::ThinTools;
-use testkit::uml::nbd::{connections, refused_requests, request_counts, GuestServe, NBD_MODULES};
+use testkit::uml::nbd::{
+    connections, refused_requests, request_counts, Close, GuestServe, NBD_MODULES,
+};
 use testkit::uml::{Boot, Outcome, Uml};
 
 const KIB: u64 = 1024;
@@ -209,8 +211,8 @@ fn check_kernel_view(result: &Path) {
     assert_eq!(queue["logical_block_size"], "4096");
 }
 
-/// nbd-client's connections: four to `v` (`-C 4`), one to `dst`, each NBD_OPT_GO alone; no
-/// request refused.
+/// nbd-client's connections: four to `v` (`-C 4`), one to `dst`, each NBD_OPT_GO alone and
+/// ended cleanly by `nbd-client -d` (NBD_CMD_DISC); no request refused.
 fn check_connections(result: &Path) {
     let log = read_text(&result.join("serve.log"));
     let served = connections(&log);
@@ -232,6 +234,11 @@ fn check_connections(result: &Path) {
             connection.options,
             [OPT_GO],
             "nbd-client's options: {connection:?}"
+        );
+        assert_eq!(
+            connection.closed,
+            Some(Close::Clean),
+            "nbd-client -d ends every connection cleanly: {connection:?}"
         );
     }
     eprintln!("connections: {served:?}");

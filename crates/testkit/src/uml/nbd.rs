@@ -142,6 +142,17 @@ pub struct Connection {
     pub export: Option<String>,
     /// The option codes it received, in order (`option received option=N`, debug level).
     pub options: Vec<u32>,
+    /// How it ended (`connection closed`), if it did.
+    pub closed: Option<Close>,
+}
+
+/// How a connection ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Close {
+    /// The client disconnected (NBD_CMD_DISC, or end of input between requests).
+    Clean,
+    /// The session ended with this error (the log's `error=` field).
+    Error(String),
 }
 
 /// Every connection in the server's log, by connection number.
@@ -159,6 +170,12 @@ pub fn connections(log: &str) -> Vec<Connection> {
             if let Some(option) = field(line, " option=").and_then(|code| code.parse().ok()) {
                 connection.options.push(option);
             }
+        }
+        if line.contains("connection closed") && !line.contains("to make room") {
+            connection.closed = Some(match line.find(" error=") {
+                Some(start) => Close::Error(line[start + " error=".len()..].to_string()),
+                None => Close::Clean,
+            });
         }
         if line.contains("serving export") {
             connection.export =
@@ -223,6 +240,8 @@ mod tests {
 2026-12-02T00:39:38.661479Z DEBUG conn{conn=2 peer=/run/nbd.sock (uid 0)}: nbd::handshake: option received option=8 length=0
 2026-12-02T00:39:38.666467Z  INFO conn{conn=2 peer=/run/nbd.sock (uid 0)}: nbd::server::connection: serving export export=\"vv\" read_only=false
 2026-12-02T00:39:38.666467Z DEBUG conn{conn=2 peer=/run/nbd.sock (uid 0)}: nbd::session::input: request refused command=9 error=unsupported
+2026-12-02T00:39:44.663728Z  INFO conn{conn=1 peer=/run/nbd.sock (uid 0)}: nbd::server::connection: connection closed export=\"v\" requests=96
+2026-12-02T00:39:44.663728Z  INFO conn{conn=2 peer=/run/nbd.sock (uid 0)}: nbd::server::connection: connection closed export=\"vv\" requests=3 error=read request: connection reset
 ";
 
     #[test]
@@ -235,11 +254,16 @@ mod tests {
                 id: 1,
                 export: Some("v".to_string()),
                 options: vec![7],
+                closed: Some(Close::Clean),
             }
         );
         assert_eq!(found[1].id, 2);
         assert_eq!(found[1].export.as_deref(), Some("vv"));
         assert_eq!(found[1].options, [8]);
+        assert_eq!(
+            found[1].closed,
+            Some(Close::Error("read request: connection reset".to_string()))
+        );
         let refused = refused_requests(LOG);
         assert_eq!(refused.len(), 1);
         assert!(refused[0].contains("command=9"));
