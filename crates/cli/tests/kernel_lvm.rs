@@ -66,7 +66,7 @@ const POOLS: [PoolPlan; 2] = [
         name: "p8m",
         chunk_bytes: 8 * MIB,
         data_bytes: 96 * MIB,
-        volume_bytes: 40 * MIB,
+        volume_bytes: 32 * MIB,
         origin: "c",
         other: None,
         snapshot: "t",
@@ -84,29 +84,25 @@ impl PoolPlan {
     /// dd writes (pattern file, LV, byte offset) before the snapshot and after it.
     fn lvm_writes(&self) -> (Vec<(&str, &str, u64)>, Vec<(&str, &str, u64)>) {
         let c = self.chunk_bytes;
-        let mut before = vec![
-            ("w1", self.origin, 12 * KIB),
-            ("w2", self.origin, 2 * c),
-            ("w2", self.origin, 3 * c + 4 * KIB),
-        ];
+        let mut before = vec![("w1", self.origin, 12 * KIB), ("w2", self.origin, 2 * c)];
         if let Some(other) = self.other {
             before.push(("w2", other, MIB + 4 * KIB));
         }
         let after = vec![
             ("w3", self.origin, 0),
             ("w3", self.origin, c + 4 * KIB),
-            ("w4", self.snapshot, 2 * c + 8 * KIB),
+            ("w4", self.snapshot, c + 8 * KIB),
         ];
         (before, after)
     }
 
     /// thinpool's writes (pattern file, volume, byte offset): into a block the origin
-    /// shares with the snapshot (block 3, untouched since the snapshot), into the
-    /// snapshot, into an unmapped block of the origin (its last).
+    /// shares with the snapshot (block 2, untouched since the snapshot), into the
+    /// snapshot's own block 0, into an unmapped block of the origin (its last).
     fn thinpool_writes(&self) -> Vec<(&'static str, &'static str, u64)> {
         let c = self.chunk_bytes;
         vec![
-            ("w5", self.origin, 3 * c + 512),
+            ("w5", self.origin, 2 * c + 512),
             ("w6", self.snapshot, 4 * KIB),
             ("w6", self.origin, self.volume_bytes - c + 512),
         ]
@@ -149,9 +145,9 @@ fn lvm_makes_pools() -> String {
         for (file, lv, offset) in before {
             script.push_str(&format!("put {file} {lv} {offset}\n"));
         }
-        // A thin snapshot gets the activation skip flag: -K activates it anyway.
+        // A thin snapshot, without the activation skip flag it would get by default.
         script.push_str(&format!(
-            "lvm lvcreate -s vg/{o} -n {s}\nlvm lvchange -ay -K vg/{s}\n",
+            "lvm lvcreate -s vg/{o} -n {s} -kn\n",
             o = pool.origin,
             s = pool.snapshot
         ));
@@ -360,31 +356,81 @@ fn check_lvm_side(report: &LvmReport, result: &Path, disks: &[PathBuf], scratch:
 fn thinpool_takes_over_and_hands_back(report: &LvmReport) -> String {
     let mut script = guest_prelude();
     script.push_str(&format!("T={THINPOOL}\n"));
+    for pool in &POOLS {
+        script.push_str(&take_over(pool, report));
+    }
+    script.push_str(&serve_copy_write());
+    for pool in &POOLS {
+        script.push_str(&format!(
+            "$T status --json --pool /run/{p} > {p}-thinpool-status.json\n\
+             thin_check /dev/mapper/tp-{p}-meta\ndm remove tp-{p}-meta\ndm remove tp-{p}-data\n",
+            p = pool.name
+        ));
+    }
+    let pools: Vec<String> = POOLS
+        .iter()
+        .map(|pool| format!("vg/{}", pool.name))
+        .collect();
+    script.push_str(&format!(
+        "# back into LVM\nlvm lvchange --setactivationskip n {}\nlvm vgchange -ay vg\n",
+        pools.join(" ")
+    ));
+    for pool in &POOLS {
+        script.push_str(&format!(
+            "dm status vg-{p}-tpool > {p}-status-back\n",
+            p = pool.name
+        ));
+        for name in pool.volumes() {
+            script.push_str(&format!("image /dev/vg/{name} back-{name}\n"));
+        }
+    }
+    script.push_str("lvm vgchange -an vg\n");
+    script
+}
+
+/// Steps 3 and 4 for one pool: the components activated read-only (one per command:
+/// 2.03.16 refuses two at once) give their tables; writable linear devices over them;
+/// thin_check; `thinpool import` with LVM's ids, names and sizes.
+fn take_over(pool: &PoolPlan, report: &LvmReport) -> String {
+    format!(
+        "# step 3
+lvm lvchange -ay -y vg/{p}_tmeta
+lvm lvchange -ay -y vg/{p}_tdata
+dm table vg-{p}_tmeta > {p}-tmeta-table
+dm table vg-{p}_tdata > {p}-tdata-table
+lvm lvchange -an vg/{p}_tmeta
+lvm lvchange -an vg/{p}_tdata
+dm create tp-{p}-meta {p}-tmeta-table
+dm create tp-{p}-data {p}-tdata-table
+# step 4
+thin_check /dev/mapper/tp-{p}-meta
+$T import --pool /run/{p} --metadata-device /dev/mapper/tp-{p}-meta --data-device /dev/mapper/tp-{p}-data {volumes}
+",
+        p = pool.name,
+        volumes = report.volume_args(pool).join(" ")
+    )
+}
+
+/// Serves every pool (no spinning: the guest has one CPU), copies every volume out
+/// (`served-NAME`), lets thinpool write, copies again (`written-NAME`) and stops.
+fn serve_copy_write() -> String {
+    let mut script = String::from(
+        "copy() { nbdcopy --connections=1 \"nbd+unix:///$2?socket=/run/$1.sock\" \"$3\"; }\n",
+    );
     let mut writes = String::new();
     for pool in &POOLS {
         let p = pool.name;
         script.push_str(&format!(
-            "# step 3: read-only component activation gives the tables
-lvm lvchange -ay -y vg/{p}_tmeta\nlvm lvchange -ay -y vg/{p}_tdata\n\
-             dm table vg-{p}_tmeta > {p}-tmeta-table\ndm table vg-{p}_tdata > {p}-tdata-table\n\
-             lvm lvchange -an vg/{p}_tmeta\nlvm lvchange -an vg/{p}_tdata\n\
-             dm create tp-{p}-meta {p}-tmeta-table\ndm create tp-{p}-data {p}-tdata-table\n\
-             # step 4\nthin_check /dev/mapper/tp-{p}-meta\n\
-             $T import --pool /run/{p} --metadata-device /dev/mapper/tp-{p}-meta --data-device /dev/mapper/tp-{p}-data {volumes}\n\
-             $T serve --pool /run/{p} --socket /run/{p}.sock --pid-file /run/{p}.pid --quiet &\n\
-             pid_{p}=$!\n\
-             for i in $(seq 600); do [ -e /run/{p}.pid ] && break; sleep 0.1; done\n\
-             [ -e /run/{p}.pid ]\n",
-            volumes = report.volume_args(pool).join(" ")
+            "$T serve --pool /run/{p} --socket /run/{p}.sock --pid-file /run/{p}.pid --spin-us 0 --quiet &
+pid_{p}=$!
+for i in $(seq 600); do [ -e /run/{p}.pid ] && break; sleep 0.1; done
+[ -e /run/{p}.pid ]
+"
         ));
         for (file, volume, offset) in pool.thinpool_writes() {
             writes.push_str(&format!("/run/{p}.sock {volume} {offset} {file}\n"));
         }
     }
-    script.push_str(&format!(
-        "cat > thinpool-writes <<'EOF'\n{writes}EOF\n\
-         copy() {{ nbdcopy --connections=1 \"nbd+unix:///$2?socket=/run/$1.sock\" \"$3\"; }}\n"
-    ));
     let copies = |prefix: &str| -> String {
         POOLS
             .iter()
@@ -397,40 +443,13 @@ lvm lvchange -ay -y vg/{p}_tmeta\nlvm lvchange -ay -y vg/{p}_tdata\n\
     };
     script.push_str(&copies("served"));
     script.push_str(&format!(
-        "/usr/bin/python3 - thinpool-writes <<'EOF'\n{NBD_WRITER}EOF\n"
+        "cat > thinpool-writes <<'EOF'\n{writes}EOF\n\
+         /usr/bin/python3 - thinpool-writes <<'EOF'\n{NBD_WRITER}EOF\n"
     ));
     script.push_str(&copies("written"));
     for pool in &POOLS {
-        script.push_str(&format!(
-            "kill $pid_{p}\nwait $pid_{p}\n\
-             $T status --json --pool /run/{p} > {p}-thinpool-status.json\n\
-             thin_check /dev/mapper/tp-{p}-meta\ndm remove tp-{p}-meta\ndm remove tp-{p}-data\n",
-            p = pool.name
-        ));
+        script.push_str(&format!("kill $pid_{p}\nwait $pid_{p}\n", p = pool.name));
     }
-    let pools: Vec<String> = POOLS
-        .iter()
-        .map(|pool| format!("vg/{}", pool.name))
-        .collect();
-    let snapshots: Vec<String> = POOLS
-        .iter()
-        .map(|pool| format!("vg/{}", pool.snapshot))
-        .collect();
-    script.push_str(&format!(
-        "lvm lvchange --setactivationskip n {}\nlvm vgchange -ay vg\nlvm lvchange -ay -K {}\n",
-        pools.join(" "),
-        snapshots.join(" ")
-    ));
-    for pool in &POOLS {
-        script.push_str(&format!(
-            "dm status vg-{p}-tpool > {p}-status-back\n",
-            p = pool.name
-        ));
-        for name in pool.volumes() {
-            script.push_str(&format!("image /dev/vg/{name} back-{name}\n"));
-        }
-    }
-    script.push_str("lvm vgchange -an vg\n");
     script
 }
 
