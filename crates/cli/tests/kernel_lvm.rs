@@ -52,6 +52,9 @@ struct PoolPlan {
     snapshot: &'static str,
 }
 
+/// A write of a pattern file: (its name, the volume, the byte offset).
+type PatternWrite = (&'static str, &'static str, u64);
+
 const POOLS: [PoolPlan; 2] = [
     PoolPlan {
         name: "p64k",
@@ -82,7 +85,7 @@ impl PoolPlan {
     }
 
     /// dd writes (pattern file, LV, byte offset) before the snapshot and after it.
-    fn lvm_writes(&self) -> (Vec<(&str, &str, u64)>, Vec<(&str, &str, u64)>) {
+    fn lvm_writes(&self) -> (Vec<PatternWrite>, Vec<PatternWrite>) {
         let c = self.chunk_bytes;
         let mut before = vec![("w1", self.origin, 12 * KIB), ("w2", self.origin, 2 * c)];
         if let Some(other) = self.other {
@@ -99,7 +102,7 @@ impl PoolPlan {
     /// thinpool's writes (pattern file, volume, byte offset): into a block the origin
     /// shares with the snapshot (block 2, untouched since the snapshot), into the
     /// snapshot's own block 0, into an unmapped block of the origin (its last).
-    fn thinpool_writes(&self) -> Vec<(&'static str, &'static str, u64)> {
+    fn thinpool_writes(&self) -> Vec<PatternWrite> {
         let c = self.chunk_bytes;
         vec![
             ("w5", self.origin, 2 * c + 512),
