@@ -27,6 +27,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+pub mod lvm;
+
 /// Environment variable naming the unpacked package (the directory holding `usr/bin/linux.uml`).
 pub const UML_DIR_VARIABLE: &str = "THINPOOL_UML_DIR";
 /// Where `scripts/fetch-uml` unpacks the package, relative to the workspace root.
