@@ -4,8 +4,9 @@
 //! pins, and the steps that change mappings, over the metadata owner (`meta`):
 //!
 //! ```text
-//!   alloc(volume)             reserve a data block (Meta::reserve, short metadata lock);
+//!   alloc(volume, wait)       reserve a data block (Meta::reserve, short metadata lock);
 //!                             out of space: commit once, then fail or wait per the policy
+//!                             (Alloc::Paused: the volume is being paused, sit it out)
 //!   alloc_many(count)         reserve several under one metadata lock hold (None: too few)
 //!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
 //!   map_many(volume, [..])    the same for several blocks under one metadata lock hold
@@ -17,6 +18,16 @@
 //! index updates of one block, so a block is mapped once. The index is updated together
 //! with the op queue, under the metadata lock (`Meta::queue`), so the index always equals
 //! the trees plus the queued ops, also when a metadata failure drops the queue.
+//!
+//! **What queue-until-space guarantees.** Out of data space with the queue policy, a write
+//! waits up to the no-space timeout (zero: forever), counted from the first wait of its
+//! piece ([`SpaceWait`]), then fails with out of data space having changed nothing of that
+//! piece. A snapshot or resize pausing its volume neither fails it nor waits for it: `alloc`
+//! answers [`Alloc::Paused`], the write drops its block lock, leaves the gate until the
+//! pause is over (`Pass::sit_out_pause`) and asks again, looking the block up anew, so it
+//! lands after the operation as a write issued then would (after a snapshot it breaks the
+//! sharing). Only `error_if_no_space`, or a deadline already past, fails it during a pause
+//! (it would not wait anyway).
 
 use crate::engine::data_device::DataDevice;
 use crate::engine::grace::{Pin, Readers};

@@ -23,7 +23,9 @@
 //! see `grace`) until that I/O is done, so a block freed meanwhile (a discard, a shrink)
 //! is not given to another volume under it. A pinned thread takes no lock and never waits
 //! for space. Writes, discards and write-zeroes check their range again once inside the
-//! write gate: a shrink may have run while they waited at it.
+//! write gate: a resize may have run while they waited at it. A piece waiting for space
+//! when its volume is paused (a snapshot, a grow) sits the pause out without its block lock
+//! and provisions afresh after it (`Provisioner::alloc`).
 //!
 //! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
 //! unmap); the volume's own state is its `VolumeState` (`volumes`), whose
