@@ -168,16 +168,7 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
             size,
             force,
             common,
-        } => {
-            let size_bytes = parse_size(&size)?;
-            let what = format!("cannot resize volume {name:?}");
-            let request = Request::ResizeVolume {
-                name,
-                size_bytes,
-                force,
-            };
-            (request, common, what)
-        }
+        } => resize_request(name, &size, force, common)?,
         Command::Revert {
             volume,
             snapshot,
@@ -207,6 +198,23 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
             )
         }
     })
+}
+
+/// [`request`] for `resize`.
+fn resize_request(
+    name: String,
+    size: &str,
+    force: bool,
+    common: Common,
+) -> anyhow::Result<(Request, Common, String)> {
+    let size_bytes = parse_size(size)?;
+    let what = format!("cannot resize volume {name:?}");
+    let request = Request::ResizeVolume {
+        name,
+        size_bytes,
+        force,
+    };
+    Ok((request, common, what))
 }
 
 fn describe(request: &Request, volume: &VolumeRecord) -> String {
