@@ -86,7 +86,7 @@ fn delete_shrink_and_discard_give_space_back() {
     fell(full, after_delete, BLOCKS, "delete");
     check(&served, &model);
 
-    volume(p, &["resize", "b", "--size", "2M"]);
+    volume(p, &["resize", "b", "--size", "2M", "--force"]);
     model.get_mut("b").unwrap().truncate((2 * MIB) as usize);
     let after_shrink = allocated(&pool);
     fell(after_delete, after_shrink, BLOCKS - 32, "shrink");
@@ -121,7 +121,7 @@ fn trim_punches_every_free_block_of_a_pool_without_passdown() {
     let full = allocated(&pool);
     volume(p, &["delete", "gone"]);
     model.remove("gone");
-    volume(p, &["resize", "shrunk", "--size", "4M"]);
+    volume(p, &["resize", "shrunk", "--size", "4M", "--force"]);
     model
         .get_mut("shrunk")
         .unwrap()

@@ -35,7 +35,6 @@ fn mapped_bytes(pool: &str, name: &str) -> u64 {
 }
 
 #[test]
-#[ignore = "issue 20 finding 4 (safe shrink) is not fixed yet: the engine shrinks past mapped data without --force (the fix lands on the engine's owners next)"]
 fn shrinking_past_mapped_data_needs_force_and_says_how_much() {
     let scratch = ScratchDir::new("traps-shrink");
     let pool = scratch.join("pool");
@@ -80,7 +79,6 @@ fn shrinking_past_mapped_data_needs_force_and_says_how_much() {
 }
 
 #[test]
-#[ignore = "issue 20 finding 4 (safe shrink) is not fixed yet: a shrink of an open volume is allowed (the fix lands on the engine's owners next)"]
 fn a_volume_in_use_is_not_shrunk() {
     let scratch = ScratchDir::new("traps-shrink-open");
     let pool = scratch.join("pool");
@@ -106,7 +104,6 @@ fn a_volume_in_use_is_not_shrunk() {
 }
 
 #[test]
-#[ignore = "issue 20 finding 10 (queue means queue) is not fixed yet: the queued write fails with ENOSPC once the snapshot pauses its volume (the fix lands on the engine's owners next)"]
 fn a_write_queued_for_space_survives_a_snapshot_of_its_volume() {
     let scratch = ScratchDir::new("traps-queue");
     let pool = scratch.join("pool");

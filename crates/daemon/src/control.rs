@@ -12,6 +12,8 @@
 //!   -> {"op":"delete_volume","name":"vm1"}
 //!   <- {"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
 //!   -> {"op":"resize_volume","name":"vm1","size_bytes":2147483648}
+//!   -> {"op":"resize_volume","name":"vm1","size_bytes":1048576,"force":true}
+//!   <- {"ok":true,"volume":{...,"unmapped_bytes":6291456}}   (a shrink needs force to unmap data)
 //!   -> {"op":"revert_volume","name":"vm1","snapshot":"snap","delete_snapshot":false}
 //!   -> {"op":"rename_volume","name":"vm1","new_name":"vm2"}
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)

@@ -175,6 +175,21 @@ pub enum Error {
         /// The block size.
         block_size_bytes: u64,
     },
+    /// A shrink that would unmap mapped blocks, asked for without
+    /// [`Shrink::DropData`](crate::Shrink::DropData). Nothing was changed.
+    #[error("shrinking volume {volume:?} from {size_bytes} to {new_size_bytes} bytes would unmap {mapped_bytes} bytes ({mapped_blocks} blocks) of mapped data; only a forced shrink drops it")]
+    ShrinkWouldUnmap {
+        /// The volume.
+        volume: String,
+        /// Its size now.
+        size_bytes: u64,
+        /// The size asked for.
+        new_size_bytes: u64,
+        /// Mapped blocks at or beyond the new end.
+        mapped_blocks: u64,
+        /// Their bytes (`mapped_blocks` whole data blocks).
+        mapped_bytes: u64,
+    },
     /// Volume I/O whose offset or length is not a whole number of sectors.
     #[error("offset {offset} and length {length} must be multiples of {sector_bytes}")]
     Unaligned {
@@ -460,6 +475,7 @@ impl Error {
             | Error::GrowNeedsMetadata { .. }
             | Error::HostFull { .. }
             | Error::ShrinkNotAligned { .. }
+            | Error::ShrinkWouldUnmap { .. }
             | Error::Unaligned { .. }
             | Error::BeyondVolume { .. }
             | Error::BlockBeyondVolume { .. }

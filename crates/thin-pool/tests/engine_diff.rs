@@ -149,7 +149,8 @@ fn diff_matches_the_model() {
             }
             85..=89 => {
                 let new_size = rng.gen_range(1..=800u64);
-                pool.resize_volume(&name, new_size * BLOCK).unwrap();
+                pool.resize_volume(&name, new_size * BLOCK, thin_pool::Shrink::DropData)
+                    .unwrap();
                 let volume = model.volumes.get_mut(&name).unwrap();
                 volume.size_blocks = new_size;
                 volume.mappings.retain(|&k, _| k < new_size);

@@ -184,7 +184,9 @@ fn execute(pool: &Pool, stop_at_error: bool) -> Outcome {
                 let r = match op {
                     Op::Snapshot(origin, name) => pool.snapshot(origin, name, false).map(|_| ()),
                     Op::Delete(n) => pool.delete_volume(n),
-                    Op::Grow(n, blocks) => pool.resize_volume(n, blocks * BLOCK).map(|_| ()),
+                    Op::Grow(n, blocks) => pool
+                        .resize_volume(n, blocks * BLOCK, thin_pool::Shrink::DropData)
+                        .map(|_| ()),
                     _ => unreachable!(),
                 };
                 let after = management_landed(&model, op);

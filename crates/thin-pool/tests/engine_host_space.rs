@@ -114,7 +114,8 @@ fn delete_shrink_and_discard_punch_freed_blocks_and_snapshots_keep_theirs() {
     assert_eq!(allocated_bytes(&dir), after_delete, "shared blocks stay");
     check(&pool, &model);
 
-    pool.resize_volume("b", 16 * BLOCK).unwrap();
+    pool.resize_volume("b", 16 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     model.get_mut("b").unwrap().retain(|&b, _| b < 16);
     let after_shrink = allocated_bytes(&dir);
     assert_fell(after_delete, after_shrink, VOLUME_BLOCKS - 16, "shrink");
@@ -164,7 +165,8 @@ fn trim_punches_every_free_block_while_volumes_keep_their_data() {
     let full = allocated_bytes(&dir);
     pool.delete_volume("gone").unwrap();
     model.remove("gone");
-    pool.resize_volume("shrunk", 32 * BLOCK).unwrap();
+    pool.resize_volume("shrunk", 32 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     model.get_mut("shrunk").unwrap().retain(|&b, _| b < 32);
     let v = pool.volume("keep").unwrap();
     v.discard(0, 16 * BLOCK).unwrap();

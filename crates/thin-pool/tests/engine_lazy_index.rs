@@ -219,10 +219,12 @@ fn resize_of_a_volume_without_an_index() {
         1,
     );
     snapshot(&pool, &mut model, "v", "s");
-    pool.resize_volume("s", 20 * BLOCK).unwrap();
+    pool.resize_volume("s", 20 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     assert!(!pool.index_built("s").unwrap());
     assert_eq!(mapped(&pool)["s"], 20);
-    pool.resize_volume("s", 40 * BLOCK).unwrap();
+    pool.resize_volume("s", 40 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     let bytes = model.get_mut("s").unwrap();
     bytes.truncate((20 * BLOCK) as usize);
     bytes.resize((40 * BLOCK) as usize, 0);

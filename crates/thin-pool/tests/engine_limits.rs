@@ -74,7 +74,7 @@ fn the_largest_volume_works_and_larger_sizes_are_refused() {
     for size in [EIB + 512, u64::MAX - 511] {
         let message = invalid(pool.create_volume("bigger", size));
         assert!(message.contains("largest volume"), "{message}");
-        let message = invalid(pool.resize_volume("small", size));
+        let message = invalid(pool.resize_volume("small", size, thin_pool::Shrink::DropData));
         assert!(message.contains("largest volume"), "{message}");
     }
     assert_eq!(pool.list().len(), 2);
@@ -88,10 +88,12 @@ fn the_largest_volume_works_and_larger_sizes_are_refused() {
     // A snapshot of it copies the index: cheap too.
     pool.snapshot("big", "big-snap", true).unwrap();
     // Shrinking clears what lies beyond without visiting every block.
-    pool.resize_volume("big", 1 << 40).unwrap();
+    pool.resize_volume("big", 1 << 40, thin_pool::Shrink::DropData)
+        .unwrap();
     assert_eq!(pool.info("big").unwrap().mapped_blocks, 1);
     assert_eq!(pool.info("big-snap").unwrap().mapped_blocks, 2);
-    pool.resize_volume("big", EIB).unwrap();
+    pool.resize_volume("big", EIB, thin_pool::Shrink::DropData)
+        .unwrap();
     pool.close().unwrap();
     drop(pool);
     check(&dir);

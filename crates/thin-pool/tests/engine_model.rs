@@ -128,7 +128,8 @@ fn engine_matches_model() {
             }
             91..=92 => {
                 let new_size = rng.gen_range(1..=8u64) * BLOCK;
-                pool.resize_volume(name, new_size).unwrap();
+                pool.resize_volume(name, new_size, thin_pool::Shrink::DropData)
+                    .unwrap();
                 model.get_mut(name).unwrap().resize(new_size as usize, 0);
                 // A shrink then grow must read zeros beyond the old end: the model's resize does.
             }

@@ -379,9 +379,9 @@ fn execute(pool: &Pool, data: &CrashDataDevice, ops: &[Op], mut model: Model) ->
             Op::Create { name, size_bytes } => pool.create_volume(name, *size_bytes).map(|_| ()),
             Op::Snapshot { origin, name } => pool.snapshot(origin, name, false).map(|_| ()),
             Op::Delete { volume } => pool.delete_volume(volume),
-            Op::Resize { volume, size_bytes } => {
-                pool.resize_volume(volume, *size_bytes).map(|_| ())
-            }
+            Op::Resize { volume, size_bytes } => pool
+                .resize_volume(volume, *size_bytes, thin_pool::Shrink::DropData)
+                .map(|_| ()),
             Op::GrowData { size_bytes } => {
                 data.grow(*size_bytes);
                 pool.grow_data(*size_bytes).map(|_| ())

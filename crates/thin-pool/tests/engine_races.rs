@@ -334,46 +334,44 @@ fn delete_refuses_a_handle_opened_during_its_commit() {
 /// Reproduction 2: a write that passed the range check waited at the write gate while a
 /// shrink held it, then went on past the new end: the connection thread panicked (`index
 /// set beyond the volume`) after queueing the mapping, the mapping was committed, and the
-/// pool no longer opened (`volume "r" maps block 7 beyond its size`). The write must fail
-/// with an error and the pool reopen.
+/// pool no longer opened (`volume "r" maps block 7 beyond its size`). Since issue 20
+/// (finding 4) no write can be there: a shrink is refused while a handle is open, and no
+/// handle opens while a shrink runs (one tried during the shrink's data flush is refused).
+/// The pool reopens with the shrunk volume.
 #[test]
 fn shrink_refuses_a_write_that_waited_at_the_gate() {
     let (env, pool) = Env::new(32, queue_options());
+    let pool = Arc::new(pool);
     pool.create_volume("r", 8 * BLOCK).unwrap();
     let volume = pool.volume("r").unwrap();
     volume.write(0, &block_of(1, 0, 1), false).unwrap();
-    let writer: Arc<Mutex<Option<std::thread::JoinHandle<thin_pool::Result<()>>>>> = Arc::default();
+    volume.write(7 * BLOCK, &block_of(1, 7, 1), false).unwrap();
+    let refused = pool.resize_volume("r", 4 * BLOCK, thin_pool::Shrink::DropData);
+    assert!(matches!(refused, Err(Error::Busy(_))), "{refused:?}");
+    drop(volume);
+    let opened: Arc<Mutex<Option<thin_pool::Result<()>>>> = Arc::default();
     {
-        let (writer, volume) = (writer.clone(), volume.clone());
-        // Runs in the resize's data flush, while it holds the gate: the write passes the
-        // range check (the old size) and waits at the gate.
+        let (opened, pool) = (opened.clone(), pool.clone());
+        // Runs in the resize's data flush, while it holds the gate and the claim.
         env.parts.data.on_next_flush(move || {
-            let handle =
-                std::thread::spawn(move || volume.write(7 * BLOCK, &block_of(1, 7, 2), false));
-            // Give the writer time to reach the gate (a window, not an assertion).
-            std::thread::sleep(Duration::from_millis(200));
-            *lock(&writer) = Some(handle);
+            *lock(&opened) = Some(pool.volume("r").map(|_| ()));
         });
     }
-    pool.resize_volume("r", 4 * BLOCK).unwrap();
-    let written = lock(&writer)
+    let shrunk = pool.resize_volume("r", 4 * BLOCK, thin_pool::Shrink::DropData);
+    assert_eq!(shrunk.unwrap().unmapped_blocks, 1);
+    let opened = lock(&opened)
         .take()
-        .expect("the resize flushes the data device")
-        .join();
-    drop(volume);
+        .expect("the resize flushes the data device");
+    assert!(
+        matches!(opened, Err(Error::Busy(_))),
+        "an open during a shrink: {opened:?}"
+    );
     pool.commit().unwrap();
+    let pool = Arc::into_inner(pool).expect("no other reference");
     drop(pool);
     let pool = env
         .reopen()
         .unwrap_or_else(|e| panic!("the pool does not reopen after the race: {e}"));
-    let written = written.unwrap_or_else(|_| panic!("the write that waited at the gate panicked"));
-    assert!(
-        matches!(
-            written,
-            Err(Error::BeyondVolume { .. } | Error::BlockBeyondVolume { .. })
-        ),
-        "a write beyond the new end: {written:?}"
-    );
     assert_eq!(pool.info("r").unwrap().size_bytes, 4 * BLOCK);
     assert_eq!(pool.info("r").unwrap().mapped_blocks, 1);
     pool.verify_index().unwrap();
@@ -617,24 +615,35 @@ fn delete_races_with_opens() {
     env.check();
 }
 
-/// Shrinks and grows race with writes, discards and reads near the end: writes beyond the
-/// end fail with an error, nothing panics, and the pool reopens with every mapping inside
-/// its volume.
+/// Shrinks and grows race with handles opened and closed around writes, discards and
+/// reads near the end: a grow goes ahead under open handles, a shrink only between them
+/// (busy otherwise, and an open during a shrink is busy); writes beyond the end fail with
+/// an error, nothing panics, and the pool reopens with every mapping inside its volume.
 #[test]
 fn resize_races_with_tail_writes() {
     let report = testkit::seed_report();
     let (env, pool) = Env::new(64, queue_options());
+    let pool = Arc::new(pool);
     const BLOCKS: u64 = 16;
     pool.create_volume("r", BLOCKS * BLOCK).unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let workers: Vec<_> = (0..3u64)
         .map(|t| {
-            let (volume, stop) = (pool.volume("r").unwrap(), stop.clone());
+            let (pool, stop) = (pool.clone(), stop.clone());
             let mut rng = StdRng::seed_from_u64(report.seed() ^ (t + 1));
             std::thread::spawn(move || {
                 let mut generation = 0;
                 while !stop.load(Ordering::Acquire) {
                     generation += 1;
+                    if generation % 4 == 0 {
+                        // Between handles: a shrink's chance.
+                        std::thread::yield_now();
+                    }
+                    let volume = match pool.volume("r") {
+                        Ok(volume) => volume,
+                        Err(Error::Busy(_)) => continue,
+                        Err(e) => panic!("open: {e}"),
+                    };
                     let block = rng.gen_range(BLOCKS / 4..BLOCKS);
                     let result = match rng.gen_range(0..10) {
                         0..=5 => volume.write(
@@ -666,13 +675,17 @@ fn resize_races_with_tail_writes() {
     let mut rng = report.rng();
     run_rounds("resize_races_with_tail_writes", 3000, |_| {
         let blocks = rng.gen_range(BLOCKS / 4..=BLOCKS);
-        pool.resize_volume("r", blocks * BLOCK).unwrap();
+        match pool.resize_volume("r", blocks * BLOCK, thin_pool::Shrink::DropData) {
+            Ok(_) | Err(Error::Busy(_)) => {}
+            Err(e) => panic!("resize to {blocks} blocks: {e}"),
+        }
     });
     stop.store(true, Ordering::Release);
     for worker in workers {
         worker.join().expect("a worker panicked");
     }
     pool.verify_index().unwrap();
+    let pool = Arc::into_inner(pool).expect("the workers are gone");
     drop(pool);
     let pool = env.reopen().expect("reopen");
     pool.verify_index().unwrap();

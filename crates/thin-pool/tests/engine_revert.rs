@@ -68,7 +68,8 @@ fn revert_gives_the_snapshot_content_and_size_and_keeps_name_and_id() {
         2,
     );
     write(&pool, &mut model, "vm", 12 * BLOCK, 2 * BLOCK as usize, 3);
-    pool.resize_volume("vm", 32 * BLOCK).unwrap();
+    pool.resize_volume("vm", 32 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     model.get_mut("vm").unwrap().resize(32 * BLOCK as usize, 0);
     assert_volumes_match(&pool, &model);
     let id = pool.info("vm").unwrap().id;

@@ -58,7 +58,8 @@ fn rig() -> (Rig, Contents) {
     bytes[3 * BLOCK as usize..5 * BLOCK as usize].copy_from_slice(&second);
     vm.flush().unwrap();
     drop(vm);
-    pool.resize_volume("vm", 10 * BLOCK).unwrap();
+    pool.resize_volume("vm", 10 * BLOCK, thin_pool::Shrink::DropData)
+        .unwrap();
     bytes.resize(10 * BLOCK as usize, 0);
     contents.insert("vm".into(), bytes);
     let rig = Rig { parts, pool };

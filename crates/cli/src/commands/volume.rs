@@ -40,13 +40,21 @@ pub enum Command {
         #[command(flatten)]
         common: Common,
     },
-    /// Change a volume's virtual size (shrinking unmaps what lies beyond the new end).
+    /// Change a volume's virtual size.
+    ///
+    /// Growing is allowed while clients use the volume. Shrinking is refused while a client
+    /// has it open, and refused if it would unmap mapped data beyond the new end (the
+    /// refusal says how much) unless --force is given; a shrink past unmapped space only
+    /// needs no --force.
     Resize {
         /// Volume name.
         name: String,
         /// New virtual size (K, M, G, T suffixes).
         #[arg(long = "size", value_name = "SIZE")]
         size: String,
+        /// Let a shrink unmap (drop) the mapped data beyond the new end.
+        #[arg(long = "force")]
+        force: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -155,11 +163,12 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
             let what = format!("cannot delete volume {name:?}");
             (Request::DeleteVolume { name }, common, what)
         }
-        Command::Resize { name, size, common } => {
-            let size_bytes = parse_size(&size)?;
-            let what = format!("cannot resize volume {name:?}");
-            (Request::ResizeVolume { name, size_bytes }, common, what)
-        }
+        Command::Resize {
+            name,
+            size,
+            force,
+            common,
+        } => resize_request(name, &size, force, common)?,
         Command::Revert {
             volume,
             snapshot,
@@ -191,6 +200,23 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
     })
 }
 
+/// [`request`] for `resize`.
+fn resize_request(
+    name: String,
+    size: &str,
+    force: bool,
+    common: Common,
+) -> anyhow::Result<(Request, Common, String)> {
+    let size_bytes = parse_size(size)?;
+    let what = format!("cannot resize volume {name:?}");
+    let request = Request::ResizeVolume {
+        name,
+        size_bytes,
+        force,
+    };
+    Ok((request, common, what))
+}
+
 fn describe(request: &Request, volume: &VolumeRecord) -> String {
     let access = if volume.read_only { ", read-only" } else { "" };
     let what = format!(
@@ -215,6 +241,12 @@ fn describe(request: &Request, volume: &VolumeRecord) -> String {
             format!("reverted volume {what} to the content of {snapshot:?}{deleted}")
         }
         Request::RenameVolume { name, .. } => format!("renamed volume {name:?} to {what}"),
-        _ => format!("resized volume {what}"),
+        _ => match volume.unmapped_bytes {
+            Some(bytes) if bytes > 0 => format!(
+                "resized volume {what}; unmapped {} of mapped data",
+                format_size(bytes)
+            ),
+            _ => format!("resized volume {what}"),
+        },
     }
 }

@@ -45,6 +45,7 @@ mod tests {
         let request = Request::ResizeVolume {
             name: "vm".to_string(),
             size_bytes: 4096,
+            force: false,
         };
         let value = serde_json::to_value(&request).unwrap();
         assert_eq!(value["op"], "resize_volume");

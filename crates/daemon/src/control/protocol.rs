@@ -36,12 +36,17 @@ pub enum Request {
         /// Volume name.
         name: String,
     },
-    /// Change a volume's virtual size.
+    /// Change a volume's virtual size. A shrink is refused (EBUSY) while the volume is
+    /// open, and refused (EINVAL, saying how much) if it would unmap mapped data, unless
+    /// `force` is set.
     ResizeVolume {
         /// Volume name.
         name: String,
         /// New virtual size.
         size_bytes: u64,
+        /// Let a shrink unmap the mapped data beyond the new end.
+        #[serde(default)]
+        force: bool,
     },
     /// Give `name` the content and size of `snapshot` (refused while `name` is open).
     RevertVolume {
@@ -121,6 +126,9 @@ pub struct VolumeRecord {
     /// Bytes shared with other mappings (SHARED_BYTES).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_bytes: Option<u64>,
+    /// Bytes of mapped data a shrink unmapped (`resize_volume` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmapped_bytes: Option<u64>,
 }
 
 impl From<&VolumeInfo> for VolumeRecord {
@@ -139,6 +147,7 @@ impl From<&VolumeInfo> for VolumeRecord {
             mapped_bytes: None,
             exclusive_bytes: None,
             shared_bytes: None,
+            unmapped_bytes: None,
         }
     }
 }

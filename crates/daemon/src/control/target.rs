@@ -1,9 +1,9 @@
 //! [`Target`]: the pool a management request is carried out on, and the operations.
 
-use thin_pool::Pool;
+use thin_pool::{Pool, Shrink};
 
 use super::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
-use crate::pool_dir::StoredOptions;
+use crate::pool_dir::{format_size, StoredOptions};
 
 /// A pool and what the binary knows about it: the options it was opened with and the names
 /// raw exports took.
@@ -67,10 +67,11 @@ impl Target {
                 pool.delete_volume(name)?;
                 Ok(Outcome::Done)
             }
-            Request::ResizeVolume { name, size_bytes } => {
-                let info = pool.resize_volume(name, *size_bytes)?;
-                Ok(Outcome::Volume(VolumeRecord::from(&info)))
-            }
+            Request::ResizeVolume {
+                name,
+                size_bytes,
+                force,
+            } => resize_volume(pool, name, *size_bytes, *force),
             Request::RevertVolume {
                 name,
                 snapshot,
@@ -152,4 +153,42 @@ impl Target {
         }
         Ok(())
     }
+}
+
+/// A resize, its shrink policy from `force`. A shrink refused for the mapped data it would
+/// unmap says how much, in sizes for people, and how to drop it.
+fn resize_volume(
+    pool: &Pool,
+    name: &str,
+    size_bytes: u64,
+    force: bool,
+) -> Result<Outcome, OpError> {
+    let shrink = if force {
+        Shrink::DropData
+    } else {
+        Shrink::KeepData
+    };
+    let resized = pool
+        .resize_volume(name, size_bytes, shrink)
+        .map_err(|error| {
+            let thin_pool::Error::ShrinkWouldUnmap {
+                size_bytes: from,
+                new_size_bytes: to,
+                mapped_bytes,
+                ..
+            } = &error
+            else {
+                return OpError::from(error);
+            };
+            let message = format!(
+            "shrinking {name} from {} to {} would unmap {} of mapped data; pass --force to drop it",
+            format_size(*from),
+            format_size(*to),
+            format_size(*mapped_bytes)
+        );
+            OpError::new(error.errno(), message)
+        })?;
+    let mut record = VolumeRecord::from(&resized.volume);
+    record.unmapped_bytes = Some(resized.unmapped_bytes);
+    Ok(Outcome::Volume(record))
 }

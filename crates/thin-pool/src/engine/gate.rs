@@ -8,6 +8,13 @@
 //! so either the writer sees the flag (and backs out) or the pauser sees the writer's count
 //! (and waits for it): they cannot miss each other. Only paused writers and the pauser touch
 //! the mutex.
+//!
+//! A writer inside that must wait for something a pause may outlast (a write queued for data
+//! space) sits the pause out ([`Pass::sit_out_pause`]): it leaves its counter, so the pauser
+//! goes ahead, waits for the pause to end and enters again, holding the same pass. It must
+//! hold no lock a writer inside may wait for while it is out (the caller drops its block
+//! locks first), and must look again at what it read before: the pauser may have changed it
+//! (a snapshot makes the volume's mappings shared).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Condvar, Mutex};
@@ -64,6 +71,23 @@ pub struct Pass<'a> {
     shard: usize,
 }
 
+impl Pass<'_> {
+    /// If a pauser is stopping the writers, leave the gate, wait until the pause is over
+    /// and enter again (see the module documentation); otherwise return at once. Whether it
+    /// sat a pause out.
+    pub fn sit_out_pause(&self) -> bool {
+        let gate = self.gate;
+        if !gate.is_paused() {
+            return false;
+        }
+        let before = gate.shards[self.shard].0.fetch_sub(1, Ordering::SeqCst);
+        debug_assert!(before > 0, "a pass is inside the gate");
+        gate.wait_out_pause();
+        gate.enter_shard(self.shard);
+        true
+    }
+}
+
 impl Drop for Pass<'_> {
     fn drop(&mut self) {
         let before = self.gate.shards[self.shard]
@@ -94,18 +118,30 @@ impl WriteGate {
     /// Enter as a writer (waits only while paused).
     pub fn enter(&self) -> Pass<'_> {
         let shard = shard_index();
+        self.enter_shard(shard);
+        Pass { gate: self, shard }
+    }
+
+    /// Count a writer in `shard`, waiting while paused.
+    fn enter_shard(&self, shard: usize) {
         loop {
             self.shards[shard].0.fetch_add(1, Ordering::SeqCst);
             if !self.paused.load(Ordering::SeqCst) {
-                return Pass { gate: self, shard };
+                return;
             }
             // Back out and wait for the pause to end.
             self.shards[shard].0.fetch_sub(1, Ordering::SeqCst);
-            let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
-            self.changed.notify_all();
-            while self.paused.load(Ordering::SeqCst) {
-                guard = self.changed.wait(guard).unwrap_or_else(|e| e.into_inner());
-            }
+            self.wait_out_pause();
+        }
+    }
+
+    /// Tell the pauser a writer left, and wait until no pause is on (a writer out of the
+    /// gate).
+    fn wait_out_pause(&self) {
+        let mut guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.changed.notify_all();
+        while self.paused.load(Ordering::SeqCst) {
+            guard = self.changed.wait(guard).unwrap_or_else(|e| e.into_inner());
         }
     }
 
@@ -139,6 +175,47 @@ mod tests {
     use super::*;
     use std::sync::atomic::AtomicU64;
     use std::sync::Arc;
+
+    #[test]
+    fn a_writer_sitting_a_pause_out_lets_it_proceed_and_is_inside_after() {
+        let gate = Arc::new(WriteGate::default());
+        let pass = gate.enter();
+        assert!(!pass.sit_out_pause(), "no pause: nothing to sit out");
+        let paused = Arc::new(AtomicBool::new(false));
+        let pauser = {
+            let (gate, paused) = (gate.clone(), paused.clone());
+            std::thread::spawn(move || {
+                let _pause = gate.pause();
+                paused.store(true, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(20));
+            })
+        };
+        while !gate.is_paused() {
+            std::thread::yield_now();
+        }
+        // Without sitting out, the pauser would wait for this pass forever.
+        assert!(pass.sit_out_pause());
+        assert!(
+            paused.load(Ordering::SeqCst),
+            "the pause ran while the writer was out"
+        );
+        assert!(
+            !gate.is_paused(),
+            "the writer is back only once the pause ended"
+        );
+        pauser.join().unwrap();
+        // Inside again: a new pause waits for this pass.
+        let second = {
+            let gate = gate.clone();
+            std::thread::spawn(move || drop(gate.pause()))
+        };
+        while !gate.is_paused() {
+            std::thread::yield_now();
+        }
+        assert!(!second.is_finished());
+        drop(pass);
+        second.join().unwrap();
+    }
 
     #[test]
     fn pause_waits_for_writers_and_blocks_new_ones() {

@@ -1,15 +1,15 @@
-//! Management operations on an open pool: create, snapshot, delete and resize volumes, set
-//! the transaction id, hold and release the metadata snapshot. Free functions over the
-//! owners (the metadata owner `Meta` and the registry `Volumes`); `Pool` calls them. Growth
-//! is in `grow`, revert and rename in `revert`.
+//! Management operations on an open pool: create, snapshot and delete volumes, set the
+//! transaction id, hold and release the metadata snapshot. Free functions over the owners
+//! (the metadata owner `Meta` and the registry `Volumes`); `Pool` calls them. Growth and
+//! volume resizes are in `grow`, revert and rename in `revert`.
 //!
 //! Each takes the commit lock (`Meta::changes`), applies the ops queued before it (their
 //! data flushed), checks every limit, then changes the catalog and the metadata in one
 //! transaction (`Change::commit_catalog`: catalog `T + 1` stored first, see `catalog`), and
 //! only then the in-memory state (published volumes, indexes, the pool time), still under
 //! the metadata lock. A refused operation changes nothing. None of them builds an index: a
-//! snapshot starts without one (its tree is its content), and a resize or delete of a
-//! volume without one changes only the metadata.
+//! snapshot starts without one (its tree is its content), and a delete of a volume
+//! without one changes only the metadata.
 
 use crate::engine::catalog::{validate_name, CatalogVolume};
 use crate::engine::index::Index;
@@ -17,7 +17,7 @@ use crate::engine::limits::check_volume_size;
 use crate::engine::meta::Meta;
 use crate::engine::volumes::{VolumeState, Volumes};
 use crate::error::{Error, Result};
-use crate::ids::{TransactionId, VirtualBlock};
+use crate::ids::TransactionId;
 use std::sync::Arc;
 
 /// Create a thin volume of `size_bytes` (a multiple of 512).
@@ -121,57 +121,6 @@ pub(crate) fn delete_volume(meta: &Meta, volumes: &Volumes, name: &str) -> Resul
     }
     result?;
     meta.notify_space();
-    Ok(())
-}
-
-/// Change a volume's virtual size. Shrinking unmaps the blocks beyond the new end.
-pub(crate) fn resize_volume(
-    meta: &Meta,
-    volumes: &Volumes,
-    name: &str,
-    size_bytes: u64,
-) -> Result<()> {
-    check_volume_size(size_bytes)?;
-    let volume = volumes.named(name)?;
-    let _pause = volume.gate().pause();
-    let turn = meta.changes()?;
-    volumes.still_published(name, &volume)?;
-    let mut change = turn.begin()?;
-    let block_size = meta.block_size_bytes();
-    let block_count = size_bytes.div_ceil(block_size);
-    let old_size = volume.size_bytes();
-    let old_block_count = old_size.div_ceil(block_size);
-    if size_bytes < old_size && !size_bytes.is_multiple_of(block_size) {
-        return Err(Error::ShrinkNotAligned {
-            size_bytes,
-            block_size_bytes: block_size,
-        });
-    }
-    let mut catalog = change.catalog().clone();
-    for v in catalog.volumes.iter_mut().filter(|v| v.name == name) {
-        v.size_bytes = size_bytes;
-    }
-    let id = volume.id();
-    change.commit_catalog(catalog, |md| {
-        if block_count < old_block_count {
-            md.remove_range(
-                id,
-                VirtualBlock::new(block_count),
-                VirtualBlock::new(u64::MAX),
-            )?;
-        }
-        Ok(())
-    })?;
-    // An unbuilt index is built later from the shrunk tree and the new size (both changed
-    // under this metadata lock, which builds hold).
-    if let Some(index) = volume.loaded_index() {
-        index.clear_from(VirtualBlock::new(block_count));
-        index.resize(block_count);
-        assert_eq!(index.block_count(), block_count);
-    }
-    volume.set_size_bytes(size_bytes);
-    // The blocks the shrink freed are in no index now: release (and pass down) at once.
-    change.reclaim_freed();
     Ok(())
 }
 

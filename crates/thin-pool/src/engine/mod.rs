@@ -31,7 +31,7 @@ pub(crate) mod data_device;
 pub(crate) mod diff;
 mod gate;
 mod grace;
-mod grow;
+pub(crate) mod grow;
 mod health;
 mod index;
 pub(crate) mod layout;

@@ -13,6 +13,7 @@ use crate::engine::block_device::{self, DevicePaths};
 use crate::engine::catalog::{CatalogStore, DirCatalog};
 use crate::engine::data_device::DataDevice;
 use crate::engine::diff::{Delta, VolumeDiff};
+use crate::engine::grow::{Resized, Shrink};
 use crate::engine::layout::pool_exists;
 use crate::engine::listing::{self, StatusSources};
 use crate::engine::open::{self, Owners};
@@ -275,10 +276,16 @@ impl Pool {
         manage::delete_volume(&self.owners.meta, &self.owners.volumes, name)
     }
 
-    /// Change a volume's virtual size. Shrinking unmaps the blocks beyond the new end.
-    pub fn resize_volume(&self, name: &str, size_bytes: u64) -> Result<VolumeInfo> {
-        manage::resize_volume(&self.owners.meta, &self.owners.volumes, name, size_bytes)?;
-        self.info(name)
+    /// Change a volume's virtual size. Growing is allowed while the volume is open.
+    /// Shrinking is refused (busy) while it is open, and refused
+    /// ([`Error::ShrinkWouldUnmap`](crate::Error::ShrinkWouldUnmap), saying how much) if it
+    /// would unmap mapped blocks, unless `shrink` is [`Shrink::DropData`]; the answer says
+    /// how much it unmapped.
+    pub fn resize_volume(&self, name: &str, size_bytes: u64, shrink: Shrink) -> Result<Resized> {
+        let owners = &*self.owners;
+        let unmapped =
+            grow::resize_volume(&owners.meta, &owners.volumes, name, size_bytes, shrink)?;
+        Ok(Resized::new(self.info(name)?, unmapped))
     }
 
     /// Give `volume` the content and size of `snapshot` (the thin-pool equivalent of

@@ -4,8 +4,9 @@
 //! pins, and the steps that change mappings, over the metadata owner (`meta`):
 //!
 //! ```text
-//!   alloc(volume)             reserve a data block (Meta::reserve, short metadata lock);
+//!   alloc(volume, wait)       reserve a data block (Meta::reserve, short metadata lock);
 //!                             out of space: commit once, then fail or wait per the policy
+//!                             (Alloc::Paused: the volume is being paused, sit it out)
 //!   alloc_many(count)         reserve several under one metadata lock hold (None: too few)
 //!   map(volume, block, r)     queue Op::Insert for the reservation, publish it in the index
 //!   map_many(volume, [..])    the same for several blocks under one metadata lock hold
@@ -17,6 +18,16 @@
 //! index updates of one block, so a block is mapped once. The index is updated together
 //! with the op queue, under the metadata lock (`Meta::queue`), so the index always equals
 //! the trees plus the queued ops, also when a metadata failure drops the queue.
+//!
+//! **What queue-until-space guarantees.** Out of data space with the queue policy, a write
+//! waits up to the no-space timeout (zero: forever), counted from the first wait of its
+//! piece ([`SpaceWait`]), then fails with out of data space having changed nothing of that
+//! piece. A snapshot or resize pausing its volume neither fails it nor waits for it: `alloc`
+//! answers [`Alloc::Paused`], the write drops its block lock, leaves the gate until the
+//! pause is over (`Pass::sit_out_pause`) and asks again, looking the block up anew, so it
+//! lands after the operation as a write issued then would (after a snapshot it breaks the
+//! sharing). Only `error_if_no_space`, or a deadline already past, fails it during a pause
+//! (it would not wait anyway).
 
 use crate::engine::data_device::DataDevice;
 use crate::engine::grace::{Pin, Readers};
@@ -38,6 +49,22 @@ const SPACE_WAIT_STEP: Duration = Duration::from_millis(200);
 /// Longest wait, out of space, for freed blocks to leave their grace period (pinned I/O
 /// to finish) before the no-space policy applies.
 const GRACE_WAIT_MAX: Duration = Duration::from_secs(5);
+
+/// One write piece's wait for data space ([`Provisioner::space_wait`]): its deadline (None:
+/// queue forever), set when the piece first asked.
+pub(crate) struct SpaceWait {
+    deadline: Option<Instant>,
+}
+
+/// What [`Provisioner::alloc`] got.
+#[must_use]
+pub(crate) enum Alloc<'a> {
+    /// A data block, reserved.
+    Reserved(Reservation<'a>),
+    /// No space yet, and the volume's writers are being paused: sit the pause out, holding
+    /// no block lock, and ask again with the same [`SpaceWait`].
+    Paused,
+}
 
 /// The owners a provisioner uses.
 pub(crate) struct ProvisionParts {
@@ -130,24 +157,33 @@ impl Provisioner {
         }
     }
 
+    /// The wait for space of one write piece, kept across its [`Provisioner::alloc`]
+    /// calls: the no-space deadline counts from the first.
+    pub(crate) fn space_wait(&self) -> SpaceWait {
+        // A zero timeout queues forever, as dm-thin's.
+        let timeout = self.parts.options.no_space_timeout;
+        SpaceWait {
+            deadline: (!timeout.is_zero()).then(|| Instant::now() + timeout),
+        }
+    }
+
     /// Reserve a data block for provisioning a block of `volume`. Out of space: commit
-    /// (releasing blocks freed by discards), then error or wait per the pool's policy.
+    /// (releasing blocks freed by discards), then error or wait per the pool's policy, up
+    /// to `wait`'s deadline.
     ///
-    /// A write waiting for space gives up (out of data space) as soon as a management
-    /// operation pauses its volume (snapshot, resize): that operation waits for the writers
-    /// inside the gate, and must not wait up to the no-space timeout. The write has changed
-    /// nothing yet, and out of data space is what it gets at the timeout anyway.
-    pub(crate) fn alloc(&self, volume: &VolumeState) -> Result<Reservation<'_>> {
+    /// A write waiting for space while a management operation pauses its volume (snapshot,
+    /// resize) gets [`Alloc::Paused`]: that operation waits for the writers inside the gate,
+    /// so the caller drops its block locks, sits the pause out (`Pass::sit_out_pause`) and
+    /// asks again with the same `wait`; the write has changed nothing of this piece yet.
+    pub(crate) fn alloc(&self, volume: &VolumeState, wait: &SpaceWait) -> Result<Alloc<'_>> {
         let parts = &*self.parts;
         let meta = &*parts.meta;
-        // A zero timeout queues forever, as dm-thin's.
-        let timeout = parts.options.no_space_timeout;
-        let deadline = (!timeout.is_zero()).then(|| Instant::now() + timeout);
+        let deadline = wait.deadline;
         let mut committed_once = false;
         loop {
             meta.check_changes_allowed()?;
             let block_count = match meta.reserve() {
-                Ok((block, grant)) => return Ok(self.reserved(block, grant)),
+                Ok((block, grant)) => return Ok(Alloc::Reserved(self.reserved(block, grant))),
                 Err(Error::OutOfDataSpace { block_count }) => block_count,
                 Err(e) => return Err(e),
             };
@@ -162,7 +198,13 @@ impl Provisioner {
             }
             let now = Instant::now();
             let expired = deadline.is_some_and(|d| now >= d);
-            if parts.watch.may_grow() && !volume.gate().is_paused() {
+            let may_grow = parts.watch.may_grow();
+            let gives_up = parts.options.error_if_no_space || expired;
+            if volume.gate().is_paused() && (may_grow || !gives_up) {
+                // It would wait: not inside the gate a pauser waits on.
+                return Ok(Alloc::Paused);
+            }
+            if may_grow {
                 // Autoextend can still grow the data: wait for it, whatever the policy and
                 // the timeout (the worker wakes us, or says it cannot grow).
                 parts.watch.request_space();
@@ -170,7 +212,7 @@ impl Provisioner {
                 continue;
             }
             parts.health.set_mode(PoolMode::OutOfDataSpace);
-            if parts.options.error_if_no_space || expired || volume.gate().is_paused() {
+            if gives_up {
                 return Err(Error::OutOfDataSpace { block_count });
             }
             // Queued: autoextend (if on) retries while writes wait.

@@ -55,9 +55,9 @@ pub(crate) fn revert_volume(
     let turn = meta.changes()?;
     volumes.still_published(snapshot, &source)?;
     let target = volumes.named(volume)?;
-    claim(&target, "reverting it")?;
+    target.claim("reverting it")?;
     if delete_snapshot {
-        if let Err(e) = claim(&source, "deleting it") {
+        if let Err(e) = source.claim("deleting it") {
             target.end_delete();
             return Err(e);
         }
@@ -121,7 +121,7 @@ pub(crate) fn rename_volume(meta: &Meta, volumes: &Volumes, old: &str, new: &str
     if volumes.named(new).is_ok() {
         return Err(Error::NameExists(new.to_string()));
     }
-    claim(&volume, "renaming it")?;
+    volume.claim("renaming it")?;
     let result = (|| -> Result<()> {
         let mut change = turn.begin()?;
         if change.catalog().find(new).is_some() {
@@ -149,15 +149,4 @@ pub(crate) fn rename_volume(meta: &Meta, volumes: &Volumes, old: &str, new: &str
         return Err(e);
     }
     Ok(())
-}
-
-/// Claim `volume` (no handle alive, none opened until released), or say why not.
-fn claim(volume: &VolumeState, doing: &str) -> Result<()> {
-    volume.begin_delete().map_err(|_| {
-        Error::Busy(format!(
-            "volume {:?} is open ({} handles): disconnect its clients before {doing}",
-            volume.name(),
-            volume.open_count()
-        ))
-    })
 }

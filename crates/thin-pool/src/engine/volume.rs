@@ -23,16 +23,19 @@
 //! see `grace`) until that I/O is done, so a block freed meanwhile (a discard, a shrink)
 //! is not given to another volume under it. A pinned thread takes no lock and never waits
 //! for space. Writes, discards and write-zeroes check their range again once inside the
-//! write gate: a shrink may have run while they waited at it.
+//! write gate: a resize may have run while they waited at it. A piece waiting for space
+//! when its volume is paused (a snapshot, a grow) sits the pause out without its block lock
+//! and provisions afresh after it (`Provisioner::alloc`).
 //!
 //! The pool is reached only through `Provisioner` (data device, mode, alloc / map /
 //! unmap); the volume's own state is its `VolumeState` (`volumes`), whose
 //! [`Lookup`] says what a block needs: nothing (unmapped), in-place I/O (exclusive) or a
 //! copy (shared).
 
+use crate::engine::gate::Pass;
 use crate::engine::index::Index;
 use crate::engine::options::PoolMode;
-use crate::engine::provision::Provisioner;
+use crate::engine::provision::{Alloc, Provisioner};
 use crate::engine::volumes::{Lookup, VolumeState};
 use crate::error::{Error, Result};
 use crate::ids::{DataBlock, VirtualBlock, VolumeId};
@@ -264,7 +267,7 @@ impl Volume {
         self.check_range(offset, data.len() as u64)?;
         self.check_writable()?;
         {
-            let _pass = self.volume.gate().enter();
+            let pass = self.volume.gate().enter();
             self.check_range(offset, data.len() as u64)?;
             let block_size = self.pool.block_size_bytes();
             // Whole blocks to provision, consecutive in the volume and in `data`, are
@@ -288,23 +291,23 @@ impl Volume {
                             count: 1,
                             data_start: done,
                         }) {
-                            self.provision_run(ended, data)?;
+                            self.provision_run(&pass, ended, data)?;
                         }
                     }
                     (written, _) => {
                         if let Some(ended) = run.take() {
-                            self.provision_run(ended, data)?;
+                            self.provision_run(&pass, ended, data)?;
                         }
                         match written {
                             Some(result) => result?,
-                            None => self.write_piece(block, in_block, payload, true)?,
+                            None => self.write_piece(&pass, block, in_block, payload, true)?,
                         }
                     }
                 }
                 done += n as usize;
             }
             if let Some(ended) = run {
-                self.provision_run(ended, data)?;
+                self.provision_run(&pass, ended, data)?;
             }
             debug_assert_eq!(done, data.len(), "every byte of the write is placed");
         }
@@ -320,14 +323,15 @@ impl Volume {
         self.check_range(offset, len)?;
         self.check_writable()?;
         {
-            let _pass = self.volume.gate().enter();
+            let pass = self.volume.gate().enter();
             self.check_range(offset, len)?;
             let block_size = self.pool.block_size_bytes();
             for (block, in_block, n) in self.pieces(offset, len) {
                 if may_unmap && n == block_size {
                     self.unmap(block);
                 } else {
-                    self.write_piece(block, in_block, Payload::Zeroes(n), !may_unmap)?;
+                    let zeroes = Payload::Zeroes(n);
+                    self.write_piece(&pass, block, in_block, zeroes, !may_unmap)?;
                 }
             }
         }
@@ -413,9 +417,13 @@ impl Volume {
     }
 
     /// Write one piece of a block. A mapped, unshared block is written in place with no
-    /// lock; otherwise (with `provision`) the block is provisioned under its block lock.
+    /// lock; otherwise (with `provision`) the block is provisioned under its block lock. A
+    /// piece waiting for space while its volume is paused sits the pause out, its block lock
+    /// dropped (`pass`: the write's place in the gate), then looks again: a snapshot taken
+    /// meanwhile made the block shared, and the piece breaks that sharing as any write.
     fn write_piece(
         &self,
+        pass: &Pass<'_>,
         block: VirtualBlock,
         in_block: u64,
         payload: Payload<'_>,
@@ -424,13 +432,22 @@ impl Volume {
         if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
             return done;
         }
-        let _order = self.volume.block_lock(block);
-        if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
-            return done;
-        }
-        // Unmapped or shared: provision. No pin while reserving (it may wait for space,
-        // and space may wait for pinned threads).
-        let reservation = self.pool.alloc(&self.volume)?;
+        let wait = self.pool.space_wait();
+        let (order, reservation) = loop {
+            let order = self.volume.block_lock(block);
+            if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
+                return done;
+            }
+            // Unmapped or shared: provision. No pin while reserving (it may wait for space,
+            // and space may wait for pinned threads).
+            match self.pool.alloc(&self.volume, &wait)? {
+                Alloc::Reserved(reservation) => break (order, reservation),
+                Alloc::Paused => {
+                    drop(order);
+                    pass.sit_out_pause();
+                }
+            }
+        };
         // Under the block lock only a metadata failure (reloading the index) changes the
         // mapping meanwhile.
         if let Some(done) = self.write_in_place(block, in_block, payload, provision) {
@@ -444,7 +461,9 @@ impl Volume {
         self.fill_new_block(base, current, in_block, payload.len())?;
         self.write_payload(base + in_block, payload)?;
         drop(pin);
-        self.pool.map(&self.volume, block, reservation)
+        let mapped = self.pool.map(&self.volume, block, reservation);
+        drop(order);
+        mapped
     }
 
     /// Provision a run of whole blocks of a write: under their block locks, reserve a data
@@ -454,7 +473,7 @@ impl Volume {
     /// place meanwhile is written in place; if the pool has too few free blocks for the run,
     /// its blocks are provisioned one by one (`write_piece`, which applies the no-space
     /// policy).
-    fn provision_run(&self, run: Run, data: &[u8]) -> Result<()> {
+    fn provision_run(&self, pass: &Pass<'_>, run: Run, data: &[u8]) -> Result<()> {
         let block_size = self.pool.block_size_bytes() as usize;
         let blocks = (0..run.count).map(|i| VirtualBlock::new(run.first.get() + i));
         let start_of = |block: VirtualBlock| {
@@ -464,7 +483,7 @@ impl Volume {
         assert!(run.count >= 1 && run.count <= RUN_BLOCKS_MAX);
         assert!(run.data_start + run.count as usize * block_size <= data.len());
         if run.count == 1 {
-            return self.write_piece(run.first, 0, Payload::Data(piece(run.first)), true);
+            return self.write_piece(pass, run.first, 0, Payload::Data(piece(run.first)), true);
         }
         let locks = self.volume.block_locks(blocks.clone());
         let mut wanted = Vec::with_capacity(run.count as usize);
@@ -482,7 +501,7 @@ impl Volume {
         let Some(reservations) = self.pool.alloc_many(wanted.len())? else {
             drop(locks);
             for block in wanted {
-                self.write_piece(block, 0, Payload::Data(piece(block)), true)?;
+                self.write_piece(pass, block, 0, Payload::Data(piece(block)), true)?;
             }
             return Ok(());
         };

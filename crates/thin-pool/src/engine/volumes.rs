@@ -203,7 +203,7 @@ impl VolumeState {
         loop {
             if count == DELETING {
                 return Err(Error::Busy(format!(
-                    "volume {:?} is being deleted, reverted or renamed",
+                    "volume {:?} is being deleted, reverted, renamed or shrunk",
                     self.name
                 )));
             }
@@ -246,7 +246,7 @@ impl VolumeState {
         }
     }
 
-    /// Claim the volume for deletion (or a revert or rename): refused while any handle is
+    /// Claim the volume for deletion (or a revert, rename or shrink): refused while any handle is
     /// alive; from then on no handle can be opened until [`VolumeState::end_delete`] (a
     /// failed operation) or forever.
     pub(crate) fn begin_delete(&self) -> Result<()> {
@@ -254,6 +254,24 @@ impl VolumeState {
             .compare_exchange(0, DELETING, Ordering::AcqRel, Ordering::Acquire)
             .map(|_| ())
             .map_err(|_| Error::Busy(format!("volume {:?} is open", self.name)))
+    }
+
+    /// Claim the volume for an operation no client may see half-done (a revert, a rename,
+    /// a shrink): [`VolumeState::begin_delete`]'s rule, refused (busy) with what holds the
+    /// volume and what the caller is `doing` ("shrinking it"). Released with
+    /// [`VolumeState::end_delete`] unless the operation replaces or removes the volume.
+    pub(crate) fn claim(&self, doing: &str) -> Result<()> {
+        self.begin_delete().map_err(|_| match self.open_count() {
+            0 => Error::Busy(format!(
+                "volume {:?} is being deleted, reverted, renamed or shrunk: try again after that",
+                self.name
+            )),
+            count => Error::Busy(format!(
+                "volume {:?} is open ({count} {}): disconnect its clients before {doing}",
+                self.name,
+                if count == 1 { "handle" } else { "handles" }
+            )),
+        })
     }
 
     /// A delete failed: handles may be opened again.
