@@ -84,6 +84,21 @@ impl Target {
                 let info = pool.rename_volume(name, new_name)?;
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
+            Request::AdoptVolume {
+                id,
+                name,
+                size_bytes,
+                origin,
+            } => {
+                self.check_name_free(name)?;
+                let id = thin_pool::VolumeId::new(*id);
+                let info = pool.adopt_volume(id, name, *size_bytes, origin.as_deref())?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::ForgetVolume { name } => {
+                pool.forget_volume(name)?;
+                Ok(Outcome::Done)
+            }
             Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
@@ -101,9 +116,10 @@ impl Target {
                 )))
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
-            Request::Status => Ok(Outcome::Status(StatusRecord::new(
+            Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
                 &pool.status(),
                 &self.options,
+                &pool.disagreements(),
             ))),
             Request::Diff {
                 base,
