@@ -229,6 +229,13 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
                 what,
             )
         }
+        command @ (Command::Adopt { .. } | Command::Forget { .. }) => catalog_request(command)?,
+    })
+}
+
+/// The requests of `adopt` and `forget` (thin ids the catalog and the metadata disagree on).
+fn catalog_request(command: Command) -> anyhow::Result<(Request, Common, String)> {
+    Ok(match command {
         Command::Adopt {
             id,
             name,
@@ -250,6 +257,7 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
             let what = format!("cannot forget volume {name:?}");
             (Request::ForgetVolume { name }, common, what)
         }
+        _ => unreachable!("only adopt and forget are catalog requests"),
     })
 }
 

@@ -6,7 +6,10 @@
 //! transaction `T + 1` *before* the metadata change and `set_transaction_id(T, T + 1)` are
 //! committed. On open, the catalog whose transaction id equals the metadata's is the right
 //! one; a newer one is a change whose metadata commit never happened and is discarded. So no
-//! crash can leave the two disagreeing.
+//! crash can leave the two disagreeing. Only a change outside thinpool can (the kernel's
+//! `create_snap` or `delete`): a thin id only the metadata holds is unadopted, an entry
+//! whose id the metadata lacks orphaned (`Catalog::unadopted`, `Catalog::orphaned`; the
+//! engine's `adopt` settles both); new volumes take ids free in both.
 //!
 //! Ancestry: a snapshot records its origin by thin id (`"origin_id"` in the JSON), and only
 //! while the origin exists: deleting a volume clears it from its snapshots, so a later
