@@ -36,7 +36,7 @@ enum Command {
     Create(commands::create::Args),
     /// Take over a pool the kernel (dm-thin, LVM) made, on its two block devices.
     Import(commands::import::Args),
-    /// Manage volumes: create, snapshot, delete, resize, revert, rename.
+    /// Manage volumes: create, snapshot, delete, resize, revert, rename, adopt, forget.
     #[command(subcommand)]
     Volume(commands::volume::Command),
     /// List volumes.

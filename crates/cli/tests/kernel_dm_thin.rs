@@ -11,8 +11,11 @@
 //!   deletes that snapshot, reserves and releases a metadata snapshot and removes its
 //!   devices; thinpool's check and both thin_check versions are clean and every volume
 //!   reads what the kernel read last.
-//!   (The kernel's own snapshot is deleted before shutdown: thinpool refuses a pool holding
-//!   a thin id its catalog lacks, issue 20 finding 11 / issue 22 item 3.)
+//! - The kernel changes a thinpool pool behind the catalog (issue 20 finding 11, issue 22
+//!   item 3): `create_snap` of a volume and a `delete` of another; thinpool opens it,
+//!   names the unadopted thin id and the orphaned name, serves the rest, `volume adopt`
+//!   names the snapshot (its content is its origin's at snapshot time) and `volume
+//!   forget` drops the deleted one; both thin_check versions are clean.
 //! - kernel → thinpool → kernel (loop devices over the files for `thinpool import`): the
 //!   kernel makes a pool from zeroed metadata, two thins, ext4 on one, a snapshot of each,
 //!   and moves the transaction id; `thinpool import` takes it over and every volume reads
@@ -824,4 +827,113 @@ dm remove p
         &images["a"],
         &read(&result.join("kernel-a")),
     );
+}
+
+/// Issue 20 finding 11, issue 22 item 3: the kernel snapshots thinpool's volume `a`
+/// (`create_snap`, then writes to `a`) and deletes thin `b`; thinpool opens the pool,
+/// names both, serves the rest, adopts the snapshot and forgets `b`.
+#[test]
+fn a_kernel_snapshot_is_adopted_and_a_kernel_delete_forgotten() {
+    let report = seed_report();
+    let seed = report.seed();
+    let uml = Uml::find();
+    let temp = ScratchDir::new("kernel-adopt");
+    let case = make_thinpool_pool(temp.path(), "adopt", 64 * KIB, seed, None);
+    let (a, b) = (case.volume("a").clone(), case.volume("b").clone());
+    let snap_id = 100;
+    let result = temp.join("result");
+    std::fs::create_dir_all(&result).unwrap();
+    let kernel_write = pattern(seed ^ 0xbeef, 96 * KIB as usize);
+    std::fs::write(result.join("kernel-write"), &kernel_write).unwrap();
+    let l = &case.label;
+    let script = format!(
+        "{GUEST_PRELUDE}
+pool_up {l} /dev/ubda /dev/ubdb {block_sectors} {data_sectors}
+thin_up {l}-a {l} {a_id} {a_sectors}
+dm suspend {l}-a
+dm message {l} 0 'create_snap {snap_id} {a_id}'
+dm resume {l}-a
+image /dev/mapper/{l}-a {l}-a-at-snap
+dd if=kernel-write of=/dev/mapper/{l}-a bs=4096 seek=0 conv=notrunc,fsync status=none
+image /dev/mapper/{l}-a {l}-a-after
+dm remove {l}-a
+dm message {l} 0 'delete {b_id}'
+dm remove {l}
+",
+        block_sectors = case.block / 512,
+        data_sectors = case.data_sectors(),
+        a_id = a.id,
+        a_sectors = a.size / 512,
+        b_id = b.id,
+    );
+    let outcome = Boot::new(&uml, &result)
+        .modules(&DM_THIN_MODULES)
+        .disk(&case.metadata)
+        .disk(&case.data)
+        .script(&script)
+        .run();
+    outcome.assert_success();
+    thin_check_both(&case.metadata);
+
+    let p = case.dir.to_str().unwrap();
+    let listed = thinpool(&["list", "--pool", p]);
+    let stderr = String::from_utf8_lossy(&listed.stderr);
+    assert!(listed.status.success(), "{stderr}");
+    let stdout = String::from_utf8_lossy(&listed.stdout);
+    assert!(
+        stderr.contains(&format!("unadopted thin ids: {snap_id} ")) && stderr.contains("\"b\""),
+        "{stderr}"
+    );
+    assert!(
+        stdout.contains("unadopted thin ids") && stdout.contains("orphaned"),
+        "{stdout}"
+    );
+    let names: Vec<String> = volumes(&case.dir).into_iter().map(|v| v.name).collect();
+    assert_eq!(names, ["a", "s"], "only what both know is listed");
+    let found = status(&case.dir);
+    assert_eq!(found["unadopted"][0]["id"], snap_id, "{found}");
+    assert_eq!(found["orphaned"][0]["name"], "b", "{found}");
+    assert_eq!(found["orphaned"][0]["id"], b.id, "{found}");
+
+    thinpool_ok(&[
+        "volume",
+        "adopt",
+        &snap_id.to_string(),
+        "k",
+        "--size",
+        &a.size.to_string(),
+        "--origin",
+        "a",
+        "--pool",
+        p,
+    ]);
+    thinpool_ok(&["volume", "forget", "b", "--pool", p]);
+    let found = status(&case.dir);
+    assert_eq!(found["unadopted"], serde_json::json!([]), "{found}");
+    assert_eq!(found["orphaned"], serde_json::json!([]), "{found}");
+    let images = served_images(&case.dir);
+    assert_eq!(images.keys().collect::<Vec<_>>(), ["a", "k", "s"]);
+    let at_snap = read(&result.join(format!("{l}-a-at-snap")));
+    assert_same_bytes("a at the kernel's snapshot", &at_snap, &case.before["a"]);
+    assert_same_bytes("the adopted snapshot k", &images["k"], &at_snap);
+    assert_same_bytes(
+        "a after the kernel's write",
+        &images["a"],
+        &read(&result.join(format!("{l}-a-after"))),
+    );
+    assert_same_bytes("s", &images["s"], &case.before["s"]);
+    let text = thinpool_ok(&["list", "--json", "--pool", p]);
+    let listing: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let k = listing["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "k")
+        .unwrap();
+    assert_eq!(
+        (k["id"].as_u64(), k["origin"].as_str()),
+        (Some(snap_id), Some("a"))
+    );
+    thinpool_ok(&["check", case.metadata.to_str().unwrap()]);
+    thin_check_both(&case.metadata);
 }

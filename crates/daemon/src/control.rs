@@ -16,6 +16,8 @@
 //!   <- {"ok":true,"volume":{...,"unmapped_bytes":6291456}}   (a shrink needs force to unmap data)
 //!   -> {"op":"revert_volume","name":"vm1","snapshot":"snap","delete_snapshot":false}
 //!   -> {"op":"rename_volume","name":"vm1","new_name":"vm2"}
+//!   -> {"op":"adopt_volume","id":5,"name":"snap2","size_bytes":4194304,"origin":"vm1"}
+//!   -> {"op":"forget_volume","name":"gone"}              (answers {"ok":true})
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
@@ -78,7 +80,9 @@ mod target;
 #[cfg(test)]
 mod tests;
 
-pub use protocol::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
+pub use protocol::{
+    OpError, OrphanedRecord, Outcome, Request, StatusRecord, UnadoptedRecord, VolumeRecord,
+};
 pub use server::ControlServer;
 pub use target::Target;
 

@@ -15,6 +15,9 @@ use crate::ids::{DataBlock, TransactionId, VirtualBlock, VolumeId};
 use persistent_data::error::ErrorKind as MetadataErrorKind;
 use std::io;
 
+mod catalog;
+pub use catalog::CatalogRefusal;
+
 /// Result with the crate's error.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -360,6 +363,9 @@ pub enum Error {
     /// A broken internal invariant: a bug in thinpool, not the caller's fault.
     #[error("internal error: {0}")]
     Internal(String),
+    /// An adopt or forget refused, or a name whose thin id is gone (see [`CatalogRefusal`]).
+    #[error(transparent)]
+    Catalog(#[from] CatalogRefusal),
 }
 
 /// What a [`Error::SizeOverLimit`] is about; each says its unit.
@@ -510,6 +516,7 @@ impl Error {
             }
             Error::Corrupt(_) => (Corrupt, libc::EIO),
             Error::Internal(_) => (Internal, libc::EIO),
+            Error::Catalog(refusal) => (Refused, refusal.errno()),
         }
     }
 }

@@ -22,6 +22,7 @@ pub mod owner;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use engine::adopt::{Disagreements, OrphanedVolume, UnadoptedThin};
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
 pub use engine::grow::{Resized, Shrink};
 pub use engine::layout::{BLOCK_SIZE_DEFAULT_BYTES, DATA_FILE, DEVICES_FILE, METADATA_FILE};
@@ -35,7 +36,7 @@ pub use engine::pool::Pool;
 pub use engine::space::host_free_bytes;
 pub use engine::usage::VolumeSpace;
 pub use engine::volume::{Extent, Volume, SECTOR_SIZE};
-pub use error::{Error, ErrorKind, Limit, Report, Result};
+pub use error::{CatalogRefusal, Error, ErrorKind, Limit, Report, Result};
 pub use format::metadata::{Mapping, PoolMetadata};
 pub use ids::{BlockTime, DataBlock, Time, TransactionId, VirtualBlock, VolumeId};
 

@@ -31,7 +31,7 @@ const LAYERS: &[&[&str]] = &[
     &["provision"],
     &["volume"],
     &[
-        "manage", "grow", "revert", "usage", "diff", "trim", "listing",
+        "manage", "adopt", "grow", "revert", "usage", "diff", "trim", "listing",
     ],
     &["committer", "autoextend"],
     &["open"],

@@ -1,7 +1,10 @@
 //! `thinpool list`: the volumes, one row each like `lvs` (name, thin id, size, mapped %, the
 //! bytes mapped, exclusive and shared, origin, read-only), `--ids` (thin id, name and the
 //! origin's thin id, in thin id order, to read beside thin_ls, thin_delta or thin_dump), or
-//! `--json` (`{"volumes":[...]}`), from the pool or its server.
+//! `--json` (`{"volumes":[...],"unadopted":[...],"orphaned":[...]}`), from the pool or its
+//! server. Thin ids the metadata holds and the catalog does not know (unadopted) and
+//! catalog entries whose thin id is gone (orphaned) follow the table, and a warning on
+//! stderr names them.
 //!
 //! MAPPED, EXCLUSIVE and SHARED have thin_ls's meaning (`-o MAPPED_BYTES,EXCLUSIVE_BYTES,
 //! SHARED_BYTES`): EXCLUSIVE is what deleting the volume would free, SHARED what it shares
@@ -11,7 +14,7 @@
 use anyhow::Context;
 use std::process::ExitCode;
 
-use crate::control::{self, Request, VolumeRecord};
+use crate::control::{self, OrphanedRecord, Request, StatusRecord, UnadoptedRecord, VolumeRecord};
 use crate::pool_dir::{format_size, table, PoolArg};
 
 /// Arguments.
@@ -40,15 +43,27 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let volumes = control::ask(&dir, &Request::List)
         .context("cannot list volumes")?
         .into_volumes()?;
+    let status = control::ask(&dir, &Request::Status)
+        .context("cannot list volumes")?
+        .into_status()?;
+    let disagreements = render_disagreements(&status);
+    if !disagreements.is_empty() {
+        eprint!("thinpool: warning: the catalog and the metadata disagree:\n{disagreements}");
+    }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&Listing { volumes: &volumes })?
-        );
+        let listing = Listing {
+            volumes: &volumes,
+            unadopted: &status.unadopted,
+            orphaned: &status.orphaned,
+        };
+        println!("{}", serde_json::to_string_pretty(&listing)?);
     } else if args.ids {
         print!("{}", render_ids(&volumes));
     } else {
         print!("{}", render(&volumes));
+        if !disagreements.is_empty() {
+            print!("\n{disagreements}");
+        }
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -57,6 +72,46 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 #[derive(serde::Serialize)]
 struct Listing<'a> {
     volumes: &'a [VolumeRecord],
+    /// Thin ids the catalog does not know (`volume adopt`).
+    unadopted: &'a [UnadoptedRecord],
+    /// Catalog entries whose thin id is gone (`volume forget`).
+    orphaned: &'a [OrphanedRecord],
+}
+
+/// The lines naming the thin ids the catalog lacks and the entries whose thin id is gone,
+/// with the command that settles each ("" when the two agree).
+pub fn render_disagreements(status: &StatusRecord) -> String {
+    let mut out = String::new();
+    if !status.unadopted.is_empty() {
+        let ids: Vec<String> = status
+            .unadopted
+            .iter()
+            .map(|thin| format!("{} ({} mapped)", thin.id, format_size(thin.mapped_bytes)))
+            .collect();
+        out.push_str(&format!(
+            "unadopted thin ids: {} (in the metadata, not in the catalog: not served, blocks kept; `thinpool volume adopt ID NAME --size SIZE [--origin NAME]` names one)\n",
+            ids.join(", ")
+        ));
+    }
+    if !status.orphaned.is_empty() {
+        let names: Vec<String> = status
+            .orphaned
+            .iter()
+            .map(|v| {
+                format!(
+                    "{:?} (thin id {}, {})",
+                    v.name,
+                    v.id,
+                    format_size(v.size_bytes)
+                )
+            })
+            .collect();
+        out.push_str(&format!(
+            "orphaned volumes: {} (in the catalog, thin id not in the metadata: not served; `thinpool volume forget NAME` drops one)\n",
+            names.join(", ")
+        ));
+    }
+    out
 }
 
 fn size_or_dash(bytes: Option<u64>) -> String {

@@ -1,5 +1,6 @@
 //! `thinpool status`: the pool's data and metadata use (used/total blocks and %), transaction
-//! id, mode and `needs_check`, or `--json`, from the pool or its server.
+//! id, mode and `needs_check`, the thin ids the catalog and the metadata disagree on
+//! (`unadopted`, `orphaned`), or `--json`, from the pool or its server.
 
 use anyhow::Context;
 use std::process::ExitCode;
@@ -27,6 +28,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status));
+        print!("{}", super::list::render_disagreements(&status));
         if let Some(devices) = thin_pool::block_device::DevicePaths::load(&dir.path)? {
             println!(
                 "devices:           metadata {}, data {}{}",

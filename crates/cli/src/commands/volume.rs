@@ -1,6 +1,6 @@
-//! `thinpool volume create|snapshot|delete|resize|revert|rename`: manage volumes, on the
-//! pool directly or through the control socket of the server holding it (same syntax, same
-//! output).
+//! `thinpool volume create|snapshot|delete|resize|revert|rename|adopt|forget`: manage
+//! volumes, on the pool directly or through the control socket of the server holding it
+//! (same syntax, same output).
 
 use anyhow::{bail, Context};
 use std::process::ExitCode;
@@ -97,6 +97,40 @@ Example:
         #[command(flatten)]
         common: Common,
     },
+    /// Name a thin id the metadata holds and the catalog does not know (an "unadopted"
+    /// thin id, e.g. made by the kernel's `create_snap`): it is served from then on.
+    ///
+    /// Nothing is guessed: dm-thin keeps no name or size. SIZE must cover the highest block
+    /// the thin id maps; --origin records ORIGIN as the volume it was snapshotted from.
+    /// `thinpool list` and `status` show the unadopted thin ids.
+    #[command(after_help = "\
+Example:
+  thinpool list                                    # unadopted thin ids: 5 (4.00 MiB mapped)
+  thinpool volume adopt 5 vm0-kernel-snap --size 10G --origin vm0")]
+    Adopt {
+        /// The thin id (dm-thin's device id).
+        id: u32,
+        /// The name to give it (also its NBD export name).
+        name: String,
+        /// Its virtual size (K, M, G, T suffixes).
+        #[arg(long = "size", value_name = "SIZE")]
+        size: String,
+        /// The served volume it is a snapshot of.
+        #[arg(long = "origin", value_name = "NAME")]
+        origin: Option<String>,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Drop a catalog entry whose thin id is not in the metadata (an "orphaned" volume,
+    /// e.g. deleted by the kernel): the catalog entry only.
+    ///
+    /// Refused for a volume whose thin id exists (that is `volume delete`).
+    Forget {
+        /// Volume name.
+        name: String,
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 /// Arguments every volume subcommand takes.
@@ -115,6 +149,13 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     let dir = common.pool.resolve();
     let outcome = control::ask(&dir, &request).context(what)?;
     match (&request, outcome) {
+        (Request::ForgetVolume { name }, Outcome::Done) => {
+            if common.json {
+                println!("{}", serde_json::json!({ "forgotten": name }));
+            } else {
+                println!("forgot volume {name:?} (catalog entry only)");
+            }
+        }
         (Request::DeleteVolume { name }, Outcome::Done) => {
             if common.json {
                 println!("{}", serde_json::json!({ "deleted": name }));
@@ -197,6 +238,35 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
                 what,
             )
         }
+        command @ (Command::Adopt { .. } | Command::Forget { .. }) => catalog_request(command)?,
+    })
+}
+
+/// The requests of `adopt` and `forget` (thin ids the catalog and the metadata disagree on).
+fn catalog_request(command: Command) -> anyhow::Result<(Request, Common, String)> {
+    Ok(match command {
+        Command::Adopt {
+            id,
+            name,
+            size,
+            origin,
+            common,
+        } => {
+            let size_bytes = parse_size(&size)?;
+            let what = format!("cannot adopt thin id {id} as {name:?}");
+            let request = Request::AdoptVolume {
+                id,
+                name,
+                size_bytes,
+                origin,
+            };
+            (request, common, what)
+        }
+        Command::Forget { name, common } => {
+            let what = format!("cannot forget volume {name:?}");
+            (Request::ForgetVolume { name }, common, what)
+        }
+        _ => unreachable!("only adopt and forget are catalog requests"),
     })
 }
 
@@ -241,6 +311,10 @@ fn describe(request: &Request, volume: &VolumeRecord) -> String {
             format!("reverted volume {what} to the content of {snapshot:?}{deleted}")
         }
         Request::RenameVolume { name, .. } => format!("renamed volume {name:?} to {what}"),
+        Request::AdoptVolume { id, origin, .. } => match origin {
+            Some(origin) => format!("adopted thin id {id} as {what}, a snapshot of {origin:?}"),
+            None => format!("adopted thin id {id} as {what}"),
+        },
         _ => match volume.unmapped_bytes {
             Some(bytes) if bytes > 0 => format!(
                 "resized volume {what}; unmapped {} of mapped data",

@@ -5,7 +5,7 @@ use std::io::{BufRead, Read};
 
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
-use thin_pool::{PoolStatus, VolumeInfo};
+use thin_pool::{Disagreements, PoolStatus, VolumeInfo};
 
 use super::diff::DiffRecord;
 use crate::pool_dir::{percent, StoredOptions};
@@ -64,6 +64,23 @@ pub enum Request {
         name: String,
         /// The new name.
         new_name: String,
+    },
+    /// Name a thin id the catalog does not know (unadopted), served at once.
+    AdoptVolume {
+        /// The thin id.
+        id: u32,
+        /// Its name.
+        name: String,
+        /// Its virtual size (at least its highest mapped block).
+        size_bytes: u64,
+        /// The served volume recorded as its origin.
+        #[serde(default)]
+        origin: Option<String>,
+    },
+    /// Drop a catalog entry whose thin id is not in the metadata (orphaned).
+    ForgetVolume {
+        /// Its name.
+        name: String,
     },
     /// Grow the data device.
     GrowData {
@@ -205,10 +222,47 @@ pub struct StatusRecord {
     pub metadata_snap: Option<u64>,
     /// Volumes in the pool.
     pub volume_count: usize,
+    /// Thin ids the metadata holds and the catalog does not know: not served.
+    #[serde(default)]
+    pub unadopted: Vec<UnadoptedRecord>,
+    /// Catalog entries whose thin id is not in the metadata: not served.
+    #[serde(default)]
+    pub orphaned: Vec<OrphanedRecord>,
+}
+
+/// A thin id only the metadata holds (`thinpool volume adopt` names it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UnadoptedRecord {
+    /// The thin id.
+    pub id: u64,
+    /// Blocks it maps.
+    pub mapped_blocks: u64,
+    /// Bytes it maps.
+    pub mapped_bytes: u64,
+}
+
+/// A catalog entry whose thin id the metadata lacks (`thinpool volume forget` drops it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OrphanedRecord {
+    /// Its name.
+    pub name: String,
+    /// The thin id the metadata lacks.
+    pub id: u64,
+    /// The size the catalog records.
+    pub size_bytes: u64,
 }
 
 impl StatusRecord {
     pub(super) fn new(status: &PoolStatus, options: &StoredOptions) -> Self {
+        StatusRecord::with_disagreements(status, options, &Disagreements::default())
+    }
+
+    /// The status with the catalog's disagreements with the metadata.
+    pub(super) fn with_disagreements(
+        status: &PoolStatus,
+        options: &StoredOptions,
+        found: &Disagreements,
+    ) -> Self {
         StatusRecord {
             transaction_id: status.transaction_id,
             data_used_blocks: status.data_used_blocks,
@@ -235,6 +289,24 @@ impl StatusRecord {
             data_bytes_passed_down: status.data_bytes_passed_down,
             metadata_snap: status.metadata_snap,
             volume_count: status.volume_count,
+            unadopted: found
+                .unadopted
+                .iter()
+                .map(|thin| UnadoptedRecord {
+                    id: u64::from(thin.id.get()),
+                    mapped_blocks: thin.mapped_blocks,
+                    mapped_bytes: thin.mapped_bytes,
+                })
+                .collect(),
+            orphaned: found
+                .orphaned
+                .iter()
+                .map(|volume| OrphanedRecord {
+                    name: volume.name.clone(),
+                    id: u64::from(volume.id.get()),
+                    size_bytes: volume.size_bytes,
+                })
+                .collect(),
         }
     }
 }

@@ -85,6 +85,9 @@ impl Target {
                 let info = pool.rename_volume(name, new_name)?;
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
+            Request::AdoptVolume { .. } | Request::ForgetVolume { .. } => {
+                self.adopt_or_forget(request)
+            }
             Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
@@ -102,15 +105,39 @@ impl Target {
                 )))
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
-            Request::Status => Ok(Outcome::Status(StatusRecord::new(
+            Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
                 &pool.status(),
                 &self.options,
+                &pool.disagreements(),
             ))),
             Request::Diff {
                 base,
                 target,
                 list_same,
             } => super::diff::execute(pool, base, target, *list_same),
+        }
+    }
+
+    /// Adopts a thin id the catalog lacks, or forgets an entry whose thin id is gone.
+    fn adopt_or_forget(&self, request: &Request) -> Result<Outcome, OpError> {
+        let pool = &self.pool;
+        match request {
+            Request::AdoptVolume {
+                id,
+                name,
+                size_bytes,
+                origin,
+            } => {
+                self.check_name_free(name)?;
+                let id = thin_pool::VolumeId::new(*id);
+                let info = pool.adopt_volume(id, name, *size_bytes, origin.as_deref())?;
+                Ok(Outcome::Volume(VolumeRecord::from(&info)))
+            }
+            Request::ForgetVolume { name } => {
+                pool.forget_volume(name)?;
+                Ok(Outcome::Done)
+            }
+            other => unreachable!("{other:?} is not an adopt or a forget"),
         }
     }
 

@@ -6,7 +6,10 @@
 //! transaction `T + 1` *before* the metadata change and `set_transaction_id(T, T + 1)` are
 //! committed. On open, the catalog whose transaction id equals the metadata's is the right
 //! one; a newer one is a change whose metadata commit never happened and is discarded. So no
-//! crash can leave the two disagreeing.
+//! crash can leave the two disagreeing. Only a change outside thinpool can (the kernel's
+//! `create_snap` or `delete`): a thin id only the metadata holds is unadopted, an entry
+//! whose id the metadata lacks orphaned (`Catalog::unadopted`, `Catalog::orphaned`; the
+//! engine's `adopt` settles both); new volumes take ids free in both.
 //!
 //! Ancestry: a snapshot records its origin by thin id (`"origin_id"` in the JSON), and only
 //! while the origin exists: deleting a volume clears it from its snapshots, so a later
@@ -153,14 +156,39 @@ impl Catalog {
         self.volumes.iter().find(|v| v.name == name)
     }
 
-    /// The lowest volume id not in use.
-    pub fn free_id(&self) -> Result<VolumeId> {
-        let used: std::collections::BTreeSet<VolumeId> =
-            self.volumes.iter().map(|v| v.id).collect();
+    /// The lowest volume id neither in the catalog nor among `in_metadata` (the metadata's
+    /// thin ids: one the catalog does not know, an unadopted one, is taken too).
+    pub fn free_id(&self, in_metadata: &[VolumeId]) -> Result<VolumeId> {
+        let used: std::collections::BTreeSet<VolumeId> = self
+            .volumes
+            .iter()
+            .map(|v| v.id)
+            .chain(in_metadata.iter().copied())
+            .collect();
         (0..=VolumeId::MAX.get())
             .map(VolumeId::new)
             .find(|id| !used.contains(id))
             .ok_or(Error::IdsExhausted)
+    }
+
+    /// The thin ids of `in_metadata` (the metadata's) that no entry names: unadopted, in
+    /// id order.
+    pub fn unadopted(&self, in_metadata: &[VolumeId]) -> Vec<VolumeId> {
+        let mut ids: Vec<VolumeId> = in_metadata
+            .iter()
+            .copied()
+            .filter(|id| self.volumes.iter().all(|v| v.id != *id))
+            .collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The entries whose thin id is not among `in_metadata`: orphaned, in catalog order.
+    pub fn orphaned(&self, in_metadata: &[VolumeId]) -> Vec<&CatalogVolume> {
+        self.volumes
+            .iter()
+            .filter(|v| !in_metadata.contains(&v.id))
+            .collect()
     }
 }
 

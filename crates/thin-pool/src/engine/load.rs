@@ -1,5 +1,6 @@
 //! What opening a pool reads from disk, and the checks it passes before the engine uses it:
-//! the catalog against the metadata's volumes, the metadata checker before a read-write open
+//! the catalog's own rules (where it and the metadata disagree on thin ids, the rest is
+//! served: see [`check_catalog`]), the metadata checker before a read-write open
 //! (as LVM runs thin_check before activation), and every volume's mappings checked: bounded
 //! by the volume's size and the data device, with no block a volume would write in place
 //! while another mapping shares it. No index is built at activation: a volume's index is
@@ -37,9 +38,12 @@ use persistent_data::{BlockDevice, MetadataBlock};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// The catalog must list exactly the metadata's volumes.
-pub(crate) fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> {
-    let md_ids = md.volumes();
+/// The catalog's own rules: each name and thin id once, every size a positive multiple of
+/// 512 up to the largest volume. The catalog and the metadata may disagree on which thin
+/// ids exist (the kernel's `create_snap` or `delete` ran on the pool): an id only the
+/// metadata holds is unadopted, an entry whose id the metadata lacks is orphaned; neither
+/// is served and both are named at open (`Catalog::unadopted`, `Catalog::orphaned`).
+pub(crate) fn check_catalog(catalog: &Catalog) -> Result<()> {
     let mut names = std::collections::HashSet::new();
     let mut ids = std::collections::HashSet::new();
     for v in &catalog.volumes {
@@ -56,21 +60,6 @@ pub(crate) fn check_catalog(md: &PoolMetadata, catalog: &Catalog) -> Result<()> 
             return Err(Error::Corrupt(format!(
                 "volume {:?} has size {} bytes in the catalog: not a positive multiple of 512 up to {VOLUME_SIZE_MAX_BYTES}",
                 v.name, v.size_bytes
-            )));
-        }
-    }
-    for v in &catalog.volumes {
-        if !md.has_volume(v.id) {
-            return Err(Error::Corrupt(format!(
-                "volume {:?} (id {}) is in the catalog but not in the metadata",
-                v.name, v.id
-            )));
-        }
-    }
-    for id in &md_ids {
-        if !catalog.volumes.iter().any(|v| v.id == *id) {
-            return Err(Error::Corrupt(format!(
-                "metadata volume id {id} is missing from the catalog"
             )));
         }
     }
@@ -154,14 +143,10 @@ pub(crate) fn load_volumes(
     let mut volumes = BTreeMap::new();
     let data_blocks = md.data_space_map().block_count();
     let mut sharing = writable.then(|| Sharing::new(data_blocks));
-    for v in &catalog.volumes {
+    // Orphaned entries (no thin id in the metadata) are not served.
+    for v in catalog.volumes.iter().filter(|v| md.has_volume(v.id)) {
         let details = md.details(v.id)?;
-        let snapshotted_time = Time::new(details.snapshotted_time).ok_or_else(|| {
-            Error::Corrupt(format!(
-                "volume {:?}: snapshot time {} does not fit in 24 bits",
-                v.name, details.snapshotted_time
-            ))
-        })?;
+        let snapshotted_time = snapshot_time(&v.name, &details)?;
         check_volume(
             md,
             &v.name,
@@ -176,7 +161,56 @@ pub(crate) fn load_volumes(
             Arc::new(VolumeState::new(v, None, snapshotted_time)),
         );
     }
+    // Unadopted thin ids are not served, but their mappings are bounded and claimed: a
+    // served volume must not write in place a block one of them maps.
+    for id in catalog.unadopted(&md.volumes()) {
+        let details = md.details(id)?;
+        let name = format!("unadopted thin id {id}");
+        check_volume(
+            md,
+            &name,
+            id,
+            &details,
+            VOLUME_SIZE_MAX_BYTES,
+            block_size_bytes,
+            sharing.as_mut(),
+        )?;
+    }
     Ok(volumes)
+}
+
+/// A volume's snapshot time from its details, which must fit in 24 bits.
+pub(crate) fn snapshot_time(name: &str, details: &DeviceDetails) -> Result<Time> {
+    Time::new(details.snapshotted_time).ok_or_else(|| {
+        Error::Corrupt(format!(
+            "volume {name:?}: snapshot time {} does not fit in 24 bits",
+            details.snapshotted_time
+        ))
+    })
+}
+
+/// Check the mappings of thin id `id` before it is adopted as `name` of `size_bytes`: each
+/// inside the data space map and the size, and none it would write in place shared (its
+/// tree is checked alone; the reference counts show sharing with any other tree).
+pub(crate) fn check_adopted(
+    md: &PoolMetadata,
+    name: &str,
+    id: VolumeId,
+    size_bytes: u64,
+    block_size_bytes: u64,
+) -> Result<Time> {
+    let details = md.details(id)?;
+    let mut sharing = Sharing::new(md.data_space_map().block_count());
+    check_volume(
+        md,
+        name,
+        id,
+        &details,
+        size_bytes,
+        block_size_bytes,
+        Some(&mut sharing),
+    )?;
+    snapshot_time(name, &details)
 }
 
 /// What [`build_index`] needs of the metadata, taken under the metadata mutex.

@@ -33,7 +33,8 @@ pub(crate) fn create_volume(
     if change.catalog().find(name).is_some() {
         return Err(Error::NameExists(name.to_string()));
     }
-    let id = change.catalog().free_id()?;
+    // Every thin id of the metadata is taken, the unadopted ones too.
+    let id = change.catalog().free_id(&change.view().md()?.volumes())?;
     let entry = CatalogVolume {
         name: name.to_string(),
         id,
@@ -74,7 +75,8 @@ pub(crate) fn snapshot(
     if change.catalog().find(name).is_some() {
         return Err(Error::NameExists(name.to_string()));
     }
-    let id = change.catalog().free_id()?;
+    // Every thin id of the metadata is taken, the unadopted ones too.
+    let id = change.catalog().free_id(&change.view().md()?.volumes())?;
     let entry = CatalogVolume {
         name: name.to_string(),
         id,

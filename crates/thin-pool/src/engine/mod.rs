@@ -17,12 +17,14 @@
 //!    commit lock, reserve, queue, commit, changes, fail);
 //! 7. `provision`: what volume I/O needs from the pool (`Provisioner`);
 //! 8. `volume`: volume I/O on the caller's thread (`Volume`);
-//! 9. management, free functions over the owners: `manage`, `grow`, `revert`, `usage`,
-//!    `diff`, `trim`, `listing`;
+//! 9. management, free functions over the owners: `manage`, `adopt` (thin ids the
+//!    catalog and the metadata disagree on), `grow`, `revert`, `usage`, `diff`, `trim`,
+//!    `listing`;
 //! 10. workers, started by the pool with handles to the owners: `committer`, `autoextend`;
 //! 11. `open`: creating, opening and assembling a pool (`Owners`);
 //! 12. `pool`: the façade, the only `impl Pool`.
 
+pub(crate) mod adopt;
 mod autoextend;
 pub(crate) mod block_device;
 pub(crate) mod catalog;

@@ -333,10 +333,14 @@ fn open_checked(
     if !options.read_only {
         catalog_store.committed(transaction_id)?;
     }
-    check_catalog(&md, &catalog)?;
+    check_catalog(&catalog)?;
     let (mode, unrecorded) = take_data_device(&mut md, data, options)?;
     let volumes = load_volumes(&md, &catalog, block_size_bytes, mode != PoolMode::ReadOnly)?;
-    assert_eq!(volumes.len(), catalog.volumes.len(), "one state per volume");
+    assert_eq!(
+        volumes.len(),
+        catalog.volumes.len() - catalog.orphaned(&md.volumes()).len(),
+        "one state per volume the catalog and the metadata both hold"
+    );
     assert!(
         volumes.values().all(|v| v.loaded_index().is_none()),
         "no index at activation"

@@ -1,7 +1,7 @@
 //! The pool handle: the engine's façade. Every method delegates to the owners `open`
 //! assembled (`Meta`, `Volumes`, `Provisioner`, the watch, the health) or to the
-//! management functions over them (`manage`, `grow`, `revert`, `usage`, `diff`, `trim`,
-//! `listing`); this is the only `impl Pool`.
+//! management functions over them (`manage`, `adopt`, `grow`, `revert`, `usage`, `diff`,
+//! `trim`, `listing`); this is the only `impl Pool`.
 //!
 //! Modes follow dm-thin (spec §10.5): `Write`, `OutOfDataSpace` (writes that need a block
 //! error with ENOSPC or wait up to the no-space timeout for growth), `OutOfMetadataSpace`
@@ -9,6 +9,7 @@
 //! metadata error, with needs_check set) and `Fail`. See ARCHITECTURE.md for the threads,
 //! locks and paths.
 
+use crate::engine::adopt::Disagreements;
 use crate::engine::block_device::{self, DevicePaths};
 use crate::engine::catalog::{CatalogStore, DirCatalog};
 use crate::engine::data_device::DataDevice;
@@ -21,9 +22,9 @@ use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, V
 use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
-use crate::engine::{diff, grow, manage, revert, trim, usage};
+use crate::engine::{adopt, diff, grow, manage, revert, trim, usage};
 use crate::error::{Error, Result};
-use crate::ids::{TransactionId, VirtualBlock};
+use crate::ids::{TransactionId, VirtualBlock, VolumeId};
 use persistent_data::BlockDevice;
 use std::ops::Range;
 use std::path::Path;
@@ -111,6 +112,9 @@ impl Pool {
         lock: Option<Arc<std::fs::File>>,
     ) -> Result<Pool> {
         let owners = open::assemble(metadata, data, catalog_store, options)?;
+        if let Some(warning) = adopt::open_warning(&adopt::disagreements(&owners.meta)) {
+            owners.health.log_warn(warning);
+        }
         Ok(Pool {
             owners: Arc::new(owners),
             _lock_file: lock,
@@ -181,7 +185,10 @@ impl Pool {
     /// goes on); an error there (a tree that breaks a rule) refuses the open.
     pub fn volume(&self, name: &str) -> Result<Volume> {
         let owners = &*self.owners;
-        let state = owners.volumes.named(name)?;
+        let state = owners
+            .volumes
+            .named(name)
+            .map_err(|e| adopt::orphan_or(&owners.meta, name, e))?;
         Volume::open(owners.provisioner.clone(), state, |state| {
             owners.meta.index(state).cloned()
         })
@@ -274,6 +281,39 @@ impl Pool {
     /// volume, and its thin id and data blocks can be given to another.
     pub fn delete_volume(&self, name: &str) -> Result<()> {
         manage::delete_volume(&self.owners.meta, &self.owners.volumes, name)
+            .map_err(|e| adopt::orphan_or(&self.owners.meta, name, e))
+    }
+
+    /// Where the catalog and the metadata disagree: thin ids only the metadata holds
+    /// (unadopted) and entries whose thin id it lacks (orphaned). Neither is served.
+    pub fn disagreements(&self) -> Disagreements {
+        adopt::disagreements(&self.owners.meta)
+    }
+
+    /// Name the unadopted thin id `id` as `name` of `size_bytes` (at least its highest
+    /// mapped block), recording `origin` (a served volume) as its origin; served at once.
+    /// Refused for an id the catalog has or the metadata lacks, or a name in use.
+    pub fn adopt_volume(
+        &self,
+        id: VolumeId,
+        name: &str,
+        size_bytes: u64,
+        origin: Option<&str>,
+    ) -> Result<VolumeInfo> {
+        let adoption = adopt::Adoption {
+            id,
+            name,
+            size_bytes,
+            origin,
+        };
+        adopt::adopt(&self.owners.meta, &self.owners.volumes, &adoption)?;
+        self.info(name)
+    }
+
+    /// Drop the catalog entry `name` whose thin id is not in the metadata. Refused for a
+    /// volume the metadata holds (that is [`Pool::delete_volume`]).
+    pub fn forget_volume(&self, name: &str) -> Result<()> {
+        adopt::forget(&self.owners.meta, &self.owners.volumes, name)
     }
 
     /// Change a volume's virtual size. Growing is allowed while the volume is open.
