@@ -84,6 +84,8 @@ struct Cli {
 }
 
 #[derive(clap::Subcommand, Debug)]
+// Parsed once per process: the size of the largest variant (serve's arguments) costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// `thinpool serve` with the benchmark exports (--raw-export, --null-export) beside it.
     Serve(serve::ServeArgs),
