@@ -193,24 +193,7 @@ pub fn run(args: VhostArgs) -> anyhow::Result<ExitCode> {
     }
     let dir = BenchDir::create(args.dir.as_deref())?;
     let thinpool = args.thinpool.clone().unwrap_or_else(default_thinpool);
-    let wants_thin = targets
-        .iter()
-        .any(|t| matches!(t, Target::ThinVhost | Target::ThinNbd));
-    if wants_thin && !thinpool.is_file() {
-        progress(&format!(
-            "no thinpool binary at {}: thin targets skipped",
-            thinpool.display()
-        ));
-        targets.retain(|t| !matches!(t, Target::ThinVhost | Target::ThinNbd));
-    }
-    if targets.contains(&Target::ThinVhost) {
-        if let Err(reason) = servers::thinpool_vhost_support(&thinpool) {
-            progress(&format!(
-                "thin volume over vhost-user-blk skipped: {reason}"
-            ));
-            targets.retain(|&t| t != Target::ThinVhost);
-        }
-    }
+    available(&mut targets, &thinpool);
     let max_queues = queue_counts.iter().copied().max().unwrap_or(1);
     let mut setup = set_up(&dir, &targets, size, max_queues, &thinpool)?;
     let workloads = workloads(&queue_counts);
@@ -248,6 +231,28 @@ pub fn run(args: VhostArgs) -> anyhow::Result<ExitCode> {
         write!(out, "{}", table(&rows))?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Drops the thin targets this `thinpool` cannot run, printing why.
+fn available(targets: &mut Vec<Target>, thinpool: &Path) {
+    let wants_thin = targets
+        .iter()
+        .any(|t| matches!(t, Target::ThinVhost | Target::ThinNbd));
+    if wants_thin && !thinpool.is_file() {
+        progress(&format!(
+            "no thinpool binary at {}: thin targets skipped",
+            thinpool.display()
+        ));
+        targets.retain(|t| !matches!(t, Target::ThinVhost | Target::ThinNbd));
+    }
+    if targets.contains(&Target::ThinVhost) {
+        if let Err(reason) = servers::thinpool_vhost_support(thinpool) {
+            progress(&format!(
+                "thin volume over vhost-user-blk skipped: {reason}"
+            ));
+            targets.retain(|&t| t != Target::ThinVhost);
+        }
+    }
 }
 
 /// `thinpool` beside this binary (both are built into the same target directory).
