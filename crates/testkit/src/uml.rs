@@ -196,6 +196,8 @@ pub struct Boot {
     script: String,
     timeout: Duration,
     memory: String,
+    /// More kernel command-line arguments (devices such as `virtio_uml.device=`).
+    kernel_args: Vec<String>,
 }
 
 impl Boot {
@@ -216,6 +218,7 @@ impl Boot {
             script: String::new(),
             timeout: DEFAULT_BOOT_TIMEOUT,
             memory: DEFAULT_MEMORY.to_string(),
+            kernel_args: Vec::new(),
         }
     }
 
@@ -310,6 +313,7 @@ impl Boot {
             let suffix = if disk.writable { "" } else { "r" };
             args.push(format!("ubd{index}{suffix}={}", path.display()));
         }
+        args.extend(self.kernel_args.iter().cloned());
         let console_path = self.result_dir.join("uml-console.log");
         let console = File::create(&console_path)
             .unwrap_or_else(|e| panic!("cannot create {}: {e}", console_path.display()));
@@ -552,6 +556,7 @@ fn unique() -> u64 {
 }
 
 pub mod nbd;
+pub mod virtio;
 
 #[cfg(test)]
 mod tests;
