@@ -244,3 +244,6 @@ fn get_id(target: &dyn Target, writer: &mut Writer) -> Result {
         .write_all(&id[..room])
         .map_err(|e| invalid(format!("writing guest memory: {e}")))
 }
+
+#[cfg(test)]
+mod tests;
