@@ -264,7 +264,6 @@ impl Serving {
         let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
         let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
         let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
-        let vhost = vhost::start(&pool, &args.vhost_user_blk, args.vhost_queues)?;
         let metrics_listener = match (metrics_address, metrics) {
             (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
             _ => None,
@@ -286,11 +285,11 @@ impl Serving {
             .transpose()?;
         let serving = Serving {
             fail_watch: start_fail_watch(pool.clone())?,
+            vhost: vhost::start(&pool, &args.vhost_user_blk, args.vhost_queues)?,
             pool,
             target,
             control,
             servers,
-            vhost,
             nbd_socket,
             control_socket,
             tcp: tcp_bound,

@@ -161,7 +161,7 @@ impl Worker {
     fn zero(&mut self, target: &dyn Target, discard: bool, reader: &mut Reader) -> Result {
         let length = reader.available_bytes();
         let count = length / SEGMENT_BYTES;
-        if length % SEGMENT_BYTES != 0 || count == 0 || count > DISCARD_SEG_MAX as usize {
+        if !length.is_multiple_of(SEGMENT_BYTES) || count == 0 || count > DISCARD_SEG_MAX as usize {
             return Err(invalid(format!("{length} bytes of discard segments")));
         }
         let max_sectors = zero_sectors_max(&target.geometry());
@@ -226,7 +226,7 @@ fn byte_range(
         .checked_mul(SECTOR_BYTES)
         .filter(|offset| offset.checked_add(length).is_some_and(|end| end <= size));
     match offset {
-        Some(offset) if length % SECTOR_BYTES == 0 => Ok(offset),
+        Some(offset) if length.is_multiple_of(SECTOR_BYTES) => Ok(offset),
         _ => Err(invalid(format!(
             "sector {sector} length {length} is not whole sectors inside {size} bytes"
         ))),

@@ -238,6 +238,14 @@ fn malformed_requests_get_an_error_status() {
         let (_, got) = serve(&rig, &descs, true);
         assert_eq!(got, expected, "{what}");
     }
+    drop(rig.target);
+    rig.pool.close().unwrap();
+}
+
+#[test]
+fn discard_and_write_zeroes_segments_are_checked() {
+    let rig = rig(false);
+    let status = desc(STATUS, 1, W);
     // Discard segments: UNMAP on a discard is unsupported; a segment past the end fails.
     let segment = |sector: u64, sectors: u32, flags: u32| {
         let mut bytes = [0u8; 16];
