@@ -7,10 +7,15 @@
 //! A volume export also offers the metadata context `x-thinpool:diff:BASE` for every other
 //! volume BASE of the pool ([`diff_context`]): the bytes where it differs from BASE.
 //!
+//! The requests' meaning (FUA, fast zero, the block-status walk limit, errors as errno) is the
+//! front-end seam's, [`thinpool_frontend::VolumeTarget`], shared with vhost-user-blk; this
+//! file only translates NBD's calls and turns errnos into NBD errors ([`target_error`]).
+//!
 //! Invariants: every NBD connection that opens a thin volume holds its own
 //! [`thin_pool::Volume`] handle until it ends, so the engine refuses to delete a volume while a
 //! client has it open; the registry itself holds no handle. [`nbd_error`] is the only place
-//! that turns an engine error into an NBD error.
+//! that turns an engine error into an NBD error
+//! ([`target_error`] for the seam's errors, by the same errno).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -21,6 +26,7 @@ use nbd::{
     MetaContext, ZeroOptions,
 };
 use thin_pool::{Pool, Volume};
+use thinpool_frontend::{Target, TargetError, VolumeTarget, ZeroMode};
 
 pub mod diff_context;
 
@@ -29,10 +35,7 @@ pub use diff_context::DiffContext;
 /// Name of the volume created with a new default pool; the empty export name opens it.
 pub const DEFAULT_VOLUME: &str = "disk";
 
-/// Largest range one BLOCK_STATUS request walks in the index, in data blocks (the client
-/// asks again for the rest), so an extended-header request cannot make one reply walk a
-/// whole huge volume.
-const BLOCK_STATUS_BLOCKS_MAX: u64 = 1 << 16;
+pub(crate) use thinpool_frontend::BLOCK_STATUS_BLOCKS_MAX;
 
 /// Turns an engine error into the NBD error the client sees: the engine's errno
 /// ([`thin_pool::Error::errno`], the same one the control socket reports), classified by the
@@ -41,9 +44,38 @@ pub fn nbd_error(error: thin_pool::Error, what: String) -> NbdError {
     NbdError::export_with_source(ErrorKind::from_errno(error.errno()), what, error)
 }
 
-/// A thin volume served over NBD; holds the volume open for as long as the connection lives.
+/// Turns a failed [`Target`] request into the NBD error the client sees, by its errno
+/// (the same table as [`nbd_error`]).
+pub fn target_error(error: TargetError) -> NbdError {
+    let (errno, what, source) = error.into_parts();
+    let kind = ErrorKind::from_errno(errno);
+    match source {
+        Some(source) => NbdError::export_with_source(kind, what, BoxedCause(source)),
+        None => NbdError::export(kind, what),
+    }
+}
+
+/// A boxed cause as a concrete error type, for [`NbdError::export_with_source`].
+#[derive(Debug)]
+struct BoxedCause(Box<dyn std::error::Error + Send + Sync>);
+
+impl std::fmt::Display for BoxedCause {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl std::error::Error for BoxedCause {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.0.source()
+    }
+}
+
+/// A thin volume served over NBD: the NBD face of a [`VolumeTarget`] (the requests' meaning
+/// is the seam's; this only translates), plus the diff contexts. Holds the volume open for
+/// as long as the connection lives.
 pub struct VolumeExport {
-    volume: Volume,
+    target: VolumeTarget,
     name: String,
     description: String,
     /// The pool, for the diff contexts; none offered without it.
@@ -54,7 +86,7 @@ impl VolumeExport {
     /// Wraps an open volume, served under `name`.
     pub fn new(volume: Volume, name: String, description: String) -> Self {
         VolumeExport {
-            volume,
+            target: VolumeTarget::new(volume),
             name,
             description,
             pool: None,
@@ -66,27 +98,6 @@ impl VolumeExport {
     pub fn with_pool(mut self, pool: Pool) -> Self {
         self.pool = Some(pool);
         self
-    }
-
-    /// Whether every piece of `[offset, offset + length)` that does not cover a whole data
-    /// block is unmapped, so zeroing with unmap allowed does no data I/O.
-    fn zeroing_is_fast(&self, offset: u64, length: u64) -> nbd::Result<bool> {
-        let block = self.volume.block_size_bytes();
-        let end = offset + length;
-        let head_end = offset.next_multiple_of(block).min(end);
-        let tail_start = (end / block * block).max(head_end);
-        for (start, stop) in [(offset, head_end), (tail_start, end)] {
-            if start < stop {
-                let extents = self
-                    .volume
-                    .block_status(start, stop - start)
-                    .map_err(|e| nbd_error(e, format!("block status at {start}")))?;
-                if extents.iter().any(|extent| extent.mapped) {
-                    return Ok(false);
-                }
-            }
-        }
-        Ok(true)
     }
 }
 
@@ -100,62 +111,51 @@ impl Export for VolumeExport {
     }
 
     fn size_bytes(&self) -> u64 {
-        self.volume.size_bytes()
+        self.target.geometry().size_bytes
     }
 
     fn capabilities(&self) -> Capabilities {
+        let geometry = self.target.geometry();
         Capabilities {
-            read_only: self.volume.read_only(),
-            trim: self.volume.can_discard(),
+            read_only: geometry.read_only,
+            trim: geometry.can_discard,
             fast_zero: true,
             // A flush commits the whole pool, so it covers every connection's writes.
             multi_conn: true,
-            preferred_block_size_bytes: self
-                .volume
-                .block_size_bytes()
+            preferred_block_size_bytes: geometry
+                .block_size_bytes
                 .min(nbd::protocol::PAYLOAD_LENGTH_MAX as u64)
                 as u32,
         }
     }
 
     fn read_at(&self, offset: u64, buffer: &mut [u8]) -> nbd::Result<()> {
-        self.volume
-            .read(offset, buffer)
-            .map_err(|e| nbd_error(e, format!("read at {offset} length {}", buffer.len())))
+        self.target.read(offset, buffer).map_err(target_error)
     }
 
     fn write_at(&self, offset: u64, data: &[u8], fua: bool) -> nbd::Result<()> {
-        self.volume
-            .write(offset, data, fua)
-            .map_err(|e| nbd_error(e, format!("write at {offset} length {}", data.len())))
+        self.target.write(offset, data, fua).map_err(target_error)
     }
 
     fn write_zeroes(&self, offset: u64, length: u64, options: ZeroOptions) -> nbd::Result<()> {
-        if options.fast && !(options.may_trim && self.zeroing_is_fast(offset, length)?) {
-            return Err(NbdError::export(
-                ErrorKind::NotSupported,
-                format!("zeroing {length} bytes at {offset} needs data writes"),
-            ));
-        }
-        self.volume
-            .write_zeroes(offset, length, options.may_trim, options.fua)
-            .map_err(|e| nbd_error(e, format!("write zeroes at {offset} length {length}")))
+        let mode = ZeroMode {
+            may_unmap: options.may_trim,
+            fast: options.fast,
+            fua: options.fua,
+        };
+        self.target
+            .write_zeroes(offset, length, mode)
+            .map_err(target_error)
     }
 
     fn trim(&self, offset: u64, length: u64, fua: bool) -> nbd::Result<()> {
-        self.volume
-            .discard(offset, length)
-            .map_err(|e| nbd_error(e, format!("trim at {offset} length {length}")))?;
-        if fua {
-            self.flush()?;
-        }
-        Ok(())
+        self.target
+            .discard(offset, length, fua)
+            .map_err(target_error)
     }
 
     fn flush(&self) -> nbd::Result<()> {
-        self.volume
-            .flush()
-            .map_err(|e| nbd_error(e, "flush".to_string()))
+        self.target.flush().map_err(target_error)
     }
 
     fn block_status(
@@ -164,23 +164,12 @@ impl Export for VolumeExport {
         length: u64,
         extents_max: usize,
     ) -> nbd::Result<Vec<Extent>> {
-        let block = self.volume.block_size_bytes();
-        // Walk at most BLOCK_STATUS_BLOCKS_MAX blocks, ending on a block boundary.
-        let limit_end = (offset / block + BLOCK_STATUS_BLOCKS_MAX) * block;
-        let end = (offset + length).min(limit_end).min(self.size_bytes());
-        if end <= offset {
-            return Err(NbdError::export(
-                ErrorKind::InvalidArgument,
-                format!("block status at {offset} length {length} is past the end"),
-            ));
-        }
         let extents = self
-            .volume
-            .block_status(offset, end - offset)
-            .map_err(|e| nbd_error(e, format!("block status at {offset} length {length}")))?;
+            .target
+            .block_status(offset, length, extents_max)
+            .map_err(target_error)?;
         Ok(extents
             .into_iter()
-            .take(extents_max.max(1))
             .map(|extent| Extent {
                 length_bytes: extent.length_bytes,
                 hole: !extent.mapped,
@@ -190,15 +179,17 @@ impl Export for VolumeExport {
     }
 
     fn meta_contexts(&self, prefix: &str) -> Vec<String> {
+        let volume = self.target.volume();
         match &self.pool {
-            Some(pool) => diff_context::diff_context_names(pool, self.volume.name(), prefix),
+            Some(pool) => diff_context::diff_context_names(pool, volume.name(), prefix),
             None => Vec::new(),
         }
     }
 
     fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
         let pool = self.pool.as_ref()?;
-        let context = DiffContext::open(pool, self.volume.name(), self.volume.id(), name)?;
+        let volume = self.target.volume();
+        let context = DiffContext::open(pool, volume.name(), volume.id(), name)?;
         Some(Arc::new(context))
     }
 }

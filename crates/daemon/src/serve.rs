@@ -32,6 +32,9 @@
 //! are served instead of new ones, readiness and stopping are notified; `--pid-file` and
 //! `--read-only` (nothing written, every export read-only) serve other supervisors.
 //!
+//! `--vhost-user-blk VOLUME=PATH[,queues=N]` (module `vhost`) also attaches volumes to VMs
+//! as vhost-user-blk devices, through the same front-end seam as NBD.
+//!
 //! SIGINT or SIGTERM stop the server within a bounded time whatever state the sockets are in:
 //! the control socket closes (idle clients are cut, running requests get a few seconds), the
 //! NBD listeners close and connections finish their requests (cut off after a grace period),
@@ -64,11 +67,13 @@ mod shutdown;
 mod systemd;
 mod tcp;
 mod tls;
+mod vhost;
 
 use shutdown::*;
 pub use tcp::parse_tcp_address;
 use tcp::*;
 use tls::TlsArgs;
+pub use vhost::{parse_queues, parse_vhost_spec, VhostSpec};
 
 /// Port used when `--tcp` names only an address.
 pub const NBD_PORT: u16 = 10809;
@@ -165,6 +170,15 @@ pub struct Args {
     /// `curl http://127.0.0.1:9100/metrics`.
     #[arg(long = "metrics", value_name = "ADDR:PORT")]
     metrics: Option<String>,
+    /// Attach VOLUME to a VM as a vhost-user-blk device on a new Unix socket PATH (mode
+    /// 0600; one front end at a time; repeatable). `,queues=N` sets this volume's queue
+    /// count (each served by its own thread), over `--vhost-queues`. The volume counts as
+    /// open while served. Example: `--vhost-user-blk disk=/run/vm/disk.sock,queues=4`.
+    #[arg(long = "vhost-user-blk", value_name = "VOLUME=PATH[,queues=N]", value_parser = parse_vhost_spec)]
+    vhost_user_blk: Vec<VhostSpec>,
+    /// Queues of every `--vhost-user-blk` device that does not give its own (1 to 64).
+    #[arg(long = "vhost-queues", value_name = "N", default_value_t = 1, value_parser = parse_queues)]
+    vhost_queues: u16,
 }
 
 /// Run the command: serve until SIGINT or SIGTERM, then shut down.
@@ -193,6 +207,7 @@ pub struct Serving {
     target: Arc<Target>,
     control: ControlServer,
     servers: Vec<nbd::Server>,
+    vhost: Vec<thinpool_vhost::VhostBlkServer>,
     nbd_socket: PathBuf,
     control_socket: PathBuf,
     tcp: Option<SocketAddr>,
@@ -270,6 +285,7 @@ impl Serving {
             .transpose()?;
         let serving = Serving {
             fail_watch: start_fail_watch(pool.clone())?,
+            vhost: vhost::start(&pool, &args.vhost_user_blk, args.vhost_queues)?,
             pool,
             target,
             control,
@@ -346,6 +362,8 @@ impl Serving {
         if let Some(listener) = self.metrics_listener {
             listener.stop();
         }
+        // Before the pool's last commit: the attached volumes close.
+        vhost::stop(self.vhost);
         let code = shut_down(self.control, self.servers, &self.pool);
         if let Some(pid_file) = self.pid_file {
             pid_file.remove();

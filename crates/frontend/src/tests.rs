@@ -1,0 +1,77 @@
+use super::*;
+use thin_pool::testing::memory_pool;
+
+const MIB: u64 = 1 << 20;
+
+fn target(size: u64) -> (thin_pool::Pool, VolumeTarget) {
+    let pool = memory_pool();
+    pool.create_volume("v", size).unwrap();
+    let target = VolumeTarget::new(pool.volume("v").unwrap());
+    (pool, target)
+}
+
+#[test]
+fn requests_reach_the_volume_and_errors_carry_the_engine_errno() {
+    let (pool, target) = target(4 * MIB);
+    let geometry = target.geometry();
+    assert_eq!(geometry.size_bytes, 4 * MIB);
+    assert_eq!(geometry.block_size_bytes, pool.block_size_bytes());
+    assert!(!geometry.read_only);
+    target.write(4096, &[7u8; 4096], true).unwrap();
+    let mut back = vec![1u8; 8192];
+    target.read(0, &mut back).unwrap();
+    assert!(back[..4096].iter().all(|&b| b == 0));
+    assert!(back[4096..].iter().all(|&b| b == 7));
+    let past = target.read(4 * MIB, &mut back).unwrap_err();
+    assert_eq!(past.errno(), libc::EINVAL, "{past}");
+    let unaligned = target.write(100, &[1u8; 512], false).unwrap_err();
+    assert_eq!(unaligned.errno(), libc::EINVAL, "{unaligned}");
+    target.discard(0, 4 * MIB, true).unwrap();
+    target.read(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0));
+    drop(target);
+    pool.close().unwrap();
+}
+
+#[test]
+fn fast_zeroing_is_refused_when_it_would_write_data() {
+    let (pool, target) = target(4 * MIB);
+    let block = target.geometry().block_size_bytes;
+    target.write(0, &[9u8; 4096], false).unwrap();
+    let fast = ZeroMode {
+        may_unmap: true,
+        fast: true,
+        fua: false,
+    };
+    // The first block is mapped and only part of it is zeroed: data writes needed.
+    let refused = target.write_zeroes(512, 1024, fast).unwrap_err();
+    assert!(refused.is_not_supported(), "{refused}");
+    let mut back = vec![0u8; 4096];
+    target.read(0, &mut back).unwrap();
+    assert!(
+        back.iter().all(|&b| b == 9),
+        "a refused fast zero changed data"
+    );
+    // Whole blocks unmap without data I/O.
+    target.write_zeroes(0, 2 * block, fast).unwrap();
+    let status = target.block_status(0, 2 * block, 8).unwrap();
+    assert_eq!(
+        status,
+        vec![Extent {
+            length_bytes: 2 * block,
+            mapped: false
+        }]
+    );
+    drop(target);
+    pool.close().unwrap();
+}
+
+#[test]
+fn an_attached_volume_counts_as_open() {
+    let (pool, target) = target(4 * MIB);
+    let error = pool.delete_volume("v").unwrap_err();
+    assert_eq!(error.errno(), libc::EBUSY, "{error}");
+    drop(target);
+    pool.delete_volume("v").unwrap();
+    pool.close().unwrap();
+}

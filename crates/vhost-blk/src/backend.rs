@@ -1,0 +1,209 @@
+//! [`BlkBackend`]: the [`VhostUserBackend`] of one device. vhost-user-backend runs the
+//! protocol (one thread for the socket's messages, one epoll thread per entry of
+//! [`VhostUserBackend::queues_per_thread`]: here each queue its own thread); this serves the
+//! kicks of a queue: pop every available chain, serve it ([`crate::request`]), put it on the
+//! used ring, signal the front end unless event-idx suppression says it needs no call, and
+//! with event-idx re-enable notification and look again so no chain is left behind.
+//!
+//! Guest memory: the handler swaps the memory table in the [`GuestMemoryAtomic`] this backend
+//! shares with it; each batch takes one snapshot of it (`memory()`), so a table that changes
+//! under I/O replaces the regions for the next batch while the current one keeps the old
+//! mappings alive. Nothing keeps a pointer into guest memory across batches.
+
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use thinpool_frontend::Target;
+use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+
+use crate::config::{self, QUEUE_SIZE_MAX};
+use crate::request::Worker;
+
+/// Guest memory as the handler keeps it.
+pub type Memory = GuestMemoryAtomic<GuestMemoryMmap>;
+
+/// The backend of one vhost-user-blk device (one socket). Cloned into the daemon; the
+/// clones share everything.
+#[derive(Clone)]
+pub struct BlkBackend {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    target: Arc<dyn Target>,
+    queues: u16,
+    mem: Memory,
+    event_idx: AtomicBool,
+    acked: AtomicU64,
+    /// One worker per queue thread: its buffer (only its thread locks it).
+    workers: Vec<Mutex<Worker>>,
+    /// Per queue thread, the event that makes it exit (written at shutdown).
+    exits: Vec<(Mutex<Option<EventConsumer>>, EventNotifier)>,
+}
+
+impl BlkBackend {
+    /// A backend serving `target` with `queues` queues (1..=[`config::QUEUES_MAX`]) over
+    /// `mem`.
+    pub fn new(target: Arc<dyn Target>, queues: u16, mem: Memory) -> io::Result<Self> {
+        assert!(
+            (1..=config::QUEUES_MAX).contains(&queues),
+            "{queues} queues"
+        );
+        let mut exits = Vec::new();
+        for _ in 0..queues {
+            let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
+            exits.push((Mutex::new(Some(consumer)), notifier));
+        }
+        Ok(BlkBackend {
+            inner: Arc::new(Inner {
+                target,
+                queues,
+                mem,
+                event_idx: AtomicBool::new(false),
+                acked: AtomicU64::new(0),
+                workers: (0..queues)
+                    .map(|_| Mutex::new(Worker::new(false)))
+                    .collect(),
+                exits,
+            }),
+        })
+    }
+
+    /// Tells every queue thread to exit.
+    pub fn exit_all(&self) {
+        for (_, notifier) in &self.inner.exits {
+            let _ = notifier.notify();
+        }
+    }
+
+    /// Serves every chain available on `vring` with `worker`.
+    fn serve_queue(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
+        let event_idx = self.inner.event_idx.load(Ordering::Acquire);
+        loop {
+            if event_idx {
+                vring.disable_notification().map_err(to_io)?;
+            }
+            self.serve_available(vring, worker)?;
+            if !event_idx || !vring.enable_notification().map_err(to_io)? {
+                return Ok(());
+            }
+            // More chains arrived while notifications were off: serve them too.
+        }
+    }
+
+    fn serve_available(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
+        let mem = self.inner.mem.memory();
+        let target = &*self.inner.target;
+        let mut served = false;
+        loop {
+            let chain = vring
+                .get_mut()
+                .get_queue_mut()
+                .pop_descriptor_chain(mem.clone());
+            let Some(chain) = chain else { break };
+            let head = chain.head_index();
+            let used = worker.serve(target, &mem, chain);
+            vring.add_used(head, used).map_err(to_io)?;
+            served = true;
+        }
+        if served && vring.needs_notification().map_err(to_io)? {
+            vring.signal_used_queue()?;
+        }
+        Ok(())
+    }
+}
+
+fn to_io(error: virtio_queue::Error) -> io::Error {
+    io::Error::other(error.to_string())
+}
+
+impl VhostUserBackend for BlkBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        usize::from(self.inner.queues)
+    }
+
+    fn max_queue_size(&self) -> usize {
+        usize::from(QUEUE_SIZE_MAX)
+    }
+
+    fn features(&self) -> u64 {
+        config::features(&self.inner.target.geometry(), self.inner.queues)
+    }
+
+    fn acked_features(&self, features: u64) {
+        self.inner.acked.store(features, Ordering::Release);
+        let write_back = config::has(features, VIRTIO_BLK_F_FLUSH);
+        for worker in &self.inner.workers {
+            if let Ok(mut worker) = worker.lock() {
+                worker.write_back = write_back;
+            }
+        }
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.inner.event_idx.store(enabled, Ordering::Release);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let space = config::config_space(&self.inner.target.geometry(), self.inner.queues);
+        config::config_slice(&space, offset, size)
+    }
+
+    fn update_memory(&self, _mem: Memory) -> io::Result<()> {
+        // The handler replaced the table in the GuestMemoryAtomic we share with it.
+        Ok(())
+    }
+
+    fn queues_per_thread(&self) -> Vec<u64> {
+        (0..self.inner.queues).map(|queue| 1u64 << queue).collect()
+    }
+
+    fn exit_event(&self, thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        let (consumer, notifier) = self.inner.exits.get(thread_index)?;
+        let consumer = consumer.lock().ok()?.take()?;
+        Some((consumer, notifier.try_clone().ok()?))
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        evset: EventSet,
+        vrings: &[VringRwLock],
+        thread_id: usize,
+    ) -> io::Result<()> {
+        if evset != EventSet::IN {
+            return Err(io::Error::other(format!("unexpected event set {evset:?}")));
+        }
+        let vring = vrings
+            .get(usize::from(device_event))
+            .ok_or_else(|| io::Error::other(format!("no queue {device_event}")))?;
+        let worker = self
+            .inner
+            .workers
+            .get(thread_id)
+            .ok_or_else(|| io::Error::other(format!("no worker {thread_id}")))?;
+        let mut worker = worker
+            .lock()
+            .map_err(|_| io::Error::other("a worker panicked"))?;
+        self.serve_queue(vring, &mut worker)
+    }
+}

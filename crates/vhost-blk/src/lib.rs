@@ -1,0 +1,38 @@
+//! vhost-user-blk: a VM's virtio-blk driver (qemu, Cloud Hypervisor, crosvm, the UML kernel's
+//! `virtio_uml`) reaches a [`thinpool_frontend::Target`] through shared memory, with no
+//! socket round trip per request.
+//!
+//! Built on the rust-vmm crates: `vhost` (the protocol), `vhost-user-backend` (the daemon
+//! skeleton: a thread for the socket's messages, one epoll thread per queue), `virtio-queue`
+//! (descriptor chains, bounded walks, event idx), `vm-memory` (the memory table, every access
+//! bounds-checked). This crate holds what is virtio-blk's:
+//!
+//! - `config`: features (flush, discard, write-zeroes, multiqueue, event idx, indirect
+//!   descriptors, read-only, `seg_max`/`size_max`, block size and topology) and the config
+//!   space, read live so a grown volume shows its capacity at the next GET_CONFIG;
+//! - `request`: one request, served through the front-end seam (`Target`: the same calls
+//!   NBD makes), the errno turned into `VIRTIO_BLK_S_IOERR` / `_UNSUPP`;
+//! - `backend`: [`BlkBackend`], the queues (each its own thread);
+//! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects).
+//!
+//! Not done: `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` (vhost-user-backend 0.24 refuses
+//! GET_INFLIGHT_FD, so a request in flight when the backend dies is lost: the front end sees
+//! no completion and, with qemu's `reconnect=`, has to time it out; every completed write is
+//! durable or was acknowledged after a FLUSH, like a disk's cache), and the capacity-change
+//! message (vhost 0.18's backend request channel has no sender for CONFIG_CHANGE_MSG: a grown
+//! volume shows its new capacity when the driver next reads the config space).
+//!
+//! No `unsafe` here: the rust-vmm crates hold the mapping of guest memory and the volatile
+//! copies. The price is one copy of the data through a worker's buffer (the engine takes
+//! `&[u8]`, which guest memory cannot safely be).
+
+#![forbid(unsafe_code)]
+
+mod backend;
+pub mod config;
+mod request;
+mod server;
+
+pub use backend::{BlkBackend, Memory};
+pub use request::CHUNK_BYTES;
+pub use server::VhostBlkServer;

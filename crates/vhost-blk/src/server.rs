@@ -1,0 +1,179 @@
+//! [`VhostBlkServer`]: one socket, one device. The socket file is made mode 0600 before it
+//! appears at its path (bound inside a fresh 0700 directory beside it, then renamed into
+//! place), so no other user can connect even for a moment. One front end at a time: a second
+//! one waits in the listen queue until the first disconnects. After a front end goes away
+//! (a VM stopped, or a front end reconnecting after `serve` restarted) the socket accepts the
+//! next one with a fresh device state.
+
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use thinpool_frontend::Target;
+use vhost::vhost_user::Listener;
+use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+use crate::backend::BlkBackend;
+use crate::config::QUEUES_MAX;
+
+/// A vhost-user-blk socket serving one [`Target`] until stopped.
+pub struct VhostBlkServer {
+    path: PathBuf,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+}
+
+struct Shared {
+    stopping: AtomicBool,
+    /// The connected front end's connection, to cut it at stop.
+    current: Mutex<Option<ShutdownHandle>>,
+}
+
+impl VhostBlkServer {
+    /// Binds `path` (replacing a stale socket there) and serves `target` on it with `queues`
+    /// queues (1 to 64) from a thread of its own.
+    pub fn start(target: Arc<dyn Target>, path: &Path, queues: u16) -> io::Result<Self> {
+        if !(1..=QUEUES_MAX).contains(&queues) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{queues} queues: 1 to {QUEUES_MAX}"),
+            ));
+        }
+        let listener = bind_private(path)?;
+        let shared = Arc::new(Shared {
+            stopping: AtomicBool::new(false),
+            current: Mutex::new(None),
+        });
+        let name = format!("vhost-blk {}", target.name());
+        let thread = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("vhost-listen".into())
+                .spawn(move || accept_loop(target, listener.into(), queues, &shared, &name))?
+        };
+        Ok(VhostBlkServer {
+            path: path.to_owned(),
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// The socket's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Disconnects the front end, stops accepting, removes the socket file and waits for
+    /// the serving thread.
+    pub fn stop(mut self) {
+        self.stop_inner();
+    }
+
+    fn stop_inner(&mut self) {
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        self.shared.stopping.store(true, Ordering::Release);
+        if let Ok(current) = self.shared.current.lock() {
+            if let Some(handle) = current.as_ref() {
+                handle.shutdown();
+            }
+        }
+        // Wake the accept (a connection the loop sees is for stopping).
+        let _ = UnixStream::connect(&self.path);
+        let _ = thread.join();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl Drop for VhostBlkServer {
+    fn drop(&mut self) {
+        self.stop_inner();
+    }
+}
+
+/// A listening socket at `path` that was mode 0600 before anyone could reach it.
+fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+    let parent = parent.unwrap_or(Path::new("."));
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "socket path has no name"))?;
+    let private = parent.join(format!(
+        ".{}.{}.tmp",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    let result = (|| {
+        let inner = private.join("sock");
+        let listener = UnixListener::bind(&inner)?;
+        std::fs::set_permissions(&inner, std::fs::Permissions::from_mode(0o600))?;
+        match std::fs::remove_file(path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        std::fs::rename(&inner, path)?;
+        Ok(listener)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    result
+}
+
+fn accept_loop(
+    target: Arc<dyn Target>,
+    mut listener: Listener,
+    queues: u16,
+    shared: &Shared,
+    name: &str,
+) {
+    while !shared.stopping.load(Ordering::Acquire) {
+        if let Err(error) = serve_one(&target, &mut listener, queues, shared, name) {
+            if shared.stopping.load(Ordering::Acquire) {
+                break;
+            }
+            tracing::warn!(device = name, "vhost-user-blk front end: {error}");
+        }
+    }
+}
+
+/// Accepts one front end and serves it until it disconnects.
+fn serve_one(
+    target: &Arc<dyn Target>,
+    listener: &mut Listener,
+    queues: u16,
+    shared: &Shared,
+    name: &str,
+) -> io::Result<()> {
+    let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+    let backend = BlkBackend::new(Arc::clone(target), queues, mem.clone())?;
+    let mut daemon = VhostUserDaemon::new(name.to_string(), backend.clone(), mem)
+        .map_err(|e| io::Error::other(e.to_string()))?;
+    let started = daemon
+        .start(listener)
+        .map_err(|e| io::Error::other(e.to_string()));
+    if shared.stopping.load(Ordering::Acquire) {
+        daemon.request_shutdown();
+        let _ = daemon.wait();
+        backend.exit_all();
+        return Ok(());
+    }
+    started?;
+    tracing::info!(device = name, "vhost-user-blk front end connected");
+    if let Ok(mut current) = shared.current.lock() {
+        *current = daemon.shutdown_handle();
+    }
+    let result = daemon.wait();
+    if let Ok(mut current) = shared.current.lock() {
+        *current = None;
+    }
+    backend.exit_all();
+    tracing::info!(device = name, "vhost-user-blk front end disconnected");
+    result.map_err(|e| io::Error::other(e.to_string()))
+}
