@@ -134,7 +134,6 @@ fn ext4_through_qemu_storage_daemon_vhost_user_blk() {
 }
 
 #[test]
-#[ignore = "needs the vhost branch's --vhost-user-blk (merged by the lead)"]
 fn ext4_through_thinpool_vhost_user_blk_reads_back_through_nbd() {
     require_tools();
     require_tool("nbdcopy", "libnbd-bin");
