@@ -23,6 +23,7 @@ pub mod owner;
 pub mod testing;
 
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
+pub use engine::directory::PoolDirectory;
 pub use engine::layout::{BLOCK_SIZE_DEFAULT_BYTES, DATA_FILE, DEVICES_FILE, METADATA_FILE};
 pub use engine::limits::VOLUME_SIZE_MAX_BYTES;
 pub use engine::open::default_metadata_size_bytes;

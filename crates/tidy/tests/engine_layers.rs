@@ -9,6 +9,7 @@ use std::path::Path;
 
 /// The engine's files, lowest layer first; a file may use files of lower layers only.
 const LAYERS: &[&[&str]] = &[
+    &["directory"],
     &[
         "options",
         "layout",
@@ -19,6 +20,7 @@ const LAYERS: &[&[&str]] = &[
         "catalog",
         "stats",
         "queue",
+        "written",
     ],
     &["limits", "health"],
     &["block_device"],

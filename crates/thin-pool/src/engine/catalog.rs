@@ -22,14 +22,14 @@
 //! name, synced, renamed and the directory synced; older files are removed after the next
 //! commit.
 
+use crate::engine::directory::PoolDirectory;
 use crate::error::{Error, Result};
 use crate::ids::VolumeId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Longest volume name, in characters (LVM's limit for a logical volume name).
 pub const NAME_LENGTH_MAX: usize = 127;
@@ -264,22 +264,52 @@ pub trait CatalogStore: Send + Sync {
     fn committed(&self, transaction_id: u64) -> Result<()>;
 }
 
-/// Catalogs as files in a directory.
+/// Catalogs as files in a directory, opened once ([`PoolDirectory`]): every file is
+/// opened relative to it. A store first checks that the catalog file it last read or wrote
+/// is still there as it left it ([`Error::CatalogChangedUnderServer`] otherwise).
 #[derive(Debug)]
 pub struct DirCatalog {
-    dir: PathBuf,
+    dir: std::result::Result<Arc<PoolDirectory>, (std::io::ErrorKind, String)>,
+    path: PathBuf,
+    /// The catalog file last read or written: its transaction and text.
+    last: Mutex<Option<(u64, String)>>,
 }
 
 impl DirCatalog {
-    /// Catalogs in `dir` (which must exist).
+    /// Catalogs in `dir` (which must exist), opened now (an error is reported at each use).
     pub fn new(dir: &Path) -> DirCatalog {
+        let opened = PoolDirectory::open(dir)
+            .map(Arc::new)
+            .map_err(|e| (e.kind(), e.to_string()));
         DirCatalog {
-            dir: dir.to_path_buf(),
+            dir: opened,
+            path: dir.to_path_buf(),
+            last: Mutex::new(None),
         }
     }
 
+    /// Catalogs in a directory the pool holds open.
+    pub fn in_directory(dir: Arc<PoolDirectory>) -> DirCatalog {
+        DirCatalog {
+            path: dir.path().to_path_buf(),
+            dir: Ok(dir),
+            last: Mutex::new(None),
+        }
+    }
+
+    fn dir(&self) -> std::io::Result<&PoolDirectory> {
+        match &self.dir {
+            Ok(dir) => Ok(dir),
+            Err((kind, message)) => Err(std::io::Error::new(*kind, message.clone())),
+        }
+    }
+
+    fn name(transaction_id: u64) -> String {
+        format!("catalog-{transaction_id}.json")
+    }
+
     fn path(&self, transaction_id: u64) -> PathBuf {
-        self.dir.join(format!("catalog-{transaction_id}.json"))
+        self.path.join(DirCatalog::name(transaction_id))
     }
 
     fn io(&self, what: &str, path: &Path, source: std::io::Error) -> Error {
@@ -289,30 +319,50 @@ impl DirCatalog {
         }
     }
 
-    fn listed(&self) -> Result<Vec<(u64, PathBuf)>> {
-        let mut out = vec![];
-        let entries = fs::read_dir(&self.dir).map_err(|e| self.io("listing", &self.dir, e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| self.io("listing", &self.dir, e))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if let Some(id) = name
-                .strip_prefix("catalog-")
-                .and_then(|rest| rest.strip_suffix(".json"))
-                .and_then(|id| id.parse::<u64>().ok())
-            {
-                out.push((id, entry.path()));
-            }
+    fn listed(&self) -> Result<Vec<(u64, String)>> {
+        let names = (self.dir().and_then(PoolDirectory::names))
+            .map_err(|e| self.io("listing", &self.path, e))?;
+        Ok(names
+            .into_iter()
+            .filter_map(|name| {
+                let id = name
+                    .strip_prefix("catalog-")
+                    .and_then(|rest| rest.strip_suffix(".json"))
+                    .and_then(|id| id.parse::<u64>().ok())?;
+                Some((id, name))
+            })
+            .collect())
+    }
+
+    fn remember(&self, transaction_id: u64, text: String) {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner()) = Some((transaction_id, text));
+    }
+
+    /// The catalog file last read or written is still as it was left.
+    fn check_unchanged(&self) -> Result<()> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some((id, text)) = last else {
+            return Ok(());
+        };
+        let now = self
+            .dir()
+            .and_then(|dir| dir.read_to_string(&DirCatalog::name(id)));
+        if now.ok().as_deref() != Some(text.as_str()) {
+            return Err(Error::CatalogChangedUnderServer {
+                path: self.path(id).display().to_string(),
+                expected: id,
+            });
         }
-        Ok(out)
+        Ok(())
     }
 }
 
 impl CatalogStore for DirCatalog {
     fn load(&self, transaction_id: u64) -> Result<Catalog> {
         let path = self.path(transaction_id);
-        let text =
-            read_no_follow(&path).map_err(|e| self.io("reading the volume catalog", &path, e))?;
+        let text = (self.dir())
+            .and_then(|dir| dir.read_to_string(&DirCatalog::name(transaction_id)))
+            .map_err(|e| self.io("reading the volume catalog", &path, e))?;
         let catalog: Catalog = serde_json::from_str(&text).map_err(|e| Error::CatalogDamaged {
             path: path.display().to_string(),
             why: e.to_string(),
@@ -327,65 +377,39 @@ impl CatalogStore for DirCatalog {
         for v in &catalog.volumes {
             check_stored_name(&v.name)?;
         }
+        self.remember(transaction_id, text);
         Ok(catalog)
     }
 
     fn store(&self, catalog: &Catalog) -> Result<()> {
-        let path = self.path(catalog.transaction_id);
-        let temporary = self
-            .dir
-            .join(format!("catalog-{}.json.tmp", catalog.transaction_id));
-        let text = serde_json::to_string_pretty(catalog).expect("a catalog serializes");
+        self.check_unchanged()?;
+        let id = catalog.transaction_id;
+        let path = self.path(id);
+        let (name, temporary) = (DirCatalog::name(id), format!("catalog-{id}.json.tmp"));
+        let mut text = serde_json::to_string_pretty(catalog).expect("a catalog serializes");
+        text.push('\n');
         let write = || -> std::io::Result<()> {
-            let mut file = create_private(&temporary)?;
+            let dir = self.dir()?;
+            let mut file = dir.create_private(&temporary)?;
             file.write_all(text.as_bytes())?;
-            file.write_all(b"\n")?;
             file.sync_all()?;
-            fs::rename(&temporary, &path)?;
-            fs::File::open(&self.dir)?.sync_all()
+            dir.rename(&temporary, &name)?;
+            dir.sync()
         };
-        write().map_err(|e| self.io("writing the volume catalog", &path, e))
+        write().map_err(|e| self.io("writing the volume catalog", &path, e))?;
+        self.remember(id, text);
+        Ok(())
     }
 
     fn committed(&self, transaction_id: u64) -> Result<()> {
-        for (id, path) in self.listed()? {
+        for (id, name) in self.listed()? {
             if id != transaction_id {
-                fs::remove_file(&path).map_err(|e| self.io("removing", &path, e))?;
+                (self.dir().and_then(|dir| dir.remove(&name)))
+                    .map_err(|e| self.io("removing", &self.path(id), e))?;
             }
         }
         Ok(())
     }
-}
-
-/// Reads a file, refusing a symbolic link in its place.
-fn read_no_follow(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut text = String::new();
-    fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)?
-        .read_to_string(&mut text)?;
-    Ok(text)
-}
-
-/// Creates `path` afresh, private to its owner (mode 0600): a stale file or link left there
-/// (by a crash, or planted) is removed first, and creation fails rather than follow or reuse
-/// anything that appears in between.
-fn create_private(path: &Path) -> std::io::Result<fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
 }
 
 /// Catalogs in memory (tests).
@@ -434,6 +458,7 @@ impl<T: CatalogStore + ?Sized> CatalogStore for std::sync::Arc<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     #[test]
     fn names_follow_lvm_rule() {
@@ -545,6 +570,32 @@ mod tests {
         );
         store.committed(2).unwrap();
         assert!(store.load(1).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_store_refuses_a_catalog_changed_by_another_writer() {
+        let dir = std::env::temp_dir().join(format!("tp-catalog-foreign-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let store = DirCatalog::new(&dir);
+        let mut c = Catalog {
+            transaction_id: 1,
+            volumes: vec![],
+        };
+        store.store(&c).unwrap();
+        let foreign = "{\"transaction_id\": 1, \"volumes\": []}";
+        fs::write(dir.join("catalog-1.json"), foreign).unwrap();
+        c.transaction_id = 2;
+        let error = store.store(&c).unwrap_err();
+        assert!(
+            matches!(error, Error::CatalogChangedUnderServer { expected: 1, .. }),
+            "{error:?}"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("catalog-1.json")).unwrap(),
+            foreign
+        );
+        assert!(!dir.join("catalog-2.json").exists(), "nothing written");
         fs::remove_dir_all(&dir).unwrap();
     }
 }
