@@ -22,7 +22,7 @@ const LAYERS: &[&[&str]] = &[
         "queue",
         "written",
     ],
-    &["limits", "health"],
+    &["limits", "health", "catalog_dir"],
     &["block_device"],
     &["space"],
     &["volumes"],

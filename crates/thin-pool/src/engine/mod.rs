@@ -10,6 +10,7 @@
 //! 1. leaves: `options`, `limits`, `layout`, `health` (mode, fail reason, events),
 //!    `index`, `gate`, `grace`, `data_device`, `catalog`, `stats`, `queue` (the op queue),
 //!    `block_device`, `written` (block 0 as the pool last wrote it: the foreign-write check);
+//!    then `catalog_dir` (the catalog's files, in the directory held open);
 //! 2. `space`: the low-water marks and growth requests (`SpaceWatch`);
 //! 3. `volumes`: the volume registry (`Volumes`, `VolumeState`, `Lookup`);
 //! 4. `load`: what opening reads and checks, index builds from a tree;
@@ -27,6 +28,7 @@
 mod autoextend;
 pub(crate) mod block_device;
 pub(crate) mod catalog;
+pub(crate) mod catalog_dir;
 mod committer;
 pub(crate) mod data_device;
 pub(crate) mod diff;

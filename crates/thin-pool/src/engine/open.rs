@@ -5,7 +5,8 @@
 //! handles to them. `Pool` (the façade) holds the result, [`Owners`].
 
 use crate::engine::autoextend::{Autoextender, Grower};
-use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
+use crate::engine::catalog::{Catalog, CatalogStore};
+use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::committer::Committer;
 use crate::engine::data_device::{DataDevice, FileDataDevice};
 use crate::engine::directory::PoolDirectory;

@@ -10,7 +10,8 @@
 //! locks and paths.
 
 use crate::engine::block_device::{self, DevicePaths};
-use crate::engine::catalog::{CatalogStore, DirCatalog};
+use crate::engine::catalog::CatalogStore;
+use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::data_device::DataDevice;
 use crate::engine::diff::{Delta, VolumeDiff};
 use crate::engine::directory::PoolDirectory;
