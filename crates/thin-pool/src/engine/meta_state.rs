@@ -286,8 +286,11 @@ impl MetaState {
         if self.md.is_none() {
             return Ok(());
         }
-        let checked = self.written.check(&*parts.device);
-        self.foreign_fails(parts, checked)
+        match self.written.check(&*parts.device) {
+            // Block 0 cannot be read: a metadata I/O failure, as any other (read-only).
+            Err(e @ Error::Io { .. }) => Err(self.metadata_failed(parts, e)),
+            checked => self.foreign_fails(parts, checked),
+        }
     }
 
     /// Store `catalog` (for the transaction about to commit), after checking that neither
