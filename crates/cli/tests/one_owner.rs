@@ -105,3 +105,44 @@ fn management_commands_go_through_the_server_and_creates_are_refused() {
     );
     thinpool_ok(&["check", pool.join("metadata").to_str().unwrap()]);
 }
+
+#[test]
+fn a_served_pool_whose_metadata_is_written_behind_its_back_fails_safe() {
+    let temp = ScratchDir::new("one-owner-foreign");
+    let pool = temp.join("pool");
+    let p = pool.to_str().unwrap().to_string();
+    create_pool(&pool, &["--data-size", "64M"]);
+    create_volume(&pool, "keep", "16M");
+    // Another pool's metadata, the same size (and another transaction: two pools made the
+    // same way have the same metadata bytes, names and sizes being in the catalog): what a
+    // writer that ignores the lock (dd, thin-provisioning-tools' own thin_restore) leaves.
+    let other = temp.join("other");
+    create_pool(&other, &["--data-size", "64M"]);
+    create_volume(&other, "theirs", "8M");
+    create_volume(&other, "theirs-too", "8M");
+    let foreign = file_bytes(&other.join("metadata"));
+
+    let served = serve(&pool, &[]);
+    let metadata = pool.join("metadata");
+    assert_eq!(file_bytes(&metadata).len(), foreign.len());
+    {
+        use std::io::Write;
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&metadata)
+            .unwrap();
+        file.write_all(&foreign).unwrap();
+        file.sync_all().unwrap();
+    }
+    let error = thinpool_err(&["volume", "create", "v2", "--size", "8M", "--pool", &p]);
+    assert!(
+        error.contains("metadata changed under the server") && error.contains("another writer?"),
+        "{error}"
+    );
+    let again = thinpool_err(&["volume", "create", "v3", "--size", "8M", "--pool", &p]);
+    assert!(!again.is_empty(), "a failed pool refuses further changes");
+    let (_status, log) = served.stop_with_log();
+    assert!(log.contains("changed under the server"), "logged:\n{log}");
+    assert_eq!(file_bytes(&metadata), foreign, "nothing written over it");
+    thinpool_ok(&["check", metadata.to_str().unwrap()]);
+}

@@ -353,6 +353,27 @@ pub enum Error {
         /// The metadata's transaction.
         transaction_id: u64,
     },
+    /// Block 0 of the metadata device is not the superblock the pool last wrote: someone
+    /// else wrote the metadata (the commit wrote nothing; the pool fails safe).
+    #[error(
+        "metadata changed under the server (superblock transaction id {found}, expected {expected}): another writer? pool is now read-only (fail mode: nothing more is written; reopen the pool to use what is on disk)"
+    )]
+    MetadataChangedUnderServer {
+        /// The transaction id on disk (or why it cannot be read).
+        found: String,
+        /// The one the pool last committed.
+        expected: u64,
+    },
+    /// The volume catalog file is not the one the pool last wrote or read.
+    #[error(
+        "volume catalog {path} changed under the server (expected the catalog of transaction {expected} it last wrote): another writer? pool is now read-only (fail mode: nothing more is written; reopen the pool to use what is on disk)"
+    )]
+    CatalogChangedUnderServer {
+        /// The file.
+        path: String,
+        /// The transaction of the catalog the pool last wrote or read.
+        expected: u64,
+    },
     /// A restore input (a dump) that breaks a rule of the format.
     #[error("{0}")]
     BadDump(String),
@@ -514,7 +535,9 @@ impl Error {
             Error::OutOfDataSpace { .. } | Error::OutOfMetadataSpace { .. } => {
                 (Refused, libc::ENOSPC)
             }
-            Error::Corrupt(_) => (Corrupt, libc::EIO),
+            Error::Corrupt(_)
+            | Error::MetadataChangedUnderServer { .. }
+            | Error::CatalogChangedUnderServer { .. } => (Corrupt, libc::EIO),
             Error::Internal(_) => (Internal, libc::EIO),
             Error::Catalog(refusal) => (Refused, refusal.errno()),
         }

@@ -24,6 +24,7 @@ pub mod testing;
 
 pub use engine::adopt::{Disagreements, OrphanedVolume, UnadoptedThin};
 pub use engine::diff::{Delta, DiffKind, DiffRange, VolumeDiff};
+pub use engine::directory::PoolDirectory;
 pub use engine::grow::{Resized, Shrink};
 pub use engine::layout::{BLOCK_SIZE_DEFAULT_BYTES, DATA_FILE, DEVICES_FILE, METADATA_FILE};
 pub use engine::limits::VOLUME_SIZE_MAX_BYTES;
@@ -44,9 +45,10 @@ pub use ids::{BlockTime, DataBlock, Time, TransactionId, VirtualBlock, VolumeId}
 /// trait a pool stores it through, on a directory or in memory.
 pub mod catalog {
     pub use crate::engine::catalog::{
-        validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog, MemoryCatalog,
-        NAME_LENGTH_MAX, NAME_RULE,
+        validate_name, Catalog, CatalogStore, CatalogVolume, MemoryCatalog, NAME_LENGTH_MAX,
+        NAME_RULE,
     };
+    pub use crate::engine::catalog_dir::DirCatalog;
 }
 
 /// Where volume contents live: the data device trait, on a file or in memory.

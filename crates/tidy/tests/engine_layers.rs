@@ -9,6 +9,7 @@ use std::path::Path;
 
 /// The engine's files, lowest layer first; a file may use files of lower layers only.
 const LAYERS: &[&[&str]] = &[
+    &["directory"],
     &[
         "options",
         "layout",
@@ -19,8 +20,9 @@ const LAYERS: &[&[&str]] = &[
         "catalog",
         "stats",
         "queue",
+        "written",
     ],
-    &["limits", "health"],
+    &["limits", "health", "catalog_dir"],
     &["block_device"],
     &["space"],
     &["volumes"],

@@ -39,6 +39,17 @@ impl FileDevice {
         FileDevice::open_with(path, writable, libc::O_EXCL)
     }
 
+    /// A device on a file the caller opened (e.g. relative to a directory it holds open);
+    /// `path` names it in messages.
+    pub fn from_file(file: File, path: &Path) -> io::Result<FileDevice> {
+        let size_bytes = device_size_bytes(&file)?;
+        Ok(FileDevice {
+            file,
+            path: path.to_path_buf(),
+            block_count: AtomicU64::new(size_bytes / BLOCK_SIZE as u64),
+        })
+    }
+
     fn open_with(path: &Path, writable: bool, flags: i32) -> io::Result<FileDevice> {
         use std::os::unix::fs::OpenOptionsExt;
         let file = OpenOptions::new()

@@ -59,7 +59,8 @@
 //! the next open. `docs/lvm.md` moves pools to and from the kernel; `docs/scale-out.md` covers
 //! replicated devices and fencing.
 
-use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
+use crate::engine::catalog::{Catalog, CatalogStore};
+use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
 use crate::engine::layout::DEVICES_FILE;

@@ -21,7 +21,7 @@
 //! name listed before the snapshot (a volume of that name created later is not its origin),
 //! and the next catalog written has ids.
 //!
-//! [`DirCatalog`] keeps one file per transaction (`catalog-<id>.json`), written to a temporary
+//! `DirCatalog` (in `catalog_dir`) keeps one file per transaction (`catalog-<id>.json`), written to a temporary
 //! name, synced, renamed and the directory synced; older files are removed after the next
 //! commit.
 
@@ -29,9 +29,6 @@ use crate::error::{Error, Result};
 use crate::ids::VolumeId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
-use std::fs;
-use std::io::Write;
-use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 /// Longest volume name, in characters (LVM's limit for a logical volume name).
@@ -270,7 +267,7 @@ fn quoted(name: &str) -> String {
 
 /// Check a name already in a catalog: what older versions accepted (1 to 128 bytes, no
 /// path separator, no control character), so their pools still open; anything else is damage.
-fn check_stored_name(name: &str) -> Result<()> {
+pub(crate) fn check_stored_name(name: &str) -> Result<()> {
     if name.is_empty()
         || name.len() > STORED_NAME_BYTES_MAX
         || name
@@ -290,130 +287,6 @@ pub trait CatalogStore: Send + Sync {
     fn store(&self, catalog: &Catalog) -> Result<()>;
     /// Transaction `transaction_id` committed: forget every other catalog.
     fn committed(&self, transaction_id: u64) -> Result<()>;
-}
-
-/// Catalogs as files in a directory.
-#[derive(Debug)]
-pub struct DirCatalog {
-    dir: PathBuf,
-}
-
-impl DirCatalog {
-    /// Catalogs in `dir` (which must exist).
-    pub fn new(dir: &Path) -> DirCatalog {
-        DirCatalog {
-            dir: dir.to_path_buf(),
-        }
-    }
-
-    fn path(&self, transaction_id: u64) -> PathBuf {
-        self.dir.join(format!("catalog-{transaction_id}.json"))
-    }
-
-    fn io(&self, what: &str, path: &Path, source: std::io::Error) -> Error {
-        Error::Io {
-            what: format!("{what} {}", path.display()),
-            source,
-        }
-    }
-
-    fn listed(&self) -> Result<Vec<(u64, PathBuf)>> {
-        let mut out = vec![];
-        let entries = fs::read_dir(&self.dir).map_err(|e| self.io("listing", &self.dir, e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| self.io("listing", &self.dir, e))?;
-            let name = entry.file_name();
-            let Some(name) = name.to_str() else { continue };
-            if let Some(id) = name
-                .strip_prefix("catalog-")
-                .and_then(|rest| rest.strip_suffix(".json"))
-                .and_then(|id| id.parse::<u64>().ok())
-            {
-                out.push((id, entry.path()));
-            }
-        }
-        Ok(out)
-    }
-}
-
-impl CatalogStore for DirCatalog {
-    fn load(&self, transaction_id: u64) -> Result<Catalog> {
-        let path = self.path(transaction_id);
-        let text =
-            read_no_follow(&path).map_err(|e| self.io("reading the volume catalog", &path, e))?;
-        let catalog: Catalog = serde_json::from_str(&text).map_err(|e| Error::CatalogDamaged {
-            path: path.display().to_string(),
-            why: e.to_string(),
-        })?;
-        if catalog.transaction_id != transaction_id {
-            return Err(Error::CatalogMismatch {
-                path: path.display().to_string(),
-                found: catalog.transaction_id,
-                expected: transaction_id,
-            });
-        }
-        for v in &catalog.volumes {
-            check_stored_name(&v.name)?;
-        }
-        Ok(catalog)
-    }
-
-    fn store(&self, catalog: &Catalog) -> Result<()> {
-        let path = self.path(catalog.transaction_id);
-        let temporary = self
-            .dir
-            .join(format!("catalog-{}.json.tmp", catalog.transaction_id));
-        let text = serde_json::to_string_pretty(catalog).expect("a catalog serializes");
-        let write = || -> std::io::Result<()> {
-            let mut file = create_private(&temporary)?;
-            file.write_all(text.as_bytes())?;
-            file.write_all(b"\n")?;
-            file.sync_all()?;
-            fs::rename(&temporary, &path)?;
-            fs::File::open(&self.dir)?.sync_all()
-        };
-        write().map_err(|e| self.io("writing the volume catalog", &path, e))
-    }
-
-    fn committed(&self, transaction_id: u64) -> Result<()> {
-        for (id, path) in self.listed()? {
-            if id != transaction_id {
-                fs::remove_file(&path).map_err(|e| self.io("removing", &path, e))?;
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Reads a file, refusing a symbolic link in its place.
-fn read_no_follow(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut text = String::new();
-    fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)?
-        .read_to_string(&mut text)?;
-    Ok(text)
-}
-
-/// Creates `path` afresh, private to its owner (mode 0600): a stale file or link left there
-/// (by a crash, or planted) is removed first, and creation fails rather than follow or reuse
-/// anything that appears in between.
-fn create_private(path: &Path) -> std::io::Result<fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    match fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
-    fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-        .open(path)
 }
 
 /// Catalogs in memory (tests).
@@ -462,6 +335,8 @@ impl<T: CatalogStore + ?Sized> CatalogStore for std::sync::Arc<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::engine::catalog_dir::DirCatalog;
+    use std::fs;
 
     #[test]
     fn names_follow_lvm_rule() {
@@ -517,62 +392,6 @@ mod tests {
         )
         .unwrap();
         assert!(store.load(4).is_err());
-        fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn catalog_files_are_private_and_links_are_not_followed() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("tp-catalog-link-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        let victim = dir.join("victim");
-        fs::write(&victim, "keep").unwrap();
-        std::os::unix::fs::symlink(&victim, dir.join("catalog-5.json.tmp")).unwrap();
-        let store = DirCatalog::new(&dir);
-        let catalog = Catalog {
-            transaction_id: 5,
-            volumes: vec![],
-        };
-        store.store(&catalog).unwrap();
-        assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
-        let mode = fs::metadata(dir.join("catalog-5.json"))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o600);
-        fs::remove_file(dir.join("catalog-5.json")).unwrap();
-        std::os::unix::fs::symlink(&victim, dir.join("catalog-5.json")).unwrap();
-        assert!(store.load(5).is_err(), "a catalog link was followed");
-        fs::remove_dir_all(&dir).unwrap();
-    }
-
-    #[test]
-    fn dir_catalog_keeps_only_committed() {
-        let dir = std::env::temp_dir().join(format!("tp-catalog-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        let store = DirCatalog::new(&dir);
-        let mut c = Catalog {
-            transaction_id: 1,
-            volumes: vec![],
-        };
-        store.store(&c).unwrap();
-        c.transaction_id = 2;
-        c.volumes.push(CatalogVolume {
-            name: "a".into(),
-            id: VolumeId::new(7),
-            size_bytes: 512,
-            read_only: false,
-            origin: None,
-        });
-        store.store(&c).unwrap();
-        assert_eq!(store.load(2).unwrap(), c);
-        let text = fs::read_to_string(dir.join("catalog-2.json")).unwrap();
-        assert!(
-            text.contains("\"id\": 7,"),
-            "the id is the raw number: {text}"
-        );
-        store.committed(2).unwrap();
-        assert!(store.load(1).is_err());
         fs::remove_dir_all(&dir).unwrap();
     }
 }

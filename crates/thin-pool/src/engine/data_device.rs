@@ -127,6 +127,13 @@ impl FileDataDevice {
         Ok(FileDataDevice::with_file(file, path, size))
     }
 
+    /// A data device on a file the caller opened read-write (e.g. relative to a directory
+    /// it holds open); `path` names it in messages.
+    pub fn from_file(file: File, path: &Path) -> io::Result<FileDataDevice> {
+        let size = device_size(&file)?;
+        Ok(FileDataDevice::with_file(file, path, size))
+    }
+
     /// Create a new sparse file of `size_bytes`, private to its owner (mode 0600). Fails if
     /// anything, a file or a symbolic link, is already at `path`: nothing is truncated.
     pub fn create(path: &Path, size_bytes: u64) -> io::Result<FileDataDevice> {

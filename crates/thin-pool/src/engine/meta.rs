@@ -32,6 +32,13 @@
 //! metadata space, the metadata reopened and the indexes resynced). A panic holding the
 //! metadata or the commit lock, or inside a commit, abandons it too and the pool fails
 //! ([`Meta::fail`]): nothing of that transaction is written.
+//!
+//! One owner: before each commit (and before storing a catalog) the metadata owner reads
+//! block 0 back and compares it with the superblock it last wrote (`written`), and the
+//! catalog store checks that the catalog file is the one it last wrote. A difference is a
+//! foreign write (a second writer bypassed the lock): the pool fails
+//! ([`crate::Error::MetadataChangedUnderServer`], [`crate::Error::CatalogChangedUnderServer`])
+//! and writes nothing over it.
 
 use crate::engine::catalog::Catalog;
 use crate::engine::index::Index;
@@ -66,7 +73,7 @@ impl Meta {
         assert_eq!(catalog.transaction_id, md.transaction_id().get());
         let time = md.pool_time()?;
         Ok(Meta {
-            state: Mutex::new(MetaState::new(md, catalog)),
+            state: Mutex::new(MetaState::new(md, catalog)?),
             commit_lock: Mutex::new(()),
             time: AtomicU32::new(time.get()),
             parts,
@@ -405,7 +412,7 @@ impl<'a> Change<'a> {
         let current = self.state.md()?.transaction_id();
         let next = current.next();
         catalog.transaction_id = next.get();
-        meta.parts.catalog_store.store(&catalog)?;
+        self.state.store_catalog(&meta.parts, &catalog)?;
         self.state.commit_change(&meta.parts, |md| {
             fault_point(&meta.parts.options, FaultPoint::ManagementChange);
             change(md)?;
@@ -426,7 +433,7 @@ impl<'a> Change<'a> {
         let meta = self.meta;
         let mut catalog = self.state.catalog().clone();
         catalog.transaction_id = new.get();
-        meta.parts.catalog_store.store(&catalog)?;
+        self.state.store_catalog(&meta.parts, &catalog)?;
         self.state.md()?.set_transaction_id(current, new)?;
         self.commit()?;
         self.state.set_catalog(catalog);

@@ -16,6 +16,7 @@ use crate::engine::recovery::resync_indexes;
 use crate::engine::space::SpaceWatch;
 use crate::engine::stats::DurationHistogram;
 use crate::engine::volumes::Volumes;
+use crate::engine::written::LastWritten;
 use crate::error::{Error, Result};
 use crate::format::metadata::{PoolMetadata, Usage};
 use crate::ids::DataBlock;
@@ -37,19 +38,23 @@ pub(crate) struct MetaState {
     limbo: Limbo,
     /// When the commit under way started (its data flush).
     commit_started: Option<Instant>,
+    /// Block 0 as `md` last wrote (or read) it: each commit checks it is still on disk.
+    written: LastWritten,
 }
 
 impl MetaState {
-    pub(crate) fn new(mut md: PoolMetadata, catalog: Catalog) -> MetaState {
+    pub(crate) fn new(mut md: PoolMetadata, catalog: Catalog) -> Result<MetaState> {
         md.hold_freed_data_blocks();
-        MetaState {
+        let written = LastWritten::of(&md)?;
+        Ok(MetaState {
             md: Some(md),
             generation: 0,
             catalog,
             queue: OpQueue::default(),
             limbo: Limbo::default(),
             commit_started: None,
-        }
+            written,
+        })
     }
 
     pub(crate) fn md(&mut self) -> Result<&mut PoolMetadata> {
@@ -252,6 +257,7 @@ impl MetaState {
             // Blocks freed by earlier commits were unmapped from every index before this
             // lock was taken: they may start (or end) their grace period.
             state.reclaim(parts);
+            state.check_written(parts)?;
             let before = state.md()?.commits_started();
             let md = state.md()?;
             let result = change(md).and_then(|value| {
@@ -262,12 +268,50 @@ impl MetaState {
             let md = state.md()?;
             assert!(!md.has_changes(), "a commit leaves no change behind");
             assert!(md.commits_started() > before, "a commit was started");
+            match LastWritten::of(md) {
+                Ok(written) => state.written = written,
+                Err(e) => state.fail_locked(parts, format!("reading back the superblock: {e}")),
+            }
             let started = state.commit_started.take();
             let duration = started.map_or(Duration::ZERO, |started| started.elapsed());
             parts.durations.record(duration);
             state.park_freed(parts);
             Ok(value)
         })
+    }
+
+    /// Refuse (and fail the pool: nothing more is written) if block 0 of the metadata device
+    /// is not what the pool last wrote: another writer changed the metadata.
+    pub(crate) fn check_written(&mut self, parts: &MetaParts) -> Result<()> {
+        if self.md.is_none() {
+            return Ok(());
+        }
+        match self.written.check(&*parts.device) {
+            // Block 0 cannot be read: a metadata I/O failure, as any other (read-only).
+            Err(e @ Error::Io { .. }) => Err(self.metadata_failed(parts, e)),
+            checked => self.foreign_fails(parts, checked),
+        }
+    }
+
+    /// Store `catalog` (for the transaction about to commit), after checking that neither
+    /// the superblock nor the catalog file changed under the pool.
+    pub(crate) fn store_catalog(&mut self, parts: &MetaParts, catalog: &Catalog) -> Result<()> {
+        self.check_written(parts)?;
+        let stored = parts.catalog_store.store(catalog);
+        self.foreign_fails(parts, stored)
+    }
+
+    /// A foreign change found: fail the pool (the transaction is dropped unwritten).
+    fn foreign_fails(&mut self, parts: &MetaParts, result: Result<()>) -> Result<()> {
+        if let Err(
+            e
+            @ (Error::MetadataChangedUnderServer { .. } | Error::CatalogChangedUnderServer { .. }),
+        ) = result
+        {
+            self.fail_locked(parts, e.to_string());
+            return Err(e);
+        }
+        result
     }
 
     /// Pass on the result of a metadata operation: an error after the operation changed
@@ -403,6 +447,9 @@ impl MetaState {
         match resynced {
             Ok((mut md, unmapped)) => {
                 self.limbo = rehold(&mut md, &self.limbo, unmapped);
+                if let Ok(written) = LastWritten::of(&md) {
+                    self.written = written;
+                }
                 self.md = Some(md);
                 health.set_mode(if out_of_space {
                     PoolMode::OutOfMetadataSpace

@@ -6,9 +6,11 @@
 //! file uses only files of lower layers (checked by the import-graph script in
 //! ARCHITECTURE.md's engine section):
 //!
+//! 0. `directory`: the pool directory held open (every file opened relative to it);
 //! 1. leaves: `options`, `limits`, `layout`, `health` (mode, fail reason, events),
 //!    `index`, `gate`, `grace`, `data_device`, `catalog`, `stats`, `queue` (the op queue),
-//!    `block_device`;
+//!    `block_device`, `written` (block 0 as the pool last wrote it: the foreign-write check);
+//!    then `catalog_dir` (the catalog's files, in the directory held open);
 //! 2. `space`: the low-water marks and growth requests (`SpaceWatch`);
 //! 3. `volumes`: the volume registry (`Volumes`, `VolumeState`, `Lookup`);
 //! 4. `load`: what opening reads and checks, index builds from a tree;
@@ -28,9 +30,11 @@ pub(crate) mod adopt;
 mod autoextend;
 pub(crate) mod block_device;
 pub(crate) mod catalog;
+pub(crate) mod catalog_dir;
 mod committer;
 pub(crate) mod data_device;
 pub(crate) mod diff;
+pub(crate) mod directory;
 mod gate;
 mod grace;
 pub(crate) mod grow;
@@ -56,3 +60,4 @@ mod trim;
 pub(crate) mod usage;
 pub(crate) mod volume;
 mod volumes;
+mod written;

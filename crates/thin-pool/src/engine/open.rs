@@ -5,9 +5,11 @@
 //! handles to them. `Pool` (the façade) holds the result, [`Owners`].
 
 use crate::engine::autoextend::{Autoextender, Grower};
-use crate::engine::catalog::{Catalog, CatalogStore, DirCatalog};
+use crate::engine::catalog::{Catalog, CatalogStore};
+use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::committer::Committer;
 use crate::engine::data_device::{DataDevice, FileDataDevice};
+use crate::engine::directory::PoolDirectory;
 use crate::engine::grace::Readers;
 use crate::engine::health::Health;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
@@ -211,11 +213,13 @@ pub(crate) type OpenedFiles = (
     Arc<std::fs::File>,
 );
 
-/// The files of the pool in `dir`, opened, the metadata locked (the lock is the returned
-/// file).
-pub(crate) fn open_files(dir: &Path, options: &PoolOptions) -> Result<OpenedFiles> {
-    let metadata_path = dir.join(METADATA_FILE);
-    let metadata = FileDevice::open_no_follow(&metadata_path, !options.read_only)
+/// The files of the pool in `dir` (held open: each file is opened relative to it, never
+/// through a link), opened, the metadata locked (the lock is the returned file).
+pub(crate) fn open_files(dir: &PoolDirectory, options: &PoolOptions) -> Result<OpenedFiles> {
+    let metadata_path = dir.shown(METADATA_FILE);
+    let metadata = dir
+        .open_file(METADATA_FILE, !options.read_only)
+        .and_then(|file| FileDevice::from_file(file, &metadata_path))
         .map_err(io_error(format!("opening {}", metadata_path.display())))?;
     let lock = Arc::new(
         metadata
@@ -224,8 +228,10 @@ pub(crate) fn open_files(dir: &Path, options: &PoolOptions) -> Result<OpenedFile
             .map_err(io_error(format!("opening {}", metadata_path.display())))?,
     );
     lock_exclusive(&lock, &metadata_path)?;
-    let data_path = dir.join(DATA_FILE);
-    let data = FileDataDevice::open(&data_path)
+    let data_path = dir.shown(DATA_FILE);
+    let data = dir
+        .open_file(DATA_FILE, true)
+        .and_then(|file| FileDataDevice::from_file(file, &data_path))
         .map_err(io_error(format!("opening {}", data_path.display())))?;
     Ok((Arc::new(metadata), Arc::new(data), lock))
 }

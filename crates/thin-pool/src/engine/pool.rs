@@ -11,9 +11,11 @@
 
 use crate::engine::adopt::Disagreements;
 use crate::engine::block_device::{self, DevicePaths};
-use crate::engine::catalog::{CatalogStore, DirCatalog};
+use crate::engine::catalog::CatalogStore;
+use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::data_device::DataDevice;
 use crate::engine::diff::{Delta, VolumeDiff};
+use crate::engine::directory::PoolDirectory;
 use crate::engine::grow::{Resized, Shrink};
 use crate::engine::layout::pool_exists;
 use crate::engine::listing::{self, StatusSources};
@@ -23,7 +25,7 @@ use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
 use crate::engine::{adopt, diff, grow, manage, revert, trim, usage};
-use crate::error::{Error, Result};
+use crate::error::{io_error, Error, Result};
 use crate::ids::{TransactionId, VirtualBlock, VolumeId};
 use persistent_data::BlockDevice;
 use std::ops::Range;
@@ -78,8 +80,11 @@ impl Pool {
         if let Some(devices) = DevicePaths::load(dir)? {
             return Pool::open_devices(dir, &devices, options);
         }
-        let (metadata, data, lock) = open::open_files(dir, &options)?;
-        let catalog = Box::new(DirCatalog::new(dir));
+        let directory = Arc::new(
+            PoolDirectory::open(dir).map_err(io_error(format!("opening {}", dir.display())))?,
+        );
+        let (metadata, data, lock) = open::open_files(&directory, &options)?;
+        let catalog = Box::new(DirCatalog::in_directory(directory));
         let pool = Pool::open_parts(metadata, data, catalog, options, Some(lock))?;
         pool.owners.watch.set_host_dir(dir.to_path_buf());
         Ok(pool)
