@@ -198,8 +198,11 @@ impl Export for VolumeExport {
 
     fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
         let pool = self.pool.as_ref()?;
-        let context = DiffContext::open(pool, self.volume.name(), self.volume.id(), name)?;
-        Some(Arc::new(context))
+        Some(Arc::new(DiffContext::open(pool, self.volume.name(), name)?))
+    }
+
+    fn meta_context_subject(&self, name: &str) -> Option<String> {
+        diff_context::base_of(name).map(str::to_string)
     }
 }
 

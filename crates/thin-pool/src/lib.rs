@@ -34,6 +34,7 @@ pub use engine::pool::Pool;
 pub use engine::space::host_free_bytes;
 pub use engine::usage::VolumeSpace;
 pub use engine::volume::{Extent, Volume, SECTOR_SIZE};
+pub use engine::volumes::VolumeGeneration;
 pub use error::{Error, ErrorKind, Limit, Report, Result};
 pub use format::metadata::{Mapping, PoolMetadata};
 pub use ids::{BlockTime, DataBlock, Time, TransactionId, VirtualBlock, VolumeId};

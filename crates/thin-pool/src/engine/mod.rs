@@ -53,4 +53,4 @@ pub(crate) mod stats;
 mod trim;
 pub(crate) mod usage;
 pub(crate) mod volume;
-mod volumes;
+pub(crate) mod volumes;
