@@ -297,3 +297,190 @@ fn a_base_deleted_while_selected_fails_block_status_with_eio_only() {
     client.disconnect();
     served.stop();
 }
+
+/// A structured connection to `export` with `contexts` selected; returns it and the
+/// number of contexts the server selected.
+fn select(served: &Served, export: &str, contexts: &[&str]) -> (Client, usize) {
+    let mut client = Client::start(&served.socket);
+    assert_eq!(
+        client.option(OPT_STRUCTURED_REPLY, &[])[0].reply_type,
+        REP_ACK
+    );
+    let replies = client.option(OPT_SET_META_CONTEXT, &meta_request(export, contexts));
+    let selected = replies
+        .iter()
+        .filter(|r| r.reply_type == REP_META_CONTEXT)
+        .count();
+    client.go(export);
+    client.mode = Mode::Structured;
+    (client, selected)
+}
+
+#[test]
+fn a_base_reverted_recreated_or_renamed_between_requests_fails_block_status_with_eio() {
+    let (_temp, pool, served) = setup("diff-identity");
+    let p = pool.to_str().unwrap();
+    let changes: [(&str, &dyn Fn()); 3] = [
+        ("revert", &|| {
+            thinpool_ok(&["volume", "revert", "tmp", "snap1", "--pool", p]);
+        }),
+        ("delete and re-create", &|| {
+            let id = |list: String| -> serde_json::Value {
+                let volumes: serde_json::Value = serde_json::from_str(&list).unwrap();
+                let found = volumes["volumes"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|v| v["name"] == "tmp")
+                    .cloned()
+                    .unwrap();
+                found["id"].clone()
+            };
+            let before = id(thinpool_ok(&["list", "--pool", p, "--json"]));
+            thinpool_ok(&["volume", "delete", "tmp", "--pool", p]);
+            snapshot(&pool, "vm", "tmp");
+            let after = id(thinpool_ok(&["list", "--pool", p, "--json"]));
+            assert_eq!(before, after, "the thin id is reused");
+        }),
+        ("rename away and back", &|| {
+            thinpool_ok(&["volume", "rename", "tmp", "tmp-away", "--pool", p]);
+            thinpool_ok(&["volume", "rename", "tmp-away", "tmp", "--pool", p]);
+        }),
+    ];
+    for (what, change) in changes {
+        snapshot(&pool, "vm", "tmp");
+        let (mut client, selected) = select(&served, "snap2", &["x-thinpool:diff:tmp"]);
+        assert_eq!(selected, 1, "{what}");
+        let reply = client.request(CMD_BLOCK_STATUS, 0, 0, SIZE, &[]);
+        assert_eq!(reply.error, 0, "{what}: {reply:?}");
+        change();
+        for _ in 0..2 {
+            let reply = client.request(CMD_BLOCK_STATUS, 0, 0, SIZE, &[]);
+            assert_eq!(reply.error, EIO, "{what}: {reply:?}");
+            assert!(
+                reply.error_message.contains("reverted"),
+                "{what}: {reply:?}"
+            );
+        }
+        // Reads go on.
+        assert_eq!(client.read(50 * BLOCK, 512), pattern(11, 512), "{what}");
+        client.disconnect();
+        thinpool_ok(&["volume", "delete", "tmp", "--pool", p]);
+    }
+    // Each context logged why, once.
+    let (_, log) = served.stop_with_log();
+    assert_eq!(log.matches("fails from now on").count(), 3, "{log}");
+}
+
+/// Lists the diff contexts of the export in the URI, then selects two; prints JSON.
+const PYTHON_SCOPE: &str = r#"
+import json, sys, nbd
+uri = sys.argv[1]
+result = {}
+h = nbd.NBD()
+h.set_opt_mode(True)
+h.connect_uri(uri)
+h.add_meta_context("x-thinpool:")
+names = []
+h.opt_list_meta_context(lambda name: names.append(name))
+result["list"] = sorted(names)
+h.opt_abort()
+h = nbd.NBD()
+contexts = ["x-thinpool:diff:snap1", "x-thinpool:diff:vm"]
+for context in contexts:
+    h.add_meta_context(context)
+h.connect_uri(uri)
+result["can"] = {context: h.can_meta_context(context) for context in contexts}
+h.shutdown()
+print(json.dumps(result))
+"#;
+
+#[test]
+fn a_tcp_export_listener_offers_only_diff_contexts_of_the_exports_it_serves() {
+    let (_temp, _pool, served) = setup("diff-scope");
+    let unix = python_nbd(PYTHON_SCOPE, &[&served.uri("snap2")]);
+    served.stop();
+    let unix: serde_json::Value = serde_json::from_str(&unix).expect("json");
+    assert_eq!(
+        unix["list"],
+        serde_json::json!(["x-thinpool:diff:snap1", "x-thinpool:diff:vm"])
+    );
+    let pool = _temp.join("pool");
+    let served = serve(
+        &pool,
+        &[
+            "--tcp",
+            "0",
+            "--tcp-export",
+            "snap2",
+            "--tcp-export",
+            "snap1",
+        ],
+    );
+    let tcp = format!("nbd://{}/snap2", served.tcp.clone().unwrap());
+    let output = python_nbd(PYTHON_SCOPE, &[&tcp]);
+    let result: serde_json::Value = serde_json::from_str(&output).expect("json");
+    // vm is not served on TCP: its name is not listed and its context not given.
+    assert_eq!(result["list"], serde_json::json!(["x-thinpool:diff:snap1"]));
+    assert_eq!(
+        result["can"],
+        serde_json::json!({"x-thinpool:diff:snap1": true, "x-thinpool:diff:vm": false})
+    );
+    // The Unix socket still offers both.
+    let unix = python_nbd(PYTHON_SCOPE, &[&served.uri("snap2")]);
+    let unix: serde_json::Value = serde_json::from_str(&unix).expect("json");
+    assert_eq!(unix["can"]["x-thinpool:diff:vm"], true, "{unix}");
+    served.stop();
+}
+
+#[test]
+fn a_huge_block_status_over_many_differences_is_answered_in_part() {
+    let temp = ScratchDir::new("diff-bounded");
+    let pool = temp.join("pool");
+    create_pool(&pool, &["--data-size", "1G", "--block-size", "64K"]);
+    create_volume(&pool, "big", "1G");
+    create_volume(&pool, "empty", "1G");
+    let served = serve(&pool, &[]);
+    // 12,000 mapped blocks: about 50 mapping leaves or more, against an empty base.
+    let mapped = 12_000u64;
+    let mut client = Client::open(&served.socket, "big");
+    for block in 0..mapped {
+        client.write(block * BLOCK, &[1; 512]);
+    }
+    client.flush();
+    client.disconnect();
+    let (mut client, selected) = select(&served, "big", &["x-thinpool:diff:empty"]);
+    assert_eq!(selected, 1);
+    let size = 1u64 << 30;
+    let mut offset = 0;
+    let mut extents: Vec<(u64, u64, bool)> = Vec::new();
+    let mut replies = 0;
+    while offset < size {
+        let reply = client.request(CMD_BLOCK_STATUS, 0, offset, size - offset, &[]);
+        assert_eq!(reply.error, 0, "{reply:?}");
+        let (_, chunk) = &reply.block_status[0];
+        let covered: u64 = chunk.iter().map(|(length, _)| length).sum();
+        if replies == 0 {
+            assert!(covered < size, "one reply walked all {mapped} differences");
+        }
+        for &(length, flags) in chunk {
+            let dirty = flags == 1;
+            match extents.last_mut() {
+                Some(last) if last.2 == dirty => last.1 += length,
+                _ => extents.push((offset, length, dirty)),
+            }
+            offset += length;
+        }
+        replies += 1;
+    }
+    assert!(replies > 1);
+    assert_eq!(
+        extents,
+        vec![
+            (0, mapped * BLOCK, true),
+            (mapped * BLOCK, size - mapped * BLOCK, false)
+        ]
+    );
+    client.disconnect();
+    served.stop();
+}

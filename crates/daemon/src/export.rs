@@ -189,8 +189,11 @@ impl Export for VolumeExport {
     fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
         let pool = self.pool.as_ref()?;
         let volume = self.target.volume();
-        let context = DiffContext::open(pool, volume.name(), volume.id(), name)?;
-        Some(Arc::new(context))
+        Some(Arc::new(DiffContext::open(pool, volume.name(), name)?))
+    }
+
+    fn meta_context_subject(&self, name: &str) -> Option<String> {
+        diff_context::base_of(name).map(str::to_string)
     }
 }
 

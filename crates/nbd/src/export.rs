@@ -17,6 +17,11 @@
 //! [`Export::meta_context`] (the context itself, for NBD_OPT_SET_META_CONTEXT). The handshake
 //! keeps the [`MetaContext`] it got at SET time for the connection's whole life, so a context
 //! can bind what it describes then (for instance the identity of another volume).
+//!
+//! A context that describes another export as well (its *subject*, say the base of a diff:
+//! [`Export::meta_context_subject`]) is listed and selected only on a connection whose
+//! registry may open that export ([`ExportRegistry::may_open`], NBD_OPT_GO's rule), so a
+//! connection limited to some exports learns nothing of the others through contexts.
 
 use std::collections::BTreeMap;
 use std::os::fd::BorrowedFd;
@@ -222,6 +227,15 @@ pub trait Export: Send + Sync {
         let _ = name;
         None
     }
+
+    /// The other export the context `name` describes, if any (the base a diff context
+    /// compares against): the handshake then offers and selects the context only if the
+    /// connection's registry may open that export ([`ExportRegistry::may_open`]). A
+    /// wrapper must forward it along with the contexts. The default: none.
+    fn meta_context_subject(&self, name: &str) -> Option<String> {
+        let _ = name;
+        None
+    }
 }
 
 /// One entry of an NBD_OPT_LIST answer.
@@ -243,6 +257,15 @@ pub trait ExportRegistry: Send + Sync {
     /// Opens the export called `name`; the empty name means the default export.
     /// `Ok(None)` means there is no such export.
     fn open(&self, name: &str) -> Result<Option<Arc<dyn Export>>>;
+
+    /// Whether this registry's connections may open `name` if it exists (NBD_OPT_GO's rule,
+    /// without opening it): asked for the subjects of metadata contexts
+    /// ([`Export::meta_context_subject`]). A registry that refuses names it could open (an
+    /// allow-list) says no for those, and a wrapper forwards it. The default: every name.
+    fn may_open(&self, name: &str) -> bool {
+        let _ = name;
+        true
+    }
 }
 
 /// A registry backed by a map from name to export; exports can be inserted and removed at

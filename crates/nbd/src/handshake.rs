@@ -493,13 +493,13 @@ impl<S: Transport> Handshake<'_, S> {
             Err(message) => return self.reply(code, reply::ERR_UNKNOWN, message.as_bytes()),
         };
         if !setting {
-            for name in listed_contexts(export.as_ref(), &request.queries) {
+            for name in listed_contexts(export.as_ref(), self.registry, &request.queries) {
                 let payload = protocol::encode_meta_context_reply(0, &name);
                 self.reply(code, reply::META_CONTEXT, &payload)?;
             }
             return self.reply(code, reply::ACK, &[]);
         }
-        let chosen = match selected_contexts(export.as_ref(), &request.queries) {
+        let chosen = match selected_contexts(export.as_ref(), self.registry, &request.queries) {
             Ok(chosen) => chosen,
             Err(()) => {
                 let message =

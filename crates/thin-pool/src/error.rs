@@ -315,6 +315,13 @@ pub enum Error {
         /// The volume.
         volume: String,
     },
+    /// A volume bound by its generation (an NBD diff context's base or target) is not that
+    /// volume any more: deleted, re-created, reverted or renamed since.
+    #[error("volume {name:?} was deleted, reverted, renamed or replaced since it was bound")]
+    VolumeChanged {
+        /// The name it was bound by.
+        name: String,
+    },
     /// A volume name that breaks the naming rule.
     #[error("the volume name {why} (names: {rule})")]
     BadName {
@@ -528,6 +535,7 @@ impl Error {
             Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
                 (Refused, libc::EBUSY)
             }
+            Error::VolumeChanged { .. } => (Refused, libc::ESTALE),
             // dm-thin fails I/O with EIO in read-only mode after a metadata error; a pool or
             // volume read-only by choice refuses writes with EROFS.
             Error::ReadOnly { needs_check: true } => (Corrupt, libc::EIO),

@@ -8,27 +8,32 @@
 //! mapped in the base only (discarded in the target, or past the target's old end) is dirty
 //! and reads as zeros in the target. Nothing is reported past the target's end.
 //!
-//! Cost: each BLOCK_STATUS asks [`Pool::diff`] for the blocks of the request only (at most
-//! `BLOCK_STATUS_BLOCKS_MAX` of them), which walks only the mapping subtrees the two
-//! volumes do not share inside that range. A one-extent request (REQ_ONE) diffs a window of
-//! `REQ_ONE_WINDOW_BLOCKS` first and widens it only while a single extent covers it.
+//! Cost: each BLOCK_STATUS asks [`Pool::diff_bound`] for the blocks of the request only (at
+//! most `BLOCK_STATUS_BLOCKS_MAX` of them), which walks only the mapping subtrees the two
+//! volumes do not share inside that range, holds no pool lock while it walks, and stops
+//! after [`DIFF_NODES_MAX`] btree nodes: the reply then covers the part walked (the
+//! protocol lets a reply cover less than asked; the client asks again for the rest). A
+//! one-extent request (REQ_ONE) diffs a window of `REQ_ONE_WINDOW_BLOCKS` first and widens
+//! it only while a single extent covers it.
 //!
-//! Identity: the context binds the base and target by name and thin id when the client
-//! selects it (NBD_OPT_SET_META_CONTEXT); it holds no handle, so the base can still be
-//! deleted. Each BLOCK_STATUS first checks that the base still exists with that id; once a
-//! check fails (the base was deleted, or its name now belongs to a volume with another id),
-//! every later BLOCK_STATUS of the connection fails with `NBD_EIO` and a message saying so,
-//! even if a volume of that name appears again. The connection goes on (reads and writes
-//! still work), and a new connection can select another base. Not detected: a delete and a
-//! re-create under the same name between two requests (or during one) when the new volume
-//! gets the same thin id, which the pool reuses; the context then diffs against the new
-//! volume.
+//! Identity: the context binds the base and the target by name and
+//! [`VolumeGeneration`] when the client selects it (NBD_OPT_SET_META_CONTEXT); it holds
+//! no handle on the base, so the base can still be deleted. A generation changes with
+//! every delete and re-create (the thin id may be the same), revert and rename, never with
+//! writes or resizes. Once either volume is not the one bound, every BLOCK_STATUS of the
+//! context fails with `NBD_EIO` and a message saying so (logged once per context); the
+//! connection goes on (reads and writes still work), and a new connection can select the
+//! new volume.
+//!
+//! Boundaries: the context names its base as its subject
+//! ([`nbd::Export::meta_context_subject`]), so a connection whose listener may not open
+//! BASE (`--tcp-export`) is neither offered nor given it.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use nbd::{Error as NbdError, ErrorKind, MetaContext, StatusExtent};
-use thin_pool::{DiffRange, Pool, VirtualBlock, VolumeId};
+use thin_pool::{DiffRange, Pool, VirtualBlock, VolumeGeneration};
 
 use super::{nbd_error, BLOCK_STATUS_BLOCKS_MAX};
 
@@ -38,6 +43,11 @@ pub const DIFF_CONTEXT_PREFIX: &str = "x-thinpool:diff:";
 /// Flag of a byte range where the target differs from the base.
 pub const DIRTY: u32 = 1;
 
+/// Btree nodes one diff of a BLOCK_STATUS reads at most (about: it stops at the first
+/// boundary past it). 32 nodes are at least a few thousand differing blocks (hundreds of
+/// MiB for the client to copy), a few hundred microseconds of walking.
+pub const DIFF_NODES_MAX: u64 = 32;
+
 /// Blocks of the first window a one-extent request diffs (then 16 times more each round).
 const REQ_ONE_WINDOW_BLOCKS: u64 = 64;
 
@@ -45,15 +55,21 @@ const REQ_ONE_WINDOW_BLOCKS: u64 = 64;
 pub struct DiffContext {
     pool: Pool,
     base: String,
-    base_id: VolumeId,
+    base_generation: VolumeGeneration,
     target: String,
-    target_id: VolumeId,
-    /// Set once a check found the base (or target) gone or replaced; never cleared.
+    target_generation: VolumeGeneration,
+    /// Set once a BLOCK_STATUS found either volume changed (and logged it).
     lost: AtomicBool,
 }
 
+/// The base `name` compares against, if it is a diff context's name.
+pub fn base_of(name: &str) -> Option<&str> {
+    name.strip_prefix(DIFF_CONTEXT_PREFIX)
+        .filter(|base| !base.is_empty())
+}
+
 /// The names of the diff contexts `target` offers that start with `prefix`: one per other
-/// volume of the pool.
+/// volume of the pool (the handshake keeps those the connection may see).
 pub fn diff_context_names(pool: &Pool, target: &str, prefix: &str) -> Vec<String> {
     // Skip listing the pool for queries of other namespaces.
     if !(DIFF_CONTEXT_PREFIX.starts_with(prefix) || prefix.starts_with(DIFF_CONTEXT_PREFIX)) {
@@ -68,40 +84,41 @@ pub fn diff_context_names(pool: &Pool, target: &str, prefix: &str) -> Vec<String
 }
 
 impl DiffContext {
-    /// The context `name` on the export of `target` (thin id `target_id`), if `name` is
-    /// `x-thinpool:diff:BASE` for an existing volume BASE other than the target.
-    pub fn open(pool: &Pool, target: &str, target_id: VolumeId, name: &str) -> Option<Self> {
-        let base = name.strip_prefix(DIFF_CONTEXT_PREFIX)?;
+    /// The context `name` on the export of `target`, if `name` is `x-thinpool:diff:BASE`
+    /// for an existing volume BASE other than the target; binds both generations.
+    pub fn open(pool: &Pool, target: &str, name: &str) -> Option<Self> {
+        let base = base_of(name)?;
         if base == target {
             return None;
         }
-        let info = pool.info(base).ok()?;
         Some(DiffContext {
             pool: pool.clone(),
             base: base.to_string(),
-            base_id: info.id,
+            base_generation: pool.generation(base).ok()?,
             target: target.to_string(),
-            target_id,
+            target_generation: pool.generation(target).ok()?,
             lost: AtomicBool::new(false),
         })
     }
 
-    /// The size of `name` if it is still the volume with thin id `id` and no earlier check
-    /// failed; otherwise an I/O error, and every later check fails too.
-    fn check_identity(&self, role: &str, name: &str, id: VolumeId) -> nbd::Result<u64> {
-        if !self.lost.load(Ordering::Acquire) {
-            match self.pool.info(name) {
-                Ok(info) if info.id == id => return Ok(info.size_bytes),
-                _ => self.lost.store(true, Ordering::Release),
-            }
+    /// The NBD error of a diff that failed: EIO with the reason for a changed volume
+    /// (logged the first time), the engine's errno otherwise.
+    fn diff_error(&self, error: thin_pool::Error, at: u64) -> NbdError {
+        let thin_pool::Error::VolumeChanged { name } = &error else {
+            return nbd_error(
+                error,
+                format!("diff of {:?} against {:?} at {at}", self.target, self.base),
+            );
+        };
+        let role = if *name == self.base { "base" } else { "target" };
+        let message = format!(
+            "{role} volume {name:?} was deleted, reverted, renamed or replaced since x-thinpool:diff:{} was selected on {:?}",
+            self.base, self.target
+        );
+        if !self.lost.swap(true, Ordering::AcqRel) {
+            tracing::warn!("{message}: BLOCK_STATUS on that context fails from now on");
         }
-        Err(NbdError::export(
-            ErrorKind::Io,
-            format!(
-                "{role} volume {name:?} was deleted (or replaced) since x-thinpool:diff:{} was selected",
-                self.base
-            ),
-        ))
+        NbdError::export_with_source(ErrorKind::Io, message, error)
     }
 }
 
@@ -112,8 +129,10 @@ impl MetaContext for DiffContext {
         length: u64,
         extents_max: usize,
     ) -> nbd::Result<Vec<StatusExtent>> {
-        self.check_identity("base", &self.base, self.base_id)?;
-        let target_size = self.check_identity("target", &self.target, self.target_id)?;
+        let target_size = match self.pool.info(&self.target) {
+            Ok(info) => info.size_bytes,
+            Err(e) => return Err(self.diff_error(e, offset)),
+        };
         let block = self.pool.block_size_bytes();
         // Walk at most BLOCK_STATUS_BLOCKS_MAX blocks, ending on a block boundary.
         let limit_end = (offset / block + BLOCK_STATUS_BLOCKS_MAX) * block;
@@ -137,7 +156,8 @@ impl MetaContext for DiffContext {
         loop {
             let end = ((offset / block + window_blocks) * block).min(full_end);
             let mut extents = self.extents(offset..end, 2)?;
-            if extents.len() > 1 || end == full_end {
+            let covered = extents.iter().map(|e| e.length_bytes).sum::<u64>();
+            if extents.len() > 1 || end == full_end || offset + covered < end {
                 extents.truncate(1);
                 return Ok(extents);
             }
@@ -147,27 +167,30 @@ impl MetaContext for DiffContext {
 }
 
 impl DiffContext {
-    /// At most `extents_max` extents of `bytes`, from [`Pool::diff`] over its blocks.
+    /// At most `extents_max` extents from the start of `bytes`, from [`Pool::diff_bound`]
+    /// over its blocks: all of `bytes` unless the diff stopped at its node budget.
     fn extents(&self, bytes: Range<u64>, extents_max: usize) -> nbd::Result<Vec<StatusExtent>> {
         let block = self.pool.block_size_bytes();
         let blocks =
             VirtualBlock::new(bytes.start / block)..VirtualBlock::new(bytes.end.div_ceil(block));
         let diff = self
             .pool
-            .diff(&self.base, &self.target, Some(blocks))
-            .map_err(|e| {
-                nbd_error(
-                    e,
-                    format!(
-                        "diff of {:?} against {:?} at {}",
-                        self.target, self.base, bytes.start
-                    ),
-                )
-            })?;
+            .diff_bound(
+                (&self.base, self.base_generation),
+                (&self.target, self.target_generation),
+                blocks,
+                DIFF_NODES_MAX,
+            )
+            .map_err(|e| self.diff_error(e, bytes.start))?;
+        let compared = (diff.compared_end.get() * diff.block_size_bytes).min(bytes.end);
+        assert!(
+            compared > bytes.start,
+            "a bounded diff compares at least one block"
+        );
         Ok(dirty_extents(
             &diff.ranges,
             diff.block_size_bytes,
-            bytes,
+            bytes.start..compared,
             extents_max.max(1),
         ))
     }

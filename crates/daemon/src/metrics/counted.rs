@@ -5,7 +5,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use nbd::{Export, ExportListing, ExportRegistry, Extent, ZeroOptions};
+use nbd::{Export, ExportListing, ExportRegistry, Extent, MetaContext, ZeroOptions};
 
 use super::{Metrics, Op, StripedCounters};
 
@@ -26,6 +26,10 @@ impl CountingRegistry {
 impl ExportRegistry for CountingRegistry {
     fn list(&self) -> Vec<ExportListing> {
         self.inner.list()
+    }
+
+    fn may_open(&self, name: &str) -> bool {
+        self.inner.may_open(name)
     }
 
     fn open(&self, name: &str) -> nbd::Result<Option<Arc<dyn Export>>> {
@@ -119,5 +123,17 @@ impl Export for CountedExport {
         self.timed(Op::BlockStatus, || {
             self.inner.block_status(offset, length, extents_max)
         })
+    }
+
+    fn meta_contexts(&self, prefix: &str) -> Vec<String> {
+        self.inner.meta_contexts(prefix)
+    }
+
+    fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
+        self.inner.meta_context(name)
+    }
+
+    fn meta_context_subject(&self, name: &str) -> Option<String> {
+        self.inner.meta_context_subject(name)
     }
 }

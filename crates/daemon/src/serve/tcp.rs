@@ -44,7 +44,8 @@ impl TcpExposure {
 }
 
 /// The exports of another registry whose names are on a list (`--tcp-export`): others are
-/// neither listed nor opened, exactly as if they did not exist.
+/// neither listed nor opened, exactly as if they did not exist, nor offered as the base of
+/// a diff context (`may_open`).
 pub(super) struct AllowList {
     inner: Arc<dyn ExportRegistry>,
     names: BTreeSet<String>,
@@ -76,6 +77,10 @@ impl ExportRegistry for AllowList {
             .inner
             .open(name)?
             .filter(|export| self.names.contains(export.name())))
+    }
+
+    fn may_open(&self, name: &str) -> bool {
+        self.names.contains(name) && self.inner.may_open(name)
     }
 }
 

@@ -356,6 +356,10 @@ impl Export for Unaligned {
     fn meta_context(&self, name: &str) -> Option<Arc<dyn MetaContext>> {
         self.inner.meta_context(name)
     }
+
+    fn meta_context_subject(&self, name: &str) -> Option<String> {
+        self.inner.meta_context_subject(name)
+    }
 }
 
 /// A metadata context answering ranges of any alignment through one that takes sectors.

@@ -1,10 +1,12 @@
 //! Which metadata contexts a LIST_META_CONTEXT lists and a SET_META_CONTEXT selects for
-//! the client's queries (the rules are in the `handshake` module doc).
+//! the client's queries (the rules are in the `handshake` module doc). A context whose
+//! subject (another export it describes) the connection's registry may not open is neither
+//! listed nor selected, as if it did not exist.
 
 use std::collections::BTreeSet;
 
 use super::{ContextSource, CONTEXTS_SELECTED_MAX};
-use crate::export::Export;
+use crate::export::{Export, ExportRegistry};
 use crate::protocol::{self, BASE_ALLOCATION};
 
 /// Whether `name` may come from an export as a context of its own: `namespace:leaf` with a
@@ -23,7 +25,19 @@ fn is_export_context_name(name: &str) -> bool {
 
 /// The contexts NBD_OPT_LIST_META_CONTEXT answers for `queries` (see the module docs), each
 /// once, in the order found.
-pub(super) fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<String> {
+/// Whether the connection may see `name`: its subject, if any, is an export the connection
+/// may open.
+fn visible(export: &dyn Export, registry: &dyn ExportRegistry, name: &str) -> bool {
+    export
+        .meta_context_subject(name)
+        .is_none_or(|subject| registry.may_open(&subject))
+}
+
+pub(super) fn listed_contexts(
+    export: &dyn Export,
+    registry: &dyn ExportRegistry,
+    queries: &[String],
+) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     let mut seen: BTreeSet<String> = BTreeSet::new();
     let mut add = |name: String, names: &mut Vec<String>| {
@@ -51,7 +65,7 @@ pub(super) fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<St
             } else {
                 name == *query
             };
-            if matches && is_export_context_name(&name) {
+            if matches && is_export_context_name(&name) && visible(export, registry, &name) {
                 add(name, &mut names);
             }
         }
@@ -63,6 +77,7 @@ pub(super) fn listed_contexts(export: &dyn Export, queries: &[String]) -> Vec<St
 /// are more than [`CONTEXTS_SELECTED_MAX`].
 pub(super) fn selected_contexts(
     export: &dyn Export,
+    registry: &dyn ExportRegistry,
     queries: &[String],
 ) -> std::result::Result<Vec<(String, ContextSource)>, ()> {
     let mut names: Vec<&str> = Vec::new();
@@ -77,6 +92,8 @@ pub(super) fn selected_contexts(
     for name in names {
         let source = if name == BASE_ALLOCATION {
             ContextSource::BaseAllocation
+        } else if !visible(export, registry, name) {
+            continue;
         } else {
             match export.meta_context(name) {
                 Some(context) => ContextSource::Export(context),

@@ -5,23 +5,31 @@
 //! Both walk the mapping trees of one committed transaction with `format::diff`, which skips
 //! the subtrees the volumes share, so the cost follows the difference, not the size.
 //!
-//! Consistency: the call takes the commit lock, so no commit and no management operation
-//! runs until it returns. If either volume has queued ops (writes completed before the call
-//! and not committed yet) or the transaction holds changes, it commits first. Then it reads
-//! the two roots under the metadata mutex, lets that mutex go, and walks the committed trees
-//! through the block manager while holding only the commit lock: blocks of the committed
-//! transaction are never written in place and are reused only by a later commit, which the
-//! commit lock keeps out. So writes (they only reserve blocks and queue ops under the
-//! metadata mutex) and reads (lock-free) go on during the walk; a flush or a management
-//! operation waits for it, for a time that follows the difference. When that commit is
-//! refused (a read-only pool, or out of metadata space with writes queued), the diff fails
-//! with the same error rather than answer without those writes.
+//! Consistency and locks: the walk holds no lock. If either volume has queued ops (writes
+//! completed before the call and not committed yet), it commits first (as a flush does).
+//! Then, under the metadata mutex for a moment, it checks the volumes (and, for
+//! [`diff_bound`], their generations), reads their roots in the committed transaction and a
+//! token (metadata generation, commits started), and lets the mutex go; it walks the
+//! committed trees through the block manager, then checks the token, as `usage` does:
+//! blocks of a committed transaction are never written in place and a block a transaction
+//! frees is reused only by a later one, so if at most one commit started meanwhile every
+//! block the walk read was the committed one. Otherwise it walks again; the last of
+//! `OPTIMISTIC_TRIES` holds the commit lock (never the metadata mutex). So writes, reads,
+//! flushes and management operations go on during a walk. When the first commit is refused
+//! (a read-only pool, or out of metadata space with writes queued), the diff fails with the
+//! same error rather than answer without those writes.
+//!
+//! Bounds: [`diff_bound`] stops once it has read `nodes_max` btree nodes and answers the
+//! blocks it compared (`VolumeDiff::compared_end`), for the NBD context, whose reply may
+//! cover less than asked.
 //!
 //! Volumes of different sizes: blocks past the end of the smaller one count as unmapped in
 //! it (the part past its end is walked against an empty tree).
 
-use crate::engine::meta::{Meta, Turn};
-use crate::engine::volumes::Volumes;
+use crate::engine::meta::Meta;
+use crate::engine::meta_state::View;
+use crate::engine::options::FaultPoint;
+use crate::engine::volumes::{VolumeGeneration, VolumeState, Volumes};
 use crate::error::{Error, Result};
 use crate::format::diff::{self, DeltaHeader, DeltaKind, DeltaRange, DiffRequest};
 use crate::ids::{VirtualBlock, VolumeId};
@@ -29,6 +37,9 @@ use persistent_data::block_manager::BlockManager;
 use persistent_data::MetadataBlock;
 use std::ops::Range;
 use std::sync::Arc;
+
+/// Walks tried without any lock before one holds the commit lock.
+const OPTIMISTIC_TRIES: usize = 3;
 
 /// How a range of virtual blocks differs between the base and the target volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -74,6 +85,9 @@ pub struct VolumeDiff {
     pub target_size_blocks: u64,
     /// Differing ranges only: sorted, non-overlapping, adjacent ranges of one kind merged.
     pub ranges: Vec<DiffRange>,
+    /// The blocks asked for were compared up to this one (exclusive): the end asked for
+    /// (clipped to the larger volume), or less when a bounded diff stopped early.
+    pub compared_end: VirtualBlock,
 }
 
 /// `thin_delta`'s report of two volumes: every mapped range, `same` ones included.
@@ -89,14 +103,31 @@ pub struct Delta {
     pub ranges: Vec<DeltaRange>,
 }
 
-/// The two volumes in one committed transaction, read under the commit lock.
-struct Committed<'a> {
-    _turn: Turn<'a>,
+/// A volume as the caller names it, and the generation it must still have (None: any).
+#[derive(Clone, Copy)]
+struct Named<'a> {
+    name: &'a str,
+    generation: Option<VolumeGeneration>,
+}
+
+impl<'a> Named<'a> {
+    fn any(name: &'a str) -> Named<'a> {
+        Named {
+            name,
+            generation: None,
+        }
+    }
+}
+
+/// The two volumes in the last committed transaction, read under the metadata mutex.
+struct Committed {
     block_manager: Arc<BlockManager>,
     header: DeltaHeader,
     ids: [VolumeId; 2],
     roots: [MetadataBlock; 2],
     size_blocks: [u64; 2],
+    /// (metadata generation, commits started) when the roots were read.
+    token: (u64, u64),
 }
 
 /// The virtual blocks in which `target` differs from `base`, at block granularity:
@@ -111,7 +142,46 @@ pub(crate) fn diff(
     target: &str,
     blocks: Option<Range<VirtualBlock>>,
 ) -> Result<VolumeDiff> {
-    let view = committed_view(meta, volumes, base, target)?;
+    let named = [Named::any(base), Named::any(target)];
+    commit_queued(meta, volumes, &named)?;
+    walk_committed(meta, volumes, &named, |view| {
+        diff_walk(view, blocks.clone(), None, meta.block_size_bytes())
+    })
+}
+
+/// [`diff`] of two volumes bound by their generations, over `blocks`, reading at most
+/// about `nodes_max` btree nodes: the answer covers `blocks.start..compared_end` (at least
+/// one block). Fails with [`Error::VolumeChanged`] once either volume is not the one of
+/// that generation any more (deleted, re-created, reverted or renamed).
+pub(crate) fn diff_bound(
+    meta: &Meta,
+    volumes: &Volumes,
+    [base, target]: [(&str, VolumeGeneration); 2],
+    blocks: Range<VirtualBlock>,
+    nodes_max: u64,
+) -> Result<VolumeDiff> {
+    let named = [base, target].map(|(name, generation)| Named {
+        name,
+        generation: Some(generation),
+    });
+    commit_queued(meta, volumes, &named)?;
+    walk_committed(meta, volumes, &named, |view| {
+        diff_walk(
+            view,
+            Some(blocks.clone()),
+            Some(nodes_max),
+            meta.block_size_bytes(),
+        )
+    })
+}
+
+/// The walk of [`diff`] over `view`'s committed roots.
+fn diff_walk(
+    view: &Committed,
+    blocks: Option<Range<VirtualBlock>>,
+    nodes_max: Option<u64>,
+    block_size_bytes: u64,
+) -> Result<VolumeDiff> {
     let [base_size, target_size] = view.size_blocks;
     let end = base_size.max(target_size);
     let wanted = blocks.map_or(0..end, |r| r.start.get()..r.end.get().min(end));
@@ -119,37 +189,50 @@ pub(crate) fn diff(
     let beyond = wanted.start.max(common.end)..wanted.end;
     let [base_root, target_root] = view.roots;
     let mut ranges = Vec::new();
-    if !common.is_empty() {
-        let walked = diff::diff(
+    let mut compared_end = wanted.end.max(wanted.start);
+    let mut nodes_left = nodes_max;
+    let walk = |keys: &Range<u64>, left, right, nodes_max| {
+        diff::diff(
             &*view.block_manager,
             &DiffRequest {
-                keys: common.start..=common.end - 1,
-                ..DiffRequest::new(Some(base_root), Some(target_root))
-            },
-        )?;
-        append(&mut ranges, walked.ranges);
-    }
-    if !beyond.is_empty() {
-        // Past the smaller volume's end: only the larger one's mappings count.
-        let (left, right) = if base_size > target_size {
-            (Some(base_root), None)
-        } else {
-            (None, Some(target_root))
-        };
-        let walked = diff::diff(
-            &*view.block_manager,
-            &DiffRequest {
-                keys: beyond.start..=beyond.end - 1,
+                keys: keys.start..=keys.end - 1,
+                nodes_max,
                 ..DiffRequest::new(left, right)
             },
-        )?;
+        )
+    };
+    if !common.is_empty() {
+        let walked = walk(&common, Some(base_root), Some(target_root), nodes_left)?;
+        nodes_left = nodes_left.map(|n| n.saturating_sub(walked.nodes_read));
         append(&mut ranges, walked.ranges);
+        if let Some(stopped) = walked.stopped_at {
+            compared_end = stopped;
+        }
+    }
+    if compared_end == wanted.end && !beyond.is_empty() {
+        if nodes_left == Some(0) && !common.is_empty() {
+            // The budget is spent and the common part answered: the rest is for next time.
+            compared_end = common.end;
+        } else {
+            // Past the smaller volume's end: only the larger one's mappings count.
+            let (left, right) = if base_size > target_size {
+                (Some(base_root), None)
+            } else {
+                (None, Some(target_root))
+            };
+            let walked = walk(&beyond, left, right, nodes_left)?;
+            append(&mut ranges, walked.ranges);
+            if let Some(stopped) = walked.stopped_at {
+                compared_end = stopped;
+            }
+        }
     }
     Ok(VolumeDiff {
-        block_size_bytes: meta.block_size_bytes(),
+        block_size_bytes,
         base_size_blocks: base_size,
         target_size_blocks: target_size,
         ranges,
+        compared_end: VirtualBlock::new(compared_end),
     })
 }
 
@@ -157,83 +240,126 @@ pub(crate) fn diff(
 /// either, `same` included, over the whole trees. Listing `same` ranges reads the shared
 /// subtrees, so this costs the mapped size; [`diff`] costs only the difference.
 pub(crate) fn delta(meta: &Meta, volumes: &Volumes, base: &str, target: &str) -> Result<Delta> {
-    let view = committed_view(meta, volumes, base, target)?;
-    let [base_root, target_root] = view.roots;
-    let walked = diff::diff(
-        &*view.block_manager,
-        &DiffRequest {
-            list_same: true,
-            ..DiffRequest::new(Some(base_root), Some(target_root))
-        },
-    )?;
-    Ok(Delta {
-        header: view.header,
-        base_id: view.ids[0],
-        target_id: view.ids[1],
-        ranges: walked.ranges,
+    let named = [Named::any(base), Named::any(target)];
+    commit_queued(meta, volumes, &named)?;
+    walk_committed(meta, volumes, &named, |view| {
+        let [base_root, target_root] = view.roots;
+        let walked = diff::diff(
+            &*view.block_manager,
+            &DiffRequest {
+                list_same: true,
+                ..DiffRequest::new(Some(base_root), Some(target_root))
+            },
+        )?;
+        Ok(Delta {
+            header: view.header,
+            base_id: view.ids[0],
+            target_id: view.ids[1],
+            ranges: walked.ranges,
+        })
     })
 }
 
-/// Commit what either volume has queued, then take the commit lock and read both volumes'
-/// roots in the committed transaction.
-fn committed_view<'a>(
-    meta: &'a Meta,
-    volumes: &Volumes,
-    base: &str,
-    target: &str,
-) -> Result<Committed<'a>> {
-    let turn = meta.turn();
-    // Under the commit lock no management operation runs: names, ids and sizes hold.
-    let volumes = [volumes.named(base)?, volumes.named(target)?];
-    let ids = [volumes[0].id(), volumes[1].id()];
-    let read = |view: &crate::engine::meta_state::View<'_>| -> Result<_> {
-        let md = view.md()?;
-        if md.has_changes() {
-            return Err(Error::Internal(
-                "the metadata holds uncommitted changes after a commit".to_string(),
-            ));
+/// The volumes `named` are, if they still have their generations.
+fn check_named(volumes: &Volumes, named: &[Named<'_>; 2]) -> Result<[Arc<VolumeState>; 2]> {
+    let look = |named: &Named<'_>| {
+        let found = volumes.named(named.name);
+        match (named.generation, found) {
+            (None, found) => found,
+            (Some(generation), Ok(volume)) if volume.generation() == generation => Ok(volume),
+            (Some(_), _) => Err(Error::VolumeChanged {
+                name: named.name.to_string(),
+            }),
         }
-        let header = DeltaHeader {
-            time: md.time(),
-            transaction_id: md.transaction_id().get(),
-            data_block_size_sectors: md.data_block_size_sectors(),
-            data_block_count: md.data_space_map().block_count(),
-        };
-        let roots = [md.volume_root(ids[0])?, md.volume_root(ids[1])?];
-        Ok((
-            header,
-            roots,
-            md.transaction_manager().block_manager().clone(),
-        ))
     };
-    let clean = turn.read(|view| -> Result<_> {
-        if view.queue.touches(&ids) || view.md()?.has_changes() {
-            return Ok(None);
-        }
-        read(view).map(Some)
+    Ok([look(&named[0])?, look(&named[1])?])
+}
+
+/// Commit first if either volume has queued ops (writes completed before the call).
+fn commit_queued(meta: &Meta, volumes: &Volumes, named: &[Named<'_>; 2]) -> Result<()> {
+    let queued = meta.read(|view| -> Result<bool> {
+        let ids = check_named(volumes, named)?.map(|v| v.id());
+        Ok(view.queue.touches(&ids))
     })?;
-    let (turn, (header, roots, block_manager)) = match clean {
-        Some(read) => (turn, read),
+    if queued {
+        meta.commit()?;
+    }
+    Ok(())
+}
+
+/// Run `walk` over the committed roots of `named` without any lock, again while commits
+/// may have reused a block it read; the last try holds the commit lock (module notes).
+fn walk_committed<T>(
+    meta: &Meta,
+    volumes: &Volumes,
+    named: &[Named<'_>; 2],
+    walk: impl Fn(&Committed) -> Result<T>,
+) -> Result<T> {
+    let block_size = meta.block_size_bytes();
+    for _ in 0..OPTIMISTIC_TRIES {
+        let Some(view) = meta.read(|view| committed(view, volumes, named, block_size))? else {
+            // The transaction holds changes (not ops of these volumes): commit them.
+            meta.commit()?;
+            continue;
+        };
+        meta.fault_point(FaultPoint::DiffWalk);
+        let walked = walk(&view);
+        let token = view.token;
+        let valid = meta.read(|now| {
+            now.generation == token.0
+                && now.md.is_some_and(|md| md.commits_started() <= token.1 + 1)
+        });
+        if valid {
+            return walked;
+        }
+    }
+    let turn = meta.turn();
+    let (_turn, view) = match turn.read(|view| committed(view, volumes, named, block_size))? {
+        Some(view) => (turn, view),
         None => {
             meta.check_changes_allowed()?;
             let mut change = turn.begin()?;
             change.commit()?;
-            let read = read(&change.view())?;
-            (change.into_turn(), read)
+            let view = committed(&change.view(), volumes, named, block_size)?.ok_or_else(|| {
+                Error::Internal("the metadata holds changes after a commit".to_string())
+            })?;
+            (change.into_turn(), view)
         }
     };
-    let block_size = meta.block_size_bytes();
-    let size_blocks = volumes
-        .each_ref()
-        .map(|v| v.size_bytes().div_ceil(block_size));
-    Ok(Committed {
-        _turn: turn,
-        block_manager,
-        header,
+    meta.fault_point(FaultPoint::DiffWalk);
+    walk(&view)
+}
+
+/// Both volumes' roots in the committed transaction; None if the transaction holds changes
+/// (its trees are then not the committed ones).
+fn committed(
+    view: &View<'_>,
+    volumes: &Volumes,
+    named: &[Named<'_>; 2],
+    block_size: u64,
+) -> Result<Option<Committed>> {
+    // Under the metadata mutex no management operation publishes: names, ids, sizes hold.
+    let states = check_named(volumes, named)?;
+    let md = view.md()?;
+    if md.has_changes() {
+        return Ok(None);
+    }
+    let ids = [states[0].id(), states[1].id()];
+    Ok(Some(Committed {
+        block_manager: md.transaction_manager().block_manager().clone(),
+        header: DeltaHeader {
+            time: md.time(),
+            transaction_id: md.transaction_id().get(),
+            data_block_size_sectors: md.data_block_size_sectors(),
+            data_block_count: md.data_space_map().block_count(),
+        },
         ids,
-        roots,
-        size_blocks,
-    })
+        roots: [md.volume_root(ids[0])?, md.volume_root(ids[1])?],
+        size_blocks: states
+            .each_ref()
+            .map(|v| v.size_bytes().div_ceil(block_size)),
+        token: (view.generation, md.commits_started()),
+    }))
 }
 
 /// Append the ranges of a walk to `ranges` (differences only, in the engine's terms),

@@ -100,6 +100,11 @@ impl Meta {
         f(&state.view())
     }
 
+    /// Call the test-only fault hook, if any.
+    pub(crate) fn fault_point(&self, point: FaultPoint) {
+        fault_point(&self.parts.options, point);
+    }
+
     /// Whether a commit would change anything (ops queued, or changes such as a grown space
     /// map).
     pub(crate) fn is_dirty(&self) -> bool {

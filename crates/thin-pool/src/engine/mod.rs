@@ -59,5 +59,5 @@ pub(crate) mod stats;
 mod trim;
 pub(crate) mod usage;
 pub(crate) mod volume;
-mod volumes;
+pub(crate) mod volumes;
 mod written;

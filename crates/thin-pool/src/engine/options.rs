@@ -122,6 +122,9 @@ pub enum FaultPoint {
     /// A provisioning write has queued its mapping and not yet published it in the index
     /// (the metadata lock is held).
     Map,
+    /// A diff has read its volumes' committed roots and is about to walk their trees (no
+    /// lock is held, except on a last try that holds the commit lock).
+    DiffWalk,
 }
 
 /// A fault-injection hook (tests only): see [`PoolOptions::fault_hook`].

@@ -24,6 +24,7 @@ use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, V
 use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
+use crate::engine::volumes::VolumeGeneration;
 use crate::engine::{adopt, diff, grow, manage, revert, trim, usage};
 use crate::error::{io_error, Error, Result};
 use crate::ids::{TransactionId, VirtualBlock, VolumeId};
@@ -413,6 +414,33 @@ impl Pool {
             target,
             blocks,
         )
+    }
+
+    /// [`Pool::diff`] of two volumes bound by their generations ([`Pool::generation`]),
+    /// over `blocks`, reading at most about `nodes_max` btree nodes (no lock held, see
+    /// `diff`): it answers `blocks.start..compared_end`, at least one block. Fails with
+    /// [`Error::VolumeChanged`] once either volume is not that generation any more.
+    pub fn diff_bound(
+        &self,
+        base: (&str, VolumeGeneration),
+        target: (&str, VolumeGeneration),
+        blocks: Range<VirtualBlock>,
+        nodes_max: u64,
+    ) -> Result<VolumeDiff> {
+        diff::diff_bound(
+            &self.owners.meta,
+            &self.owners.volumes,
+            [base, target],
+            blocks,
+            nodes_max,
+        )
+    }
+
+    /// Which incarnation of volume `name` this is: it changes when the name is given to
+    /// another volume (delete and re-create), or the volume another content history
+    /// (revert) or another name (rename), never with writes or resizes. In memory only.
+    pub fn generation(&self, name: &str) -> Result<VolumeGeneration> {
+        Ok(self.owners.volumes.named(name)?.generation())
     }
 
     /// `thin_delta`'s report of `base` (left) and `target` (right): every mapped range of

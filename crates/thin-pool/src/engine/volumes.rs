@@ -11,6 +11,16 @@
 //! operations change or read only the tree, `list` reads its details, and commits, the
 //! debug assertion on freed blocks and the resync after a metadata failure skip it.
 //!
+//! Generations: a state has a [`VolumeGeneration`] no other state of the process had (a
+//! counter), and [`Volumes::publish`] gives it a new one: so every path that gives a name
+//! another volume, or a volume another content history, bumps it by publishing (create,
+//! delete and re-create, revert, rename; adopt must publish too), and one that removes a
+//! volume unpublishes it (delete; forget too), after which no generation matches. A path
+//! that changes what a published volume is without publishing calls
+//! [`VolumeState::renew_generation`]. Writes, discards, snapshots of it and resizes keep
+//! it. In memory only: nothing that binds a generation (an NBD diff context) outlives the
+//! process.
+//!
 //! Locks: a volume's gate (paused by snapshot and resize) is taken before the commit lock,
 //! a block lock (per virtual block, provisioning only) after it and before the metadata
 //! mutex. Block locks guard nothing a panic can leave half-done.
@@ -23,6 +33,19 @@ use crate::ids::{BlockTime, DataBlock, Time, VirtualBlock, VolumeId};
 use arc_swap::ArcSwap;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// Which incarnation of a volume a state is: equal only for the same volume with the same
+/// content history (see the module doc). Unique within the process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct VolumeGeneration(u64);
+
+impl VolumeGeneration {
+    /// A generation no state had before.
+    fn fresh() -> VolumeGeneration {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        VolumeGeneration(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// Block locks per volume (hashed by virtual block).
@@ -61,6 +84,8 @@ impl Lookup {
 pub(crate) struct VolumeState {
     name: String,
     id: VolumeId,
+    /// A [`VolumeGeneration`]'s value; only [`VolumeState::renew_generation`] changes it.
+    generation: AtomicU64,
     size_bytes: AtomicU64,
     read_only: AtomicBool,
     /// Every mapping of the volume, committed or queued, once built; unset while nothing
@@ -87,6 +112,7 @@ impl VolumeState {
         VolumeState {
             name: entry.name.clone(),
             id: entry.id,
+            generation: AtomicU64::new(VolumeGeneration::fresh().0),
             size_bytes: AtomicU64::new(entry.size_bytes),
             read_only: AtomicBool::new(entry.read_only),
             index: index.map(OnceLock::from).unwrap_or_default(),
@@ -104,6 +130,19 @@ impl VolumeState {
 
     pub(crate) fn id(&self) -> VolumeId {
         self.id
+    }
+
+    /// Which incarnation of the volume this is (see the module doc).
+    pub(crate) fn generation(&self) -> VolumeGeneration {
+        VolumeGeneration(self.generation.load(Ordering::Acquire))
+    }
+
+    /// Give the volume a new generation: whoever bound the old one (an NBD diff context)
+    /// is told it changed. [`Volumes::publish`] calls it; call it under the metadata lock
+    /// for any other change of what the volume is.
+    pub(crate) fn renew_generation(&self) {
+        self.generation
+            .store(VolumeGeneration::fresh().0, Ordering::Release);
     }
 
     #[inline]
@@ -361,7 +400,10 @@ impl Volumes {
         }
     }
 
+    /// Publish `volume` under its name (replacing a state of that name) with a new
+    /// generation.
     pub(crate) fn publish(&self, volume: Arc<VolumeState>) {
+        volume.renew_generation();
         let mut volumes = (**self.published.load()).clone();
         let name = volume.name.clone();
         volumes.insert(name.clone(), volume);

@@ -39,7 +39,6 @@ use persistent_data::btree::node::Node;
 use persistent_data::btree::MAX_DEPTH;
 use persistent_data::checksum::BlockKind;
 use persistent_data::{BlockSource, MetadataBlock};
-use std::io::Write;
 use std::ops::RangeInclusive;
 
 /// How a run of virtual blocks compares between the left and the right volume.
@@ -94,6 +93,9 @@ pub struct DiffRequest {
     pub keys: RangeInclusive<u64>,
     /// Report [`DeltaKind::Same`] ranges too (reads the shared subtrees for their keys).
     pub list_same: bool,
+    /// Stop once this many nodes were read and at least one key is decided: the result
+    /// then covers the keys below [`Diff::stopped_at`] only. None: no limit.
+    pub nodes_max: Option<u64>,
 }
 
 impl DiffRequest {
@@ -104,6 +106,7 @@ impl DiffRequest {
             right,
             keys: 0..=u64::MAX,
             list_same: false,
+            nodes_max: None,
         }
     }
 }
@@ -115,6 +118,9 @@ pub struct Diff {
     pub ranges: Vec<DeltaRange>,
     /// Btree nodes read (the walk's cost).
     pub nodes_read: u64,
+    /// Where a walk stopped at [`DiffRequest::nodes_max`]: the keys from this one on were
+    /// not compared (the ranges cover the keys below it). None: every key was.
+    pub stopped_at: Option<u64>,
 }
 
 /// Compare two mapping trees (bottom level: virtual block → packed [`BlockTime`]).
@@ -122,6 +128,8 @@ pub fn diff<S: BlockSource + ?Sized>(source: &S, request: &DiffRequest) -> Resul
     let mut walk = Walk {
         source,
         nodes_read: 0,
+        nodes_max: request.nodes_max.unwrap_or(u64::MAX),
+        stopped_at: None,
         keys: (
             u128::from(*request.keys.start()),
             u128::from(*request.keys.end()) + 1,
@@ -184,6 +192,8 @@ type Side = Vec<Item>;
 struct Walk<'a, S: BlockSource + ?Sized> {
     source: &'a S,
     nodes_read: u64,
+    nodes_max: u64,
+    stopped_at: Option<u64>,
     /// The keys compared, `[lo, hi)`.
     keys: Interval,
     ranges: Ranges,
@@ -198,6 +208,7 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
         Diff {
             ranges: self.ranges.finish(),
             nodes_read: self.nodes_read,
+            stopped_at: self.stopped_at,
         }
     }
 
@@ -307,6 +318,20 @@ impl<S: BlockSource + ?Sized> Walk<'_, S> {
 
     fn run(&mut self, left: &mut Side, right: &mut Side) -> Result<()> {
         loop {
+            if self.nodes_read >= self.nodes_max {
+                // Every key below both fronts is decided (items are taken in key order, an
+                // entry only once it is below the other side's front).
+                let front = |side: &Side| match side.last() {
+                    Some(Item::Entry { key, .. }) => u128::from(*key),
+                    Some(Item::Subtree(s)) => s.interval.0,
+                    None => self.keys.1,
+                };
+                let decided = front(left).min(front(right)).min(self.keys.1);
+                if decided > self.keys.0 && decided < self.keys.1 {
+                    self.stopped_at = Some(decided as u64);
+                    return Ok(());
+                }
+            }
             match (left.last().copied(), right.last().copied()) {
                 (None, None) => return Ok(()),
                 (Some(l), None) => {
@@ -519,72 +544,9 @@ pub struct DeltaHeader {
     pub data_block_count: u64,
 }
 
-/// Print a diff as `thin_delta` 1.1.0 prints it, no newline after the last line. `ranges`
-/// must list `same` ranges for the output to match.
-///
-/// The default form gives each range one element; `verbose` (`thin_delta --verbose`)
-/// groups consecutive ranges of one kind in one element, each a `<range>` with the data
-/// block its first block maps to (`data_begin`, or `left_data_begin` and
-/// `right_data_begin` for `different`).
-pub fn write_xml(
-    out: &mut dyn Write,
-    header: &DeltaHeader,
-    left_id: u32,
-    right_id: u32,
-    ranges: &[DeltaRange],
-    verbose: bool,
-) -> std::io::Result<()> {
-    writeln!(
-        out,
-        "<superblock uuid=\"\" time=\"{}\" transaction=\"{}\" data_block_size=\"{}\" nr_data_blocks=\"{}\">",
-        header.time, header.transaction_id, header.data_block_size_sectors, header.data_block_count
-    )?;
-    writeln!(out, "  <diff left=\"{left_id}\" right=\"{right_id}\">")?;
-    if verbose {
-        write_verbose_ranges(out, ranges)?;
-    } else {
-        for range in ranges {
-            writeln!(
-                out,
-                "    <{} begin=\"{}\" length=\"{}\"/>",
-                range.kind.xml_name(),
-                range.begin,
-                range.length
-            )?;
-        }
-    }
-    writeln!(out, "  </diff>")?;
-    write!(out, "</superblock>")
-}
+mod xml;
 
-/// The ranges of `thin_delta --verbose`: a run of one kind in one element.
-fn write_verbose_ranges(out: &mut dyn Write, ranges: &[DeltaRange]) -> std::io::Result<()> {
-    let data = |block: Option<u64>| block.map_or_else(|| "?".to_string(), |b| b.to_string());
-    for run in ranges.chunk_by(|a, b| a.kind == b.kind) {
-        let name = run[0].kind.xml_name();
-        writeln!(out, "    <{name}>")?;
-        for range in run {
-            let data_begin = match range.kind {
-                DeltaKind::Different => format!(
-                    "left_data_begin=\"{}\" right_data_begin=\"{}\"",
-                    data(range.left_data_begin),
-                    data(range.right_data_begin)
-                ),
-                DeltaKind::RightOnly => format!("data_begin=\"{}\"", data(range.right_data_begin)),
-                DeltaKind::Same | DeltaKind::LeftOnly => {
-                    format!("data_begin=\"{}\"", data(range.left_data_begin))
-                }
-            };
-            writeln!(
-                out,
-                "      <range begin=\"{}\" {data_begin} length=\"{}\"/>",
-                range.begin, range.length
-            )?;
-        }
-        writeln!(out, "    </{name}>")?;
-    }
-    Ok(())
-}
+pub use xml::write_xml;
 
 #[cfg(test)]
 mod tests;

@@ -65,6 +65,7 @@ fn check(md: &PoolMetadata, left: VolumeId, right: VolumeId, keys: RangeInclusiv
             right: Some(md.volume_root(right).unwrap()),
             keys: keys.clone(),
             list_same,
+            nodes_max: None,
         };
         let walked = diff(md.transaction_manager(), &request).unwrap();
         assert_eq!(
@@ -331,6 +332,8 @@ fn trees_of_different_heights_share_their_leaves() {
         let mut walk = Walk {
             source: tm,
             nodes_read: 0,
+            nodes_max: u64::MAX,
+            stopped_at: None,
             keys: FULL,
             ranges: Ranges::new(false),
         };
