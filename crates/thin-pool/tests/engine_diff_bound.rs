@@ -142,7 +142,8 @@ fn a_generation_changes_with_revert_recreate_and_rename_only() {
     // Writes, a snapshot of it, a resize and a commit keep it.
     touch(&pool, "base", 8..16, 2);
     pool.snapshot("base", "snap", true).unwrap();
-    pool.resize_volume("base", 128 * BLOCK, Shrink::KeepData).unwrap();
+    pool.resize_volume("base", 128 * BLOCK, Shrink::KeepData)
+        .unwrap();
     pool.commit().unwrap();
     assert_eq!(pool.generation("base").unwrap(), generation);
     assert!(!changed(&pool, generation));
