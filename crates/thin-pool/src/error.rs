@@ -484,14 +484,7 @@ impl Error {
         match self {
             Error::Metadata(persistent_data::Error::Io { source, .. })
             | Error::Io { source, .. } => (Io, io_errno(source)),
-            Error::Metadata(error) => match error.kind() {
-                MetadataErrorKind::Corrupt => (Corrupt, libc::EIO),
-                MetadataErrorKind::NoSpace => (Refused, libc::ENOSPC),
-                // The pool passed persistent-data a request it should never make.
-                MetadataErrorKind::Invalid => (Internal, libc::EIO),
-                // Io is matched above; a kind added later counts as a bug until classified.
-                _ => (Internal, libc::EIO),
-            },
+            Error::Metadata(error) => metadata_class(error),
             Error::VolumeExists(_) | Error::NameExists(_) => (Refused, libc::EEXIST),
             // dm-thin answers a missing device id with ENODATA, a missing name with ENOENT.
             Error::VolumeNotFound(_) => (Refused, libc::ENODATA),
@@ -549,6 +542,18 @@ impl Error {
             Error::Internal(_) => (Internal, libc::EIO),
             Error::Catalog(refusal) => (Refused, refusal.errno()),
         }
+    }
+}
+
+/// The kind and errno of a persistent-data error that is not an I/O error.
+fn metadata_class(error: &persistent_data::Error) -> (ErrorKind, i32) {
+    match error.kind() {
+        MetadataErrorKind::Corrupt => (ErrorKind::Corrupt, libc::EIO),
+        MetadataErrorKind::NoSpace => (ErrorKind::Refused, libc::ENOSPC),
+        // The pool passed persistent-data a request it should never make.
+        MetadataErrorKind::Invalid => (ErrorKind::Internal, libc::EIO),
+        // Io is matched before; a kind added later counts as a bug until classified.
+        _ => (ErrorKind::Internal, libc::EIO),
     }
 }
 

@@ -92,17 +92,11 @@ impl Target {
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
                 pool.reserve_metadata_snap()?;
-                Ok(Outcome::Status(StatusRecord::new(
-                    &pool.status(),
-                    &self.options,
-                )))
+                Ok(self.status_outcome())
             }
             Request::ReleaseMetadataSnap => {
                 pool.release_metadata_snap()?;
-                Ok(Outcome::Status(StatusRecord::new(
-                    &pool.status(),
-                    &self.options,
-                )))
+                Ok(self.status_outcome())
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
             Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
@@ -116,6 +110,11 @@ impl Target {
                 list_same,
             } => super::diff::execute(pool, base, target, *list_same),
         }
+    }
+
+    /// The pool's status as an answer (without the catalog's disagreements).
+    fn status_outcome(&self) -> Outcome {
+        Outcome::Status(StatusRecord::new(&self.pool.status(), &self.options))
     }
 
     /// Adopts a thin id the catalog lacks, or forgets an entry whose thin id is gone.

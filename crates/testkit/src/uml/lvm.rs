@@ -3,7 +3,7 @@
 //!
 //! In the guest there is no udev, no `dmeventd`, no `lvmlockd`/`lvmpolld`, no modprobe
 //! and `/etc` is the host's, read-only (hostfs): every `lvm` command gets
-//! [`GUEST_CONFIG`] (the `lvm` shell function of [`GUEST_PRELUDE`]). 2.03 has no
+//! [`GUEST_CONFIG`] (the `lvm` shell function of [`guest_prelude`]). 2.03 has no
 //! `locking_type` any more: it takes file locks under `/run/lock/lvm`, on the guest's
 //! tmpfs `/run`. LVM checks for the targets it will load itself, so a thin snapshot
 //! (`lvcreate -s` of a thin LV) wants `dm-snapshot` loaded too ([`LVM_MODULES`]).
