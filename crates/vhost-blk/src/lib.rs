@@ -13,7 +13,10 @@
 //! - `request`: one request, served through the front-end seam (`Target`: the same calls
 //!   NBD makes), the errno turned into `VIRTIO_BLK_S_IOERR` / `_UNSUPP`;
 //! - `backend`: [`BlkBackend`], the queues (each its own thread);
-//! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects).
+//! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects);
+//! - `relay`: a compatibility shim each connection passes through on its way to the
+//!   handler: it trims the zero padding Linux's UML `virtio_uml` puts after the regions of
+//!   its SET_MEM_TABLE, which vhost 0.18 rejects.
 //!
 //! Not done: `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` (vhost-user-backend 0.24 refuses
 //! GET_INFLIGHT_FD, so a request in flight when the backend dies is lost: the front end sees
@@ -30,6 +33,7 @@
 
 mod backend;
 pub mod config;
+mod relay;
 mod request;
 mod server;
 

@@ -20,6 +20,7 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::backend::BlkBackend;
 use crate::config::QUEUES_MAX;
+use crate::relay::Relay;
 
 /// A vhost-user-blk socket serving one [`Target`] until stopped.
 pub struct VhostBlkServer {
@@ -52,9 +53,10 @@ impl VhostBlkServer {
         let name = format!("vhost-blk {}", target.name());
         let thread = {
             let shared = Arc::clone(&shared);
+            let socket = path.to_owned();
             std::thread::Builder::new()
                 .name("vhost-listen".into())
-                .spawn(move || accept_loop(target, listener.into(), queues, &shared, &name))?
+                .spawn(move || accept_loop(target, listener, &socket, queues, &shared, &name))?
         };
         Ok(VhostBlkServer {
             path: path.to_owned(),
@@ -97,20 +99,26 @@ impl Drop for VhostBlkServer {
     }
 }
 
-/// A listening socket at `path` that was mode 0600 before anyone could reach it.
-fn bind_private(path: &Path) -> io::Result<UnixListener> {
+/// A fresh mode 0700 directory beside `path`, named after it, this process and `what`.
+fn private_dir(path: &Path, what: &str) -> io::Result<PathBuf> {
     let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
     let parent = parent.unwrap_or(Path::new("."));
     let file_name = path
         .file_name()
         .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "socket path has no name"))?;
     let private = parent.join(format!(
-        ".{}.{}.tmp",
+        ".{}.{}.{what}",
         file_name.to_string_lossy(),
         std::process::id()
     ));
     let _ = std::fs::remove_dir_all(&private);
     std::fs::DirBuilder::new().mode(0o700).create(&private)?;
+    Ok(private)
+}
+
+/// A listening socket at `path` that was mode 0600 before anyone could reach it.
+fn bind_private(path: &Path) -> io::Result<UnixListener> {
+    let private = private_dir(path, "tmp")?;
     let result = (|| {
         let inner = private.join("sock");
         let listener = UnixListener::bind(&inner)?;
@@ -128,13 +136,25 @@ fn bind_private(path: &Path) -> io::Result<UnixListener> {
 
 fn accept_loop(
     target: Arc<dyn Target>,
-    mut listener: Listener,
+    listener: UnixListener,
+    socket: &Path,
     queues: u16,
     shared: &Shared,
     name: &str,
 ) {
     while !shared.stopping.load(Ordering::Acquire) {
-        if let Err(error) = serve_one(&target, &mut listener, queues, shared, name) {
+        let front = match listener.accept() {
+            Ok((front, _)) => front,
+            Err(error) if error.kind() == io::ErrorKind::Interrupted => continue,
+            Err(error) => {
+                tracing::warn!(device = name, "vhost-user-blk accept: {error}");
+                continue;
+            }
+        };
+        if shared.stopping.load(Ordering::Acquire) {
+            break;
+        }
+        if let Err(error) = serve_one(&target, front, socket, queues, shared, name) {
             if shared.stopping.load(Ordering::Acquire) {
                 break;
             }
@@ -143,10 +163,33 @@ fn accept_loop(
     }
 }
 
-/// Accepts one front end and serves it until it disconnects.
+/// Connects `daemon` to a fresh socket of its own (through a private 0700 directory beside
+/// `socket`, removed at once) and returns our end of it, for the [`Relay`].
+fn connect_handler(
+    daemon: &mut VhostUserDaemon<BlkBackend>,
+    socket: &Path,
+) -> io::Result<UnixStream> {
+    let private = private_dir(socket, "relay")?;
+    let result = (|| {
+        let inner = private.join("sock");
+        let listener = UnixListener::bind(&inner)?;
+        // The connection waits in the listen queue for the daemon's accept.
+        let ours = UnixStream::connect(&inner)?;
+        daemon
+            .start(&mut Listener::from(listener))
+            .map_err(|e| io::Error::other(e.to_string()))?;
+        Ok(ours)
+    })();
+    let _ = std::fs::remove_dir_all(&private);
+    result
+}
+
+/// Serves the accepted front end until it disconnects, its messages passing through the
+/// compatibility [`Relay`] to the vhost-user handler.
 fn serve_one(
     target: &Arc<dyn Target>,
-    listener: &mut Listener,
+    front: UnixStream,
+    socket: &Path,
     queues: u16,
     shared: &Shared,
     name: &str,
@@ -155,25 +198,32 @@ fn serve_one(
     let backend = BlkBackend::new(Arc::clone(target), queues, mem.clone())?;
     let mut daemon = VhostUserDaemon::new(name.to_string(), backend.clone(), mem)
         .map_err(|e| io::Error::other(e.to_string()))?;
-    let started = daemon
-        .start(listener)
-        .map_err(|e| io::Error::other(e.to_string()));
-    if shared.stopping.load(Ordering::Acquire) {
-        daemon.request_shutdown();
-        let _ = daemon.wait();
-        backend.exit_all();
-        return Ok(());
-    }
-    started?;
+    let relay = connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours));
+    let relay = match relay {
+        Ok(relay) => relay,
+        Err(error) => {
+            daemon.request_shutdown();
+            let _ = daemon.wait();
+            backend.exit_all();
+            return Err(error);
+        }
+    };
     tracing::info!(device = name, "vhost-user-blk front end connected");
     if let Ok(mut current) = shared.current.lock() {
         *current = daemon.shutdown_handle();
+    }
+    if shared.stopping.load(Ordering::Acquire) {
+        daemon.request_shutdown();
     }
     let result = daemon.wait();
     if let Ok(mut current) = shared.current.lock() {
         *current = None;
     }
+    // The handler's end is closed now, so both directions of the relay end.
+    daemon.request_shutdown();
+    let relayed = relay.join();
     backend.exit_all();
     tracing::info!(device = name, "vhost-user-blk front end disconnected");
-    result.map_err(|e| io::Error::other(e.to_string()))
+    result.map_err(|e| io::Error::other(e.to_string()))?;
+    relayed
 }
