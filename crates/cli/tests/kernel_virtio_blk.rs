@@ -134,7 +134,6 @@ fn ext4_through_qemu_storage_daemon_vhost_user_blk() {
 }
 
 #[test]
-#[ignore = "issue 23: Linux 6.1's virtio_uml sends VHOST_USER_SET_MEM_TABLE padded to its 2-region struct (72 bytes for 1 region); vhost 0.18 requires the exact size and rejects it (ack 1), so virtio_blk's probe fails with EIO"]
 fn ext4_through_thinpool_vhost_user_blk_reads_back_through_nbd() {
     require_tools();
     require_tool("nbdcopy", "libnbd-bin");

@@ -152,8 +152,13 @@ impl VhostUserBackend for BlkBackend {
         }
     }
 
+    /// `BACKEND_REQ` is offered though nothing is sent on that channel yet: Linux 6.1's UML
+    /// `virtio_uml` takes the IRQ number for its queues' call fds from the one it allocates
+    /// for the backend-request channel, so without that channel it asks for IRQ 0 (the
+    /// timer's) and virtio_blk's probe fails with EBUSY.
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::BACKEND_REQ
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
