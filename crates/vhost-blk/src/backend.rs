@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 
 use thinpool_frontend::Target;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
 use virtio_queue::QueueT;
@@ -48,6 +49,9 @@ struct Inner {
     workers: Vec<Mutex<Worker>>,
     /// Per queue thread, the event that makes it exit (written at shutdown).
     exits: Vec<(Mutex<Option<EventConsumer>>, EventNotifier)>,
+    /// The backend-request channel the front end gave us, held open while connected:
+    /// nothing is sent on it yet, but `virtio_uml` breaks the device when it closes.
+    backend_req: Mutex<Option<Backend>>,
 }
 
 impl BlkBackend {
@@ -74,6 +78,7 @@ impl BlkBackend {
                     .map(|_| Mutex::new(Worker::new(false)))
                     .collect(),
                 exits,
+                backend_req: Mutex::new(None),
             }),
         })
     }
@@ -82,6 +87,9 @@ impl BlkBackend {
     pub fn exit_all(&self) {
         for (_, notifier) in &self.inner.exits {
             let _ = notifier.notify();
+        }
+        if let Ok(mut held) = self.inner.backend_req.lock() {
+            *held = None;
         }
     }
 
@@ -162,6 +170,12 @@ impl VhostUserBackend for BlkBackend {
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn set_backend_req_fd(&self, backend: Backend) {
+        if let Ok(mut held) = self.inner.backend_req.lock() {
+            *held = Some(backend);
+        }
     }
 
     fn set_event_idx(&self, enabled: bool) {
