@@ -106,29 +106,62 @@ pub fn lock_exclusive(file: &File, path: &Path) -> Result<()> {
     }
 }
 
-/// [`Error::Locked`] for `path`, naming the process that holds it if it can be found.
+/// [`Error::Locked`] for `path`, naming the processes that hold it if they can be found.
 pub fn locked(path: &Path) -> Error {
-    let path = match holder(path) {
-        Some(holder) => format!("{} (held by {holder})", path.display()),
+    let path = match holders(path) {
+        Some(holders) => format!("{} (held by {holders})", path.display()),
         None => path.display().to_string(),
     };
     Error::Locked { path }
 }
 
-/// The process (other than this one) holding `path`: the holder of a `flock` on it for a
-/// regular file, a process with it open for a block device. `None` if there is none or it
-/// cannot be found (e.g. `/proc` is not readable).
-pub fn holder(path: &Path) -> Option<Holder> {
+/// The processes (other than this one) holding `path`, at least one: the holder of a
+/// `flock` on it for a regular file; every process with it open for a block device (the
+/// kernel does not say which of them opened it exclusively, and a passing `losetup` or
+/// `blkid` may have it open too). `None` if there is none or it cannot be found (e.g.
+/// `/proc` is not readable).
+pub fn holders(path: &Path) -> Option<Holders> {
     let metadata = std::fs::metadata(path).ok()?;
-    let pid = if metadata.file_type().is_block_device() {
-        block_device_opener(metadata.rdev())?
+    let pids = if metadata.file_type().is_block_device() {
+        block_device_openers(metadata.rdev())
     } else {
-        flock_holder(metadata.dev(), metadata.ino())?
+        flock_holder(metadata.dev(), metadata.ino())
+            .into_iter()
+            .collect()
     };
-    let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
-        .ok()
-        .map(|text| text.trim().to_string());
-    Some(Holder { pid, command })
+    let holders: Vec<Holder> = pids
+        .into_iter()
+        .map(|pid| {
+            let command = std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .ok()
+                .map(|text| text.trim().to_string());
+            Holder { pid, command }
+        })
+        .collect();
+    (!holders.is_empty()).then_some(Holders(holders))
+}
+
+/// One or more [`Holder`]s, shown as `pid 1 (a), pid 2 (b)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Holders(pub Vec<Holder>);
+
+impl Holders {
+    /// The first holder found (the only one for a `flock`).
+    pub fn first(&self) -> &Holder {
+        &self.0[0]
+    }
+}
+
+impl std::fmt::Display for Holders {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, holder) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{holder}")?;
+        }
+        Ok(())
+    }
 }
 
 /// The pid of the `FLOCK` holder of inode `ino` on device `dev`, from `/proc/locks`, whose
@@ -156,23 +189,29 @@ fn flock_holder(dev: u64, ino: u64) -> Option<u32> {
     })
 }
 
-/// A process (other than this one) with block device `rdev` open, from `/proc/PID/fd`.
-fn block_device_opener(rdev: u64) -> Option<u32> {
+/// The processes (other than this one) with block device `rdev` open, from
+/// `/proc/PID/fd`, in pid order.
+fn block_device_openers(rdev: u64) -> Vec<u32> {
     let me = std::process::id();
-    std::fs::read_dir("/proc").ok()?.find_map(|entry| {
-        let pid: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
-        if pid == me {
-            return None;
-        }
-        let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).ok()?;
-        fds.filter_map(|fd| fd.ok())
-            .any(|fd| {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut pids: Vec<u32> = entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+                return false;
+            };
+            fds.filter_map(|fd| fd.ok()).any(|fd| {
                 std::fs::metadata(fd.path()).is_ok_and(|metadata| {
                     metadata.file_type().is_block_device() && metadata.rdev() == rdev
                 })
             })
-            .then_some(pid)
-    })
+        })
+        .collect();
+    pids.sort_unstable();
+    pids
 }
 
 #[cfg(test)]
@@ -194,18 +233,18 @@ mod tests {
             .spawn()
             .expect("flock(1) runs");
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while holder(&path).is_none() {
+        while holders(&path).is_none() {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the lock was not seen"
             );
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
-        let found = holder(&path).unwrap();
+        let found = holders(&path).unwrap();
         let error = open_for_writing(&path).expect_err("refused while held");
         let text = error.to_string();
         assert!(matches!(error, Error::Locked { .. }), "{text}");
-        assert_eq!(found.pid, child.id(), "flock(1) took the lock");
+        assert_eq!(found.first().pid, child.id(), "flock(1) took the lock");
         assert!(
             text.contains(&format!("held by pid {}", child.id())),
             "{text}"

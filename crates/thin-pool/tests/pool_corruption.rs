@@ -647,7 +647,7 @@ fn write_and_compare(pool: &Pool, image: &Image) -> Result<bool, String> {
             // c: fresh blocks; a: blocks shared with its snapshots.
             let block = if target == "c" { 200 + i } else { i * 3 };
             if block < blocks {
-                let _ = v.write(block * BLOCK_BYTES, &pattern(target, block, 9), false);
+                let _ = v.write(block * BLOCK_BYTES, &pattern(target, block, ROUND), false);
             }
         }
         let _ = v.flush();
@@ -662,14 +662,31 @@ fn write_and_compare(pool: &Pool, image: &Image) -> Result<bool, String> {
         for (block, probe) in probes {
             let mut now = vec![0u8; PROBE_BYTES];
             if v.read(block * BLOCK_BYTES, &mut now).is_ok() && &now != probe {
-                let written = targets
-                    .iter()
-                    .any(|t| now.starts_with(format!("{t}:").as_bytes()));
-                crossed |= written;
+                // Only this round's writes (generation `ROUND`) count: a damaged catalog may
+                // name another volume's unchanged blocks, which is not a crossed write.
+                crossed |= targets.iter().any(|t| written_here(&now, t));
             }
         }
     }
     Ok(crossed)
+}
+
+/// The generation of the writes `write_and_compare` makes.
+const ROUND: u32 = 9;
+
+/// Whether `block` starts with the header of a write `write_and_compare` made to `target`.
+fn written_here(block: &[u8], target: &str) -> bool {
+    let Some(end) = block.iter().position(|&b| b == b';') else {
+        return false;
+    };
+    let Ok(header) = std::str::from_utf8(&block[..end]) else {
+        return false;
+    };
+    let mut fields = header.split(':');
+    fields.next() == Some(target)
+        && fields.next().is_some_and(|b| b.parse::<u64>().is_ok())
+        && fields.next() == Some(ROUND.to_string().as_str())
+        && fields.next().is_none()
 }
 
 /// Every reader on one damaged image.

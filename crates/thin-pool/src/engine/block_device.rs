@@ -187,10 +187,10 @@ pub(super) fn open_block_device(path: &Path, writable: bool, flags: i32) -> Resu
 
 fn busy_or(path: &Path, e: io::Error) -> Error {
     if e.raw_os_error() == Some(libc::EBUSY) {
-        match crate::owner::holder(path) {
-            Some(holder) => Error::Locked {
+        match crate::owner::holders(path) {
+            Some(holders) => Error::Locked {
                 path: format!(
-                    "{} (opened exclusively elsewhere: held by {holder})",
+                    "{} (opened exclusively elsewhere: held by {holders})",
                     path.display()
                 ),
             },
