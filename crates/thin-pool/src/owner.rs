@@ -8,8 +8,8 @@
 //! same claim, so a served pool's metadata is never overwritten under its server (issue 20,
 //! finding 2: `restore -o POOL/metadata` used to succeed while `serve` held the pool).
 //!
-//! A refusal names the holder: [`holder`] finds the process holding a file's `flock` in
-//! `/proc/locks` (by device and inode), or a process with a block device open in
+//! A refusal names the holders: [`holders`] finds the process holding a file's `flock` in
+//! `/proc/locks` (by device and inode), or every process with a block device open in
 //! `/proc/PID/fd`.
 
 use std::fs::File;
