@@ -50,11 +50,7 @@ fn fill(dir: &std::path::Path) {
 }
 
 fn ids(pool: &str) -> Vec<(String, u64)> {
-    let listing: serde_json::Value =
-        serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", pool])).unwrap();
-    listing["volumes"]
-        .as_array()
-        .unwrap()
+    listed_volumes(pool)
         .iter()
         .map(|v| {
             (

@@ -3,7 +3,7 @@
 //!
 //! Method: two writer threads (two connections, two volumes, one of them snapshotted over the
 //! control socket while it is written) overwrite 64 KiB slots with self-describing sectors
-//! (slot, generation, sector index, then seeded bytes) and flush every few writes, recording
+//! (`testkit::slots`: slot, generation, sector index, then a fill byte) and flush every few writes, recording
 //! for each slot the generation the last completed flush covered. The server is killed at a
 //! random moment, both `thin_check` versions run on the metadata, the server restarts (on its
 //! stale sockets), and every slot must hold a valid sector image of at least its flushed
@@ -15,63 +15,12 @@ use e2e_support::*;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use testkit::slots::{check_slot, slot_image};
 use testkit::tools::ThinTools;
 
 const SLOT_BYTES: usize = 64 * 1024;
-const SECTOR_BYTES: usize = 4096;
 const SLOTS: u64 = 96;
 const WRITES_PER_FLUSH: usize = 8;
-
-fn slot_image(slot: u64, generation: u64) -> Vec<u8> {
-    let mut image = Vec::with_capacity(SLOT_BYTES);
-    for sector in 0..(SLOT_BYTES / SECTOR_BYTES) as u64 {
-        image.extend_from_slice(&slot.to_le_bytes());
-        image.extend_from_slice(&generation.to_le_bytes());
-        image.extend_from_slice(&sector.to_le_bytes());
-        image.extend_from_slice(&pattern(
-            (slot << 40) ^ (generation << 8) ^ sector,
-            SECTOR_BYTES - 24,
-        ));
-    }
-    image
-}
-
-/// Checks a slot read back: every sector all zero (never written) or a valid sector of one
-/// generation at least `flushed`; returns nothing, panics with the slot on a violation.
-fn check_slot(volume: &str, slot: u64, data: &[u8], flushed: u64) {
-    for (sector, bytes) in data.chunks(SECTOR_BYTES).enumerate() {
-        if bytes.iter().all(|&b| b == 0) {
-            assert_eq!(
-                flushed, 0,
-                "{volume} slot {slot} sector {sector}: zero, but generation {flushed} was flushed"
-            );
-            continue;
-        }
-        let word =
-            |index: usize| u64::from_le_bytes(bytes[index * 8..index * 8 + 8].try_into().unwrap());
-        let (found_slot, generation, found_sector) = (word(0), word(1), word(2));
-        assert_eq!(
-            found_slot, slot,
-            "{volume} slot {slot} sector {sector}: misplaced data"
-        );
-        assert_eq!(
-            found_sector, sector as u64,
-            "{volume} slot {slot}: sector {sector} misplaced"
-        );
-        assert!(
-            generation >= flushed,
-            "{volume} slot {slot} sector {sector}: generation {generation} older than flushed {flushed}"
-        );
-        let expected = pattern(
-            (slot << 40) ^ (generation << 8) ^ sector as u64,
-            SECTOR_BYTES - 24,
-        );
-        assert!(
-            bytes[24..] == expected[..],
-            "{volume} slot {slot} sector {sector}: torn or corrupt"
-        );
-    }
-}
 
 /// Per volume: the generation each slot's last completed flush covered.
 type Flushed = Arc<Mutex<Vec<u64>>>;
@@ -90,7 +39,7 @@ fn writer(socket: &Path, volume: &str, flushed: Flushed, seed: u64, first_genera
         state ^= state << 17;
         let slot = state % SLOTS;
         generation += 1;
-        let image = slot_image(slot, generation);
+        let image = slot_image(slot, generation, SLOT_BYTES);
         let offset = slot * SLOT_BYTES as u64;
         if !succeeds(&mut client, CMD_WRITE, offset, &image) {
             return;
@@ -124,12 +73,6 @@ fn verify(socket: &Path, volume: &str, flushed: &Flushed) -> u64 {
     }
     client.disconnect();
     flushed.iter().filter(|&&generation| generation > 0).count() as u64
-}
-
-fn thin_check_both(metadata: &Path) {
-    for tools in ThinTools::all() {
-        tools.check(metadata).assert_success();
-    }
 }
 
 #[test]
@@ -180,7 +123,7 @@ fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
         for writer in writers {
             writer.join().unwrap();
         }
-        thin_check_both(&pool.join("metadata"));
+        ThinTools::check_all(&pool.join("metadata"));
     }
     let served = serve(&pool, &["--quiet"]);
     for (volume, flushed) in ["a", "b"].iter().zip(&flushed) {
@@ -194,5 +137,5 @@ fn sigkill_during_flushed_writes_keeps_every_flushed_write() {
         serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", p])).unwrap();
     assert_eq!(listing["volumes"].as_array().unwrap().len(), 2 + snapshots);
     assert!(served.stop().success());
-    thin_check_both(&pool.join("metadata"));
+    ThinTools::check_all(&pool.join("metadata"));
 }

@@ -21,34 +21,16 @@ use e2e_support::*;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use testkit::slots::{check_volume, slot_image};
 use testkit::tools::ThinTools;
 use testkit::uml::{Boot, Uml, DM_THIN_MODULES};
 
 const SLOT_BYTES: usize = 64 * 1024;
-const SECTOR_BYTES: usize = 4096;
 const SLOTS: u64 = 64;
 const VOLUME_BYTES: u64 = SLOTS * SLOT_BYTES as u64;
 const WRITES_PER_FLUSH: usize = 4;
 /// Flushed writes to wait for before the crash.
 const RECORDS_BEFORE_CRASH: usize = 48;
-
-fn fill_byte(slot: u64, generation: u64, sector: u64) -> u8 {
-    (slot.wrapping_mul(7) + generation.wrapping_mul(13) + sector.wrapping_mul(31)) as u8
-}
-
-fn slot_image(slot: u64, generation: u64) -> Vec<u8> {
-    let mut image = Vec::with_capacity(SLOT_BYTES);
-    for sector in 0..(SLOT_BYTES / SECTOR_BYTES) as u64 {
-        image.extend_from_slice(&slot.to_le_bytes());
-        image.extend_from_slice(&generation.to_le_bytes());
-        image.extend_from_slice(&sector.to_le_bytes());
-        image.resize(
-            image.len() + SECTOR_BYTES - 24,
-            fill_byte(slot, generation, sector),
-        );
-    }
-    image
-}
 
 /// The same image, made by the guest's writer (python3 from the host, through hostfs).
 const GUEST_WRITER: &str = r#"
@@ -80,56 +62,6 @@ while True:
     record.flush()
     os.fsync(record.fileno())
 "#;
-
-/// Checks one slot: every sector zero (only if nothing was flushed) or a valid sector of a
-/// generation at least `flushed`.
-fn check_slot(what: &str, slot: u64, data: &[u8], flushed: u64) {
-    for (sector, bytes) in data.chunks(SECTOR_BYTES).enumerate() {
-        if bytes.iter().all(|&b| b == 0) {
-            assert_eq!(
-                flushed, 0,
-                "{what} slot {slot} sector {sector}: zero, but generation {flushed} was flushed"
-            );
-            continue;
-        }
-        let word =
-            |index: usize| u64::from_le_bytes(bytes[index * 8..index * 8 + 8].try_into().unwrap());
-        let (found_slot, generation, found_sector) = (word(0), word(1), word(2));
-        assert_eq!(
-            found_slot, slot,
-            "{what} slot {slot} sector {sector}: misplaced"
-        );
-        assert_eq!(
-            found_sector, sector as u64,
-            "{what} slot {slot} sector {sector}: misplaced"
-        );
-        assert!(
-            generation >= flushed,
-            "{what} slot {slot} sector {sector}: generation {generation} older than flushed {flushed}"
-        );
-        let fill = fill_byte(slot, generation, sector as u64);
-        assert!(
-            bytes[24..].iter().all(|&b| b == fill),
-            "{what} slot {slot} sector {sector}: torn or corrupt"
-        );
-    }
-}
-
-/// Checks a whole volume image against the flushed generations; the number of slots that
-/// had a flushed write.
-fn check_volume(what: &str, image: &[u8], flushed: &[u64]) -> usize {
-    assert_eq!(image.len() as u64, VOLUME_BYTES, "{what}: size");
-    for (slot, data) in image.chunks(SLOT_BYTES).enumerate() {
-        check_slot(what, slot as u64, data, flushed[slot]);
-    }
-    flushed.iter().filter(|&&generation| generation > 0).count()
-}
-
-fn thin_check_both(metadata: &Path) {
-    for tools in ThinTools::all() {
-        tools.check(metadata).assert_success();
-    }
-}
 
 /// A 64 KiB-block file pool with volume `v`; its thin id.
 fn make_pool(pool: &Path) -> u32 {
@@ -216,13 +148,13 @@ fn kernel_killed_while_flushing_loses_no_flushed_write() {
         String::from_utf8_lossy(&check.stdout),
         String::from_utf8_lossy(&check.stderr)
     );
-    thin_check_both(&pool.join("metadata"));
+    ThinTools::check_all(&pool.join("metadata"));
     let served = serve(&pool, &["--quiet"]);
     let mut client = Client::open(&served.socket, "v");
     let image = client.read(0, VOLUME_BYTES);
     client.disconnect();
     assert!(served.stop().success());
-    let slots = check_volume("after the kernel crashed, v", &image, &flushed);
+    let slots = check_volume("after the kernel crashed, v", &image, SLOT_BYTES, &flushed);
     assert!(slots > 0, "no flushed write recorded");
     eprintln!(
         "kernel crash: {} flushed writes recorded, {slots} slots checked",
@@ -256,7 +188,7 @@ fn thinpool_killed_while_flushing_loses_no_flushed_write_the_kernel_reads() {
                 state ^= state << 17;
                 let slot = state % SLOTS;
                 generation += 1;
-                let image = slot_image(slot, generation);
+                let image = slot_image(slot, generation, SLOT_BYTES);
                 let ok = client
                     .try_request(CMD_WRITE, slot * SLOT_BYTES as u64, &image)
                     .is_ok_and(|reply| reply.error == 0);
@@ -286,7 +218,7 @@ fn thinpool_killed_while_flushing_loses_no_flushed_write_the_kernel_reads() {
     served.kill9();
     let generations = writer.join().unwrap();
     let flushed = flushed.lock().unwrap().clone();
-    thin_check_both(&pool.join("metadata"));
+    ThinTools::check_all(&pool.join("metadata"));
 
     let result = temp.join("result");
     let data_sectors = std::fs::metadata(pool.join("data")).unwrap().len() / 512;
@@ -307,10 +239,11 @@ fn thinpool_killed_while_flushing_loses_no_flushed_write_the_kernel_reads() {
     let slots = check_volume(
         "the kernel's read after thinpool crashed, v",
         &image,
+        SLOT_BYTES,
         &flushed,
     );
     assert!(slots > 0);
-    thin_check_both(&pool.join("metadata"));
+    ThinTools::check_all(&pool.join("metadata"));
     thinpool_ok(&["check", pool.join("metadata").to_str().unwrap()]);
     eprintln!("thinpool crash: {generations} writes sent, {slots} slots checked in the kernel");
 }

@@ -33,6 +33,7 @@ use e2e_support::*;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use testkit::loop_device::LoopDevice;
+use testkit::slots::assert_same_bytes;
 use testkit::tools::ThinTools;
 use testkit::uml::{Boot, Uml, DM_THIN_MODULES};
 
@@ -97,30 +98,8 @@ fn served_images(pool: &Path) -> BTreeMap<String, Vec<u8>> {
     images
 }
 
-/// Panics, naming the first differing 4 KiB sector, unless `actual == expected`.
-#[track_caller]
-fn assert_same_bytes(what: &str, actual: &[u8], expected: &[u8]) {
-    assert_eq!(actual.len(), expected.len(), "{what}: length differs");
-    if let Some(sector) = actual
-        .chunks(4096)
-        .zip(expected.chunks(4096))
-        .position(|(a, e)| a != e)
-    {
-        panic!(
-            "{what}: differs first in the 4 KiB sector at byte {}",
-            sector * 4096
-        );
-    }
-}
-
 fn read(path: &Path) -> Vec<u8> {
     std::fs::read(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()))
-}
-
-fn thin_check_both(metadata: &Path) {
-    for tools in ThinTools::all() {
-        tools.check(metadata).assert_success();
-    }
 }
 
 /// The fields of `dmsetup status POOL`'s thin-pool line after "0 LENGTH thin-pool".
@@ -470,7 +449,7 @@ fn thinpool_pools_run_in_the_kernel_and_come_back() {
 
         // thinpool takes the pool back.
         thinpool_ok(&["check", case.metadata.to_str().unwrap()]);
-        thin_check_both(&case.metadata);
+        ThinTools::check_all(&case.metadata);
         let ours_after = status(&case.dir);
         assert_eq!(
             ours_after["transaction_id"], ours["transaction_id"],
@@ -614,7 +593,7 @@ dm message kp 0 'set_transaction_id 0 5'
         .assert_success();
     let kernel_status = kernel_pool_status(&result.join("kernel-status"));
     assert_eq!(kernel_status.transaction_id, 5, "{}", kernel_status.line);
-    thin_check_both(&metadata);
+    ThinTools::check_all(&metadata);
 
     // 2. thinpool imports it (from loop devices over the same files).
     let pool = temp.join("pool");
@@ -692,7 +671,7 @@ dm message kp 0 'set_transaction_id 0 5'
         snap.disconnect();
         assert!(served.stop().success());
         thinpool_ok(&["check", metadata_dev]);
-        thin_check_both(metadata_loop.path());
+        ThinTools::check_all(metadata_loop.path());
         let images = served_images(&pool);
         let transaction_id = status(&pool)["transaction_id"].as_u64().unwrap();
         (images, volumes(&pool), transaction_id)
@@ -761,7 +740,7 @@ dm message kp 0 'set_transaction_id 0 5'
             .into_owned();
         assert!(fsck.contains("clean"), "{name}: fsck -n: {fsck}");
     }
-    thin_check_both(&metadata);
+    ThinTools::check_all(&metadata);
     eprintln!(
         "kernel round trip kernel → thinpool → kernel: {} + {} volumes compared",
         names.len(),
@@ -813,7 +792,7 @@ dm remove p
         .assert_success();
     let kernel = kernel_pool_status(&result.join("status"));
     assert_ne!(kernel.held_metadata_root, "-", "{}", kernel.line);
-    thin_check_both(&pool.join("metadata"));
+    ThinTools::check_all(&pool.join("metadata"));
     thinpool_ok(&["check", pool.join("metadata").to_str().unwrap()]);
     let ours = status(&pool);
     assert_eq!(
@@ -873,7 +852,7 @@ dm remove {l}
         .script(&script)
         .run();
     outcome.assert_success();
-    thin_check_both(&case.metadata);
+    ThinTools::check_all(&case.metadata);
 
     let p = case.dir.to_str().unwrap();
     let listed = thinpool(&["list", "--pool", p]);
@@ -935,5 +914,5 @@ dm remove {l}
         (Some(snap_id), Some("a"))
     );
     thinpool_ok(&["check", case.metadata.to_str().unwrap()]);
-    thin_check_both(&case.metadata);
+    ThinTools::check_all(&case.metadata);
 }

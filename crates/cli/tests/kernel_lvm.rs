@@ -28,6 +28,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use testkit::slots::assert_same_bytes;
 use testkit::tools::ThinTools;
 use testkit::uml::lvm::{
     dm_table, guest_prelude, linear_pieces, parse_device_numbers, read_pieces, LinearPiece,
@@ -288,22 +289,6 @@ fn read(path: &Path) -> Vec<u8> {
 
 fn read_text(path: &Path) -> String {
     String::from_utf8(read(path)).unwrap()
-}
-
-/// Panics, naming the first differing 4 KiB sector, unless `actual == expected`.
-#[track_caller]
-fn assert_same_bytes(what: &str, actual: &[u8], expected: &[u8]) {
-    assert_eq!(actual.len(), expected.len(), "{what}: length differs");
-    if let Some(sector) = actual
-        .chunks(4096)
-        .zip(expected.chunks(4096))
-        .position(|(a, e)| a != e)
-    {
-        panic!(
-            "{what}: differs first in the 4 KiB sector at byte {}",
-            sector * 4096
-        );
-    }
 }
 
 /// The transaction id and used data blocks of a `dmsetup status` thin-pool line.

@@ -32,6 +32,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use testkit::slots::assert_same_bytes;
 use testkit::tools::ThinTools;
 use testkit::uml::nbd::{
     connections, refused_requests, request_counts, Close, GuestServe, NBD_MODULES,
@@ -142,22 +143,6 @@ fn read(path: &Path) -> Vec<u8> {
 
 fn read_text(path: &Path) -> String {
     String::from_utf8(read(path)).expect("text")
-}
-
-/// Panics, naming the first differing 4 KiB sector, unless `actual == expected`.
-#[track_caller]
-fn assert_same_bytes(what: &str, actual: &[u8], expected: &[u8]) {
-    assert_eq!(actual.len(), expected.len(), "{what}: length differs");
-    if let Some(sector) = actual
-        .chunks(4096)
-        .zip(expected.chunks(4096))
-        .position(|(a, e)| a != e)
-    {
-        panic!(
-            "{what}: differs first in the 4 KiB sector at byte {}",
-            sector * 4096
-        );
-    }
 }
 
 fn guest_serve(pool: &Path) -> GuestServe {

@@ -19,11 +19,7 @@ const BLOCK: u64 = 64 * 1024;
 type Figures = BTreeMap<u64, (u64, u64, u64)>;
 
 fn from_list(pool: &str) -> Figures {
-    let listing: serde_json::Value =
-        serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", pool])).unwrap();
-    listing["volumes"]
-        .as_array()
-        .unwrap()
+    listed_volumes(pool)
         .iter()
         .map(|v| {
             let field = |name: &str| {

@@ -9,23 +9,6 @@ mod e2e_support;
 
 use e2e_support::*;
 
-/// (name, origin) of every volume from `list --json`.
-fn origins(pool: &str) -> Vec<(String, Option<String>)> {
-    let listing: serde_json::Value =
-        serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", pool])).unwrap();
-    listing["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| {
-            (
-                v["name"].as_str().unwrap().to_string(),
-                v["origin"].as_str().map(str::to_string),
-            )
-        })
-        .collect()
-}
-
 /// The ORIGIN column of `name`'s row in the `list` table.
 fn origin_column(pool: &str, name: &str) -> String {
     let table = thinpool_ok(&["list", "--pool", pool]);

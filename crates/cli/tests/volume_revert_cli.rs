@@ -12,23 +12,6 @@ use testkit::tools::ThinTools;
 
 const BLOCK: u64 = 64 * 1024;
 
-/// (name, origin) of every volume from `list --json`.
-fn origins(pool: &str) -> Vec<(String, Option<String>)> {
-    let listing: serde_json::Value =
-        serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", pool])).unwrap();
-    listing["volumes"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| {
-            (
-                v["name"].as_str().unwrap().to_string(),
-                v["origin"].as_str().map(str::to_string),
-            )
-        })
-        .collect()
-}
-
 fn pair(name: &str, origin: Option<&str>) -> (String, Option<String>) {
     (name.to_string(), origin.map(str::to_string))
 }

@@ -14,6 +14,8 @@
 //! - [`process`]: external tools with timeouts, processes killed by PID when dropped, a
 //!   served pool (`thinpool serve`), polling with a deadline.
 //! - [`loop_device`]: loop devices over test files, detached when dropped.
+//! - [`slots`]: crash-test content (slots rewritten by generations) and its checks, and a
+//!   byte comparison that names the first differing sector.
 //! - [`qemu_img`]: `qemu-img` map, convert and compare as a client of our servers.
 //! - [`uml`]: the real Linux kernel (User-Mode Linux, fetched by `scripts/fetch-uml`) booted
 //!   with test files as disks and a script as init, killed by process group on timeout.
@@ -32,6 +34,7 @@ pub mod process;
 pub mod qemu_img;
 pub mod scratch;
 pub mod seed;
+pub mod slots;
 pub mod tools;
 pub mod uml;
 

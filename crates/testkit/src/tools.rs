@@ -158,6 +158,13 @@ impl ThinTools {
         self.run("thin_check", &[path.as_os_str()])
     }
 
+    /// `thin_check <path>` with both versions; panics, with their output, unless both pass.
+    pub fn check_all(path: &Path) {
+        for tools in ThinTools::all() {
+            tools.check(path).assert_success();
+        }
+    }
+
     /// `thin_check <extra args> <path>`, e.g. `--clear-needs-check-flag`.
     pub fn check_with(&self, path: &Path, args: &[&str]) -> ToolOutput {
         self.run("thin_check", &with_path(args, path))

@@ -118,3 +118,26 @@ pub fn merge(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     }
     merged
 }
+
+/// The volume objects of `list --json` of the pool in `pool`.
+pub fn listed_volumes(pool: &str) -> Vec<serde_json::Value> {
+    let mut listing: serde_json::Value =
+        serde_json::from_str(&thinpool_ok(&["list", "--json", "--pool", pool])).unwrap();
+    match listing["volumes"].take() {
+        serde_json::Value::Array(volumes) => volumes,
+        other => panic!("list --json has no volumes array: {other}"),
+    }
+}
+
+/// (name, origin) of every volume from `list --json` of the pool in `pool`.
+pub fn origins(pool: &str) -> Vec<(String, Option<String>)> {
+    listed_volumes(pool)
+        .iter()
+        .map(|v| {
+            (
+                v["name"].as_str().unwrap().to_string(),
+                v["origin"].as_str().map(str::to_string),
+            )
+        })
+        .collect()
+}
