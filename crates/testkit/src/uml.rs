@@ -555,7 +555,9 @@ fn unique() -> u64 {
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
 
+pub mod drbd;
 pub mod nbd;
+pub mod net;
 pub mod virtio;
 
 #[cfg(test)]
