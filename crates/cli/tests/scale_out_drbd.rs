@@ -365,3 +365,153 @@ fn pool_on_drbd_survives_the_primary_killed() {
     let list = read_text(&dir1.join("list.json"));
     assert!(list.contains("\"v\""), "{list}");
 }
+
+/// The cost jobs: `(name, fio arguments)`, 4 KiB at queue depth 1 on an 8 MiB region the
+/// script wrote (and flushed) first, so every I/O hits mapped blocks.
+const COST_JOBS: [(&str, &str); 3] = [
+    ("randwrite-flush", "--rw=randwrite --fsync=1"),
+    ("randwrite", "--rw=randwrite"),
+    ("randread", "--rw=randread"),
+];
+const COST_SECONDS: u32 = 4;
+const COST_REGION: u64 = 8 * MIB;
+/// Passes over both pools, alternating (local, DRBD, local, DRBD), so that the machine's
+/// load, which changes from minute to minute here, weighs on both alike.
+const COST_PASSES: u32 = 2;
+/// The local pool: on node 0's own disks after the DRBD backing disks.
+const LOCAL_POOL: &str = "/run/local-pool";
+const LOCAL_DEVICES: [&str; 2] = ["/dev/ubdd", "/dev/ubde"];
+
+/// Node 0's cost script: both pools made, then `measure LABEL` on each in turn.
+fn cost_script() -> String {
+    let mut jobs = String::new();
+    for (name, args) in COST_JOBS {
+        jobs.push_str(&format!(
+            "    fio --name={name} --filename=/dev/nbd0 --ioengine=psync --direct=1 --bs=4k \
+             --size={COST_REGION} --time_based --runtime={COST_SECONDS} {args} \
+             --output-format=json --output=fio-$1-{name}.json\n"
+        ));
+    }
+    let mut script = format!(
+        "drbd_up
+drbd_wait_connected 120
+drbd_new_data
+drbd_primary
+mkfs.ext4 -q /dev/drbd2
+mkdir -p {DIR_MOUNT}
+mount -t ext4 /dev/drbd2 {DIR_MOUNT}
+\"$THINPOOL\" create --pool {POOL} --metadata-device /dev/drbd0 --data-device /dev/drbd1 > create.txt
+\"$THINPOOL\" create --pool {LOCAL_POOL} --metadata-device {} --data-device {} > create-local.txt
+for pool in {POOL} {LOCAL_POOL}; do
+    \"$THINPOOL\" volume create v --size {VOLUME_BYTES} --pool $pool
+done
+measure() {{
+    serve_start serve-$1.log
+    nbd_up /dev/nbd0 v -b 4096
+    dd if=/dev/urandom of=/dev/nbd0 bs=1M count={fill} oflag=direct status=none
+    nbd_fsync /dev/nbd0
+{jobs}    nbd_down /dev/nbd0
+    serve_stop
+}}
+",
+        LOCAL_DEVICES[0],
+        LOCAL_DEVICES[1],
+        fill = COST_REGION / MIB
+    );
+    for pass in 0..COST_PASSES {
+        script.push_str(&format!(
+            "POOL={LOCAL_POOL}; measure local-{pass}\nPOOL={POOL}; measure drbd-{pass}\n"
+        ));
+    }
+    script.push_str("drbd_state drbd-end.txt\ntouch done\n");
+    script
+}
+
+/// One job's figures: IOPS, mean and 99th percentile completion latency (µs) of its
+/// reads or writes, and for a flushing job the mean flush latency (µs).
+fn fio_figures(path: &Path) -> (f64, f64, f64, Option<f64>) {
+    let json: serde_json::Value = serde_json::from_str(&read_text(path)).expect("fio json");
+    let job = &json["jobs"][0];
+    let side = if job["read"]["io_bytes"].as_u64().unwrap_or(0) > 0 {
+        &job["read"]
+    } else {
+        &job["write"]
+    };
+    let iops = side["iops"].as_f64().expect("iops");
+    let mean = side["clat_ns"]["mean"].as_f64().expect("clat mean") / 1000.0;
+    let p99 = side["clat_ns"]["percentile"]["99.000000"]
+        .as_f64()
+        .unwrap_or(0.0)
+        / 1000.0;
+    let sync = job["sync"]["lat_ns"]["mean"]
+        .as_f64()
+        .filter(|mean| *mean > 0.0)
+        .map(|mean| mean / 1000.0);
+    assert!(iops > 0.0, "{}: no I/O done", path.display());
+    (iops, mean, p99, sync)
+}
+
+/// Prints one measurement's figures, one line per job.
+fn print_figures(label: &str, dir: &Path) {
+    for (name, _) in COST_JOBS {
+        let (iops, mean, p99, sync) = fio_figures(&dir.join(format!("fio-{label}-{name}.json")));
+        let sync = sync.map_or(String::new(), |sync| format!(", flush {sync:.0} µs"));
+        eprintln!(
+            "{label:>8} {name:>16}: {iops:>7.0} IOPS, latency mean {mean:.0} µs, p99 {p99:.0} µs{sync}"
+        );
+    }
+}
+
+/// Not a timing assertion: the figures are printed for `docs/scale-out.md`; the test fails
+/// only if a job did no I/O or the peer fell out of sync.
+#[test]
+fn pool_on_drbd_costs_beside_local_disks() {
+    let uml = Uml::find();
+    let scratch = ScratchDir::new("scale-out-drbd-cost");
+    let serve = guest_serve().prelude();
+    let link = UcastLink::new();
+    let resource = DrbdResource::new("pool", BACKING_BYTES.len(), &link);
+    let config = scratch.join("drbd.res");
+    resource.write_config(&config);
+    let (dir0, dir1) = (scratch.join("node0"), scratch.join("node1"));
+    let secondary_script = format!(
+        "drbd_up\ndrbd_wait_connected 120\nuntil [ -e {done} ]; do sleep 0.2; done\n\
+         drbd_state drbd-end.txt\n",
+        done = shell_quote(&dir0.join("done").display().to_string())
+    );
+    let boot = |side: usize, dir: &Path, script: String| {
+        let node = resource.node(side);
+        let backing = backing_files(&scratch.join(format!("disks{side}")));
+        node.boot(Boot::new(&uml, dir), &backing)
+            .modules(&NBD_MODULES)
+            .timeout(BOOT_TIMEOUT)
+            .script(&format!("{}\n{serve}\n{script}", node.prelude(&config)))
+    };
+    let mut secondary = boot(1, &dir1, secondary_script).spawn();
+    // The same pool on node 0's own ubd disks, as big as the DRBD backing disks.
+    let local = backing_files(&scratch.join("disks-local"));
+    let primary = boot(0, &dir0, cost_script())
+        .disk(&local[0])
+        .disk(&local[1])
+        .run();
+    primary.assert_success();
+    secondary.wait(BOOT_TIMEOUT).assert_success();
+    for dir in [&dir0, &dir1] {
+        let state = parse_proc_drbd(&read_text(&dir.join("drbd-end.txt")));
+        assert!(
+            state.len() == BACKING_BYTES.len()
+                && state.iter().all(|minor| minor.connection == "Connected"
+                    && minor.disks == ("UpToDate".into(), "UpToDate".into())
+                    && minor.out_of_sync_kib == 0),
+            "after the jobs: {state:?}"
+        );
+    }
+    eprintln!(
+        "4 KiB, queue depth 1, through the kernel's NBD client in UML, {COST_SECONDS} s each, \
+         passes alternating:"
+    );
+    for pass in 0..COST_PASSES {
+        print_figures(&format!("local-{pass}"), &dir0);
+        print_figures(&format!("drbd-{pass}"), &dir0);
+    }
+}
