@@ -154,9 +154,10 @@ done
     script
 }
 
-/// Node 1's script: wait for the host's word that node 0 is dead, notice the peer gone,
+/// Node 1's script: while node 0 serves, DRBD refuses this node a promotion and any open
+/// of the devices; then wait for the host's word that node 0 is dead, notice the peer gone,
 /// promote, check, serve, read everything, write once more, restart the server, read again.
-fn secondary_script(input: &Path) -> String {
+fn secondary_script(input: &Path, primary_dir: &Path) -> String {
     let checks = format!(
         "\"$THINPOOL\" check /dev/drbd0 > thinpool-check.txt 2>&1\n{}",
         thin_checks("/dev/drbd0", "thin-check")
@@ -169,12 +170,20 @@ fn secondary_script(input: &Path) -> String {
         "drbd_up
 drbd_wait_connected 120
 drbd_state drbd-connected.txt
-waited=0
-until [ -e promote ]; do
-    [ $waited -lt 3000 ] || {{ echo 'no word from the host in 300 s'; exit 1; }}
-    waited=$((waited + 1))
-    sleep 0.1
-done
+wait_file() {{
+    waited=0
+    until [ -e \"$1\" ]; do
+        [ $waited -lt 3000 ] || {{ echo \"no $1 in 300 s\"; exit 1; }}
+        waited=$((waited + 1))
+        sleep 0.1
+    done
+}}
+wait_file {acked}
+if drbd_primary 2> refused-primary.txt; then echo 'promoted beside a primary'; exit 1; fi
+if dd if=/dev/drbd0 of=/dev/null bs=4k count=1 2> refused-open.txt; then
+    echo 'a secondary opened its device'; exit 1
+fi
+wait_file promote
 drbd_wait_peer_lost 60
 drbd_primary
 drbd_state drbd-promoted.txt
@@ -195,6 +204,7 @@ serve_stop
 {checks_end}umount {DIR_MOUNT}
 ",
         after = dd_to_nbd(&input.join("after.bin"), AFTER_OFFSET),
+        acked = shell_quote(&primary_dir.join("acked-0").display().to_string()),
     )
 }
 
@@ -304,7 +314,7 @@ fn pool_on_drbd_survives_the_primary_killed() {
         .timeout(BOOT_TIMEOUT)
         .script(&format!("{}\n{serve}\n{script}", node.prelude(&config)))
     };
-    let secondary = node(1, &dir1, secondary_script(&input));
+    let secondary = node(1, &dir1, secondary_script(&input, &dir0));
     let primary = node(0, &dir0, primary_script(&input));
     let mut secondary = secondary.spawn();
     let mut primary = primary.spawn();
@@ -362,6 +372,12 @@ fn pool_on_drbd_survives_the_primary_killed() {
         read(&dir1.join("final.bin")) == expected,
         "the write flushed on the new primary is not there after a restart"
     );
+    for refusal in ["refused-primary.txt", "refused-open.txt"] {
+        eprintln!(
+            "node 1 beside the primary, {refusal}: {}",
+            read_text(&dir1.join(refusal)).trim()
+        );
+    }
     let list = read_text(&dir1.join("list.json"));
     assert!(list.contains("\"v\""), "{list}");
 }
