@@ -18,8 +18,9 @@
 //!
 //! The cost test runs the same `fio` jobs (4 KiB random writes each followed by a flush,
 //! random writes, random reads, through `/dev/nbd0`) on the pool on DRBD and on the same
-//! pool on the guest's local ubd disks, and prints both side by side (figures in
-//! `docs/scale-out.md`; nothing is asserted on them).
+//! pool on node 0's own ubd disks, in one boot, passes alternating, and prints both side by
+//! side (figures in `docs/scale-out.md`, taken with this test run alone; nothing is asserted
+//! on them).
 
 mod e2e_support;
 
