@@ -9,7 +9,9 @@
 //! [`LinkEnd::guest_setup`] is the shell that gives the guest's `eth0` its address.
 
 use super::Boot;
+use std::collections::BTreeSet;
 use std::net::{Ipv4Addr, UdpSocket};
+use std::sync::Mutex;
 
 /// The guests' subnet (a /24; each end's address is `10.99.N.1` or `.2`).
 const SUBNET: [u8; 3] = [10, 99, 0];
@@ -29,18 +31,32 @@ pub struct LinkEnd {
 
 impl UcastLink {
     /// A link on two UDP ports of `127.0.0.1` that were free a moment ago (bound to port 0,
-    /// then released: the kernel binds them again when it boots).
+    /// then released: the kernel binds them again when it boots) and that this process has
+    /// not handed out before.
     pub fn new() -> UcastLink {
-        let free = || {
+        // Ports this process handed out already: never twice, even after their release.
+        static GIVEN: Mutex<BTreeSet<u16>> = Mutex::new(BTreeSet::new());
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut held = Vec::new();
+        let mut ports = Vec::new();
+        while ports.len() < 2 {
             let socket = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0))
                 .unwrap_or_else(|e| panic!("cannot bind a UDP port on 127.0.0.1: {e}"));
-            socket.local_addr().expect("bound socket has an address")
-        };
-        // Both bound at once, so the two differ.
-        let (first, second) = (free(), free());
-        let ports = [first.port(), second.port()];
-        assert_ne!(ports[0], ports[1]);
-        UcastLink { ports }
+            let port = socket
+                .local_addr()
+                .expect("bound socket has an address")
+                .port();
+            if given.insert(port) {
+                ports.push(port);
+            }
+            // Held until both are chosen, so the two differ.
+            held.push(socket);
+        }
+        UcastLink {
+            ports: [ports[0], ports[1]],
+        }
     }
 
     /// Guest `side`'s end (0 or 1).
