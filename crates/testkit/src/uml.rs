@@ -15,6 +15,9 @@
 //! (SIGKILL) by that group id when it overruns its timeout, when a test asks for a crash
 //! ([`RunningUml::kill_group`]) or when the handle is dropped: never by name.
 //!
+//! Two kernels talk over [`net::UcastLink`] (UML's `ucast` transport on loopback UDP);
+//! [`drbd::DrbdResource`] replicates their disks with DRBD.
+//!
 //! Paths given to the kernel (disks, the result directory) must not contain whitespace,
 //! `,` or `=`; [`ScratchDir`](crate::ScratchDir) paths qualify.
 
@@ -555,7 +558,9 @@ fn unique() -> u64 {
     COUNTER.fetch_add(1, Ordering::Relaxed)
 }
 
+pub mod drbd;
 pub mod nbd;
+pub mod net;
 pub mod virtio;
 
 #[cfg(test)]
