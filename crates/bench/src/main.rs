@@ -56,6 +56,7 @@ mod scale;
 mod serve;
 mod vhost;
 mod vhost_load;
+mod vhost_raw;
 mod vhost_servers;
 mod writes;
 
@@ -92,6 +93,8 @@ enum Command {
     /// The vhost-user-blk comparison: direct pread, qemu-storage-daemon's vhost-user-blk
     /// export, the thin volume over vhost-user-blk (when `thinpool serve` has it) and NBD.
     Vhost(vhost::VhostArgs),
+    /// The raw export over vhost-user-blk: the data file itself, for `vhost`'s thin ÷ raw.
+    VhostRawServe(vhost_raw::RawServeArgs),
 }
 
 /// The benchmarks' arguments.
@@ -194,6 +197,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Some(Command::Serve(args)) => serve::run(args),
         Some(Command::Vhost(args)) => vhost::run(args),
+        Some(Command::VhostRawServe(args)) => vhost_raw::run(args),
         None => run(cli.run),
     };
     match result {

@@ -8,6 +8,9 @@
 //! - `thin vhost`: the thin volume through `thinpool serve --vhost-user-blk` — only when the
 //!   `thinpool` binary has that option (`thinpool serve --help`); otherwise the row is
 //!   skipped with the reason printed;
+//! - `raw vhost`: the raw export over vhost-user-blk, the data file itself served by the same
+//!   front end (`thinpool-bench vhost-raw-serve`, [`vhost_raw`]): `÷ raw` of the thin rows is
+//!   what thin mapping costs, as over NBD;
 //! - `thin NBD`: the same volume through `thinpool serve`'s NBD socket (fio's nbd engine, a
 //!   connection per queue, as `scripts/bench-compare` measures it).
 //!
@@ -18,13 +21,13 @@
 //! targets rotating per round); a row reports the medians over the rounds of IOPS, MB/s,
 //! mean latency, the client's and the server's CPU time per I/O (user + system, from
 //! `/proc/PID/stat`), the spread of its IOPS (interquartile range over the median) and the
-//! median per-round ratio of its IOPS to `pread`'s. The load average is printed before and
-//! after: the machine is shared.
-//!
-//! TODO (after the vhost branch merges): the raw export over vhost-user-blk, if
-//! `thinpool-bench serve --raw-export` can then be given a vhost-user socket.
+//! median per-round ratio of its IOPS to `pread`'s; the thin-over-vhost rows also to the raw
+//! export's (`÷ raw`) and to qemu-storage-daemon's (`÷ qsd`). The load average is printed
+//! before and after: the machine is shared. The servers' poll time comes from
+//! `THINPOOL_VHOST_POLL_US` (inherited by both thinpool servers).
 //!
 //! [`vhost_load`]: crate::vhost_load
+//! [`vhost_raw`]: crate::vhost_raw
 
 use crate::dir::BenchDir;
 use crate::report::quantile;
@@ -50,11 +53,11 @@ pub struct VhostArgs {
     /// Print the rows as a JSON list instead of a table.
     #[arg(long)]
     json: bool,
-    /// The targets to run (comma-separated): pread, qsd, thin-vhost, thin-nbd.
+    /// The targets to run (comma-separated): pread, qsd, raw-vhost, thin-vhost, thin-nbd.
     #[arg(
         long,
         value_name = "LIST",
-        default_value = "pread,qsd,thin-vhost,thin-nbd"
+        default_value = "pread,qsd,raw-vhost,thin-vhost,thin-nbd"
     )]
     targets: String,
     /// Interleaved rounds (default 5, 3 with --quick).
@@ -82,14 +85,16 @@ pub struct VhostArgs {
 enum Target {
     Pread,
     Qsd,
+    RawVhost,
     ThinVhost,
     ThinNbd,
 }
 
 impl Target {
-    const ALL: [Target; 4] = [
+    const ALL: [Target; 5] = [
         Target::Pread,
         Target::Qsd,
+        Target::RawVhost,
         Target::ThinVhost,
         Target::ThinNbd,
     ];
@@ -98,6 +103,7 @@ impl Target {
         match self {
             Target::Pread => "pread",
             Target::Qsd => "qsd",
+            Target::RawVhost => "raw-vhost",
             Target::ThinVhost => "thin-vhost",
             Target::ThinNbd => "thin-nbd",
         }
@@ -107,6 +113,7 @@ impl Target {
         match self {
             Target::Pread => "direct pread of the file",
             Target::Qsd => "qemu-storage-daemon vhost-user-blk",
+            Target::RawVhost => "raw export, vhost-user-blk",
             Target::ThinVhost => "thin volume, vhost-user-blk",
             Target::ThinNbd => "thin volume, NBD (fio)",
         }
@@ -128,6 +135,7 @@ struct Setup {
     image: PathBuf,
     file: File,
     qsd: Option<(Server, PathBuf)>,
+    raw: Option<(Server, PathBuf)>,
     thin: Option<Server>,
     thin_vhost: Option<PathBuf>,
     thin_nbd: Option<PathBuf>,
@@ -283,10 +291,19 @@ fn set_up(
     } else {
         None
     };
+    let raw = if targets.contains(&Target::RawVhost) {
+        let socket = scratch.join("raw-vhost.sock");
+        let log = scratch.join("raw-vhost.log");
+        let server = servers::start_raw_vhost(&image, &socket, queues, &log)?;
+        Some((server, socket))
+    } else {
+        None
+    };
     let mut setup = Setup {
         image,
         file,
         qsd,
+        raw,
         thin: None,
         thin_vhost: None,
         thin_nbd: None,
@@ -301,7 +318,12 @@ fn set_up(
         let vhost = targets
             .contains(&Target::ThinVhost)
             .then(|| setup.scratch.join("thin-vhost.sock"));
-        let server = pool.serve(&nbd, vhost.as_deref(), &setup.scratch.join("serve.log"))?;
+        let server = pool.serve(
+            &nbd,
+            vhost.as_deref(),
+            queues,
+            &setup.scratch.join("serve.log"),
+        )?;
         progress("filling the thin volume with the raw file's bytes (nbdcopy)");
         servers::nbdcopy_into(&setup.image, &servers::nbd_uri(&nbd))?;
         setup.thin = Some(server);
@@ -312,7 +334,7 @@ fn set_up(
 }
 
 fn tear_down(setup: Setup) -> anyhow::Result<()> {
-    if let Some((server, _)) = setup.qsd {
+    for (server, _) in setup.qsd.into_iter().chain(setup.raw) {
         server.stop()?;
     }
     if let Some(server) = setup.thin {
@@ -351,6 +373,7 @@ fn measure(
     let server_pid = match target {
         Target::Pread => None,
         Target::Qsd => setup.qsd.as_ref().map(|(server, _)| server.pid()),
+        Target::RawVhost => setup.raw.as_ref().map(|(server, _)| server.pid()),
         Target::ThinVhost | Target::ThinNbd => setup.thin.as_ref().map(Server::pid),
     };
     let server_before = server_pid
@@ -358,8 +381,12 @@ fn measure(
         .transpose()?;
     let result: RunResult = match target {
         Target::Pread => run_pread(&setup.file, workload, runtime, SEED)?,
-        Target::Qsd => {
-            let socket = &setup.qsd.as_ref().context("qsd not started")?.1;
+        Target::Qsd | Target::RawVhost => {
+            let server = match target {
+                Target::Qsd => &setup.qsd,
+                _ => &setup.raw,
+            };
+            let socket = &server.as_ref().context("server not started")?.1;
             run_vhost(socket, &setup.file, workload, runtime, poll, SEED)?
         }
         Target::ThinVhost => {
@@ -405,10 +432,29 @@ struct Row {
     server_cpu_us_per_io: Option<f64>,
     /// Median per-round ratio of IOPS to `pread`'s (null without a `pread` target).
     vs_pread: Option<f64>,
+    /// Thin over vhost-user-blk only: the same ratio to the raw export over vhost-user-blk.
+    vs_raw: Option<f64>,
+    /// Thin over vhost-user-blk only: the same ratio to qemu-storage-daemon's export.
+    vs_qsd: Option<f64>,
+}
+
+/// Median over the rounds of `runs`' IOPS over `other`'s (same round, same workload).
+fn ratio(runs: &[Sample], other: &[Sample]) -> f64 {
+    median(
+        runs.iter()
+            .zip(other)
+            .map(|(a, b)| a.iops / b.iops)
+            .collect(),
+    )
 }
 
 fn summarize(workloads: &[Workload], targets: &[Target], samples: &[Vec<Vec<Sample>>]) -> Vec<Row> {
-    let pread = targets.iter().position(|&t| t == Target::Pread);
+    let index = |wanted: Target| targets.iter().position(|&t| t == wanted);
+    let (pread, raw, qsd) = (
+        index(Target::Pread),
+        index(Target::RawVhost),
+        index(Target::Qsd),
+    );
     let mut rows = Vec::new();
     for (w, workload) in workloads.iter().enumerate() {
         for (k, &target) in targets.iter().enumerate() {
@@ -422,13 +468,14 @@ fn summarize(workloads: &[Workload], targets: &[Target], samples: &[Vec<Vec<Samp
                 0.0
             };
             let server: Vec<f64> = runs.iter().filter_map(|s| s.server_us_per_io).collect();
-            let vs_pread = pread.map(|p| {
-                let ratios = runs
-                    .iter()
-                    .zip(&samples[w][p])
-                    .map(|(a, b)| a.iops / b.iops);
-                median(ratios.collect())
-            });
+            let vs = |other: Option<usize>| other.map(|o| ratio(runs, &samples[w][o]));
+            let thin_vhost = |other| {
+                if target == Target::ThinVhost {
+                    vs(other)
+                } else {
+                    None
+                }
+            };
             rows.push(Row {
                 workload: workload.describe(),
                 target: target.label(),
@@ -440,7 +487,9 @@ fn summarize(workloads: &[Workload], targets: &[Target], samples: &[Vec<Vec<Samp
                 latency_us: figure(|s| s.latency_us),
                 client_cpu_us_per_io: figure(|s| s.client_us_per_io),
                 server_cpu_us_per_io: (!server.is_empty()).then(|| median(server)),
-                vs_pread,
+                vs_pread: vs(pread),
+                vs_raw: thin_vhost(raw),
+                vs_qsd: thin_vhost(qsd),
             });
         }
     }
@@ -451,24 +500,26 @@ fn summarize(workloads: &[Workload], targets: &[Target], samples: &[Vec<Vec<Samp
 fn table(rows: &[Row]) -> String {
     let mut out = String::from(
         "| workload | target | kIOPS (spread) | MB/s | mean latency µs | client CPU µs/I/O \
-         | server CPU µs/I/O | ÷ pread |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n",
+         | server CPU µs/I/O | ÷ pread | ÷ raw | ÷ qsd |\n\
+         | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n",
     );
+    let show = |value: Option<f64>, digits: usize| {
+        value.map_or_else(|| "–".to_string(), |v| format!("{v:.digits$}"))
+    };
     for row in rows {
-        let server = row
-            .server_cpu_us_per_io
-            .map_or_else(|| "–".to_string(), |us| format!("{us:.2}"));
-        let ratio = row
-            .vs_pread
-            .map_or_else(|| "–".to_string(), |r| format!("{r:.3}"));
         out.push_str(&format!(
-            "| {} | {} | {:.1} ({:.2}) | {:.0} | {:.1} | {:.2} | {server} | {ratio} |\n",
+            "| {} | {} | {:.1} ({:.2}) | {:.0} | {:.1} | {:.2} | {} | {} | {} | {} |\n",
             row.workload,
             row.target,
             row.iops / 1000.0,
             row.spread,
             row.mb_per_s,
             row.latency_us,
-            row.client_cpu_us_per_io
+            row.client_cpu_us_per_io,
+            show(row.server_cpu_us_per_io, 2),
+            show(row.vs_pread, 3),
+            show(row.vs_raw, 3),
+            show(row.vs_qsd, 2),
         ));
     }
     out

@@ -1,6 +1,7 @@
 //! The servers of the vhost-user-blk section, each started once for the whole run and stopped
 //! by its process id: `qemu-storage-daemon`'s vhost-user-blk export of the raw file (the
-//! peer) and `thinpool serve` of a pool whose volume holds the same bytes (over
+//! peer), the raw export over vhost-user-blk (`thinpool-bench vhost-raw-serve`), and
+//! `thinpool serve` of a pool whose volume holds the same bytes (over
 //! vhost-user-blk when the binary has `--vhost-user-blk`, and over NBD); CPU time of a
 //! process from `/proc/PID/stat`; and fio's nbd engine as the NBD load generator.
 
@@ -136,6 +137,33 @@ pub fn start_qsd(image: &Path, socket: &Path, queues: usize, log: &Path) -> anyh
     Ok(server)
 }
 
+/// The raw export over vhost-user-blk: this binary's `vhost-raw-serve` of `image` on
+/// `socket` with `queues` queues.
+pub fn start_raw_vhost(
+    image: &Path,
+    socket: &Path,
+    queues: usize,
+    log: &Path,
+) -> anyhow::Result<Server> {
+    let _ = std::fs::remove_file(socket);
+    let output = std::fs::File::create(log)?;
+    let mut command = Command::new(std::env::current_exe().context("this binary")?);
+    command
+        .arg("vhost-raw-serve")
+        .arg("--file")
+        .arg(image)
+        .arg("--socket")
+        .arg(socket)
+        .arg("--queues")
+        .arg(queues.to_string())
+        .stdin(Stdio::null())
+        .stdout(output.try_clone()?)
+        .stderr(output);
+    let mut server = Server::spawn("thinpool-bench vhost-raw-serve", command)?;
+    wait_for_socket(&mut server, socket)?;
+    Ok(server)
+}
+
 /// Whether `thinpool serve` of this binary can export a volume over vhost-user-blk, and if
 /// not, why.
 pub fn thinpool_vhost_support(thinpool: &Path) -> Result<(), String> {
@@ -194,8 +222,15 @@ impl ThinPool {
     }
 
     /// `thinpool serve` of the pool: the NBD socket, and `vhost` as the volume's
-    /// vhost-user-blk socket if given. Returns once it prints `thinpool: ready`.
-    pub fn serve(&self, nbd: &Path, vhost: Option<&Path>, log: &Path) -> anyhow::Result<Server> {
+    /// vhost-user-blk socket with `queues` queues if given. Returns once it prints
+    /// `thinpool: ready`.
+    pub fn serve(
+        &self,
+        nbd: &Path,
+        vhost: Option<&Path>,
+        queues: usize,
+        log: &Path,
+    ) -> anyhow::Result<Server> {
         let mut command = Command::new(&self.binary);
         command
             .arg("serve")
@@ -208,7 +243,7 @@ impl ThinPool {
             let _ = std::fs::remove_file(vhost);
             command
                 .arg("--vhost-user-blk")
-                .arg(format!("{VOLUME}={}", vhost.display()));
+                .arg(format!("{VOLUME}={},queues={queues}", vhost.display()));
         }
         command
             .stdin(Stdio::null())

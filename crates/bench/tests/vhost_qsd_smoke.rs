@@ -1,5 +1,6 @@
 //! Goal: `thinpool-bench vhost` runs end to end against its peer and its limit — direct
-//! `pread` and `qemu-storage-daemon`'s vhost-user-blk export driven by the `blkio` load
+//! `pread`, `qemu-storage-daemon`'s vhost-user-blk export and the raw export over
+//! vhost-user-blk (`thinpool-bench vhost-raw-serve`) driven by the `blkio` load
 //! generator, every workload on 1 and 2 queues — and prints one JSON row per workload and
 //! target; the thin volume over vhost-user-blk is skipped, with the reason printed, when the
 //! `thinpool` binary has no `--vhost-user-blk`.
@@ -32,7 +33,7 @@ fn pread_and_qsd_rows_for_every_workload() {
         &[
             "--json",
             "--targets",
-            "pread,qsd",
+            "pread,qsd,raw-vhost",
             "--rounds",
             "2",
             "--runtime-ms",
@@ -47,11 +48,11 @@ fn pread_and_qsd_rows_for_every_workload() {
     assert!(output.status.success(), "bench failed: {stderr}");
     let rows: Value = serde_json::from_slice(&output.stdout).expect("stdout is JSON");
     let rows = rows.as_array().expect("a JSON list");
-    // 5 workloads on each of 2 queue counts, 2 targets.
-    assert_eq!(rows.len(), 20, "{rows:?}");
+    // 5 workloads on each of 2 queue counts, 3 targets.
+    assert_eq!(rows.len(), 30, "{rows:?}");
     for row in rows {
         let key = row["key"].as_str().expect("key");
-        assert!(["pread", "qsd"].contains(&key), "{row}");
+        assert!(["pread", "qsd", "raw-vhost"].contains(&key), "{row}");
         assert_eq!(row["rounds"].as_u64(), Some(2), "{row}");
         assert!(row["iops"].as_f64().is_some_and(|x| x > 0.0), "{row}");
         assert!(row["mb_per_s"].as_f64().is_some_and(|x| x > 0.0), "{row}");
@@ -75,7 +76,7 @@ fn pread_and_qsd_rows_for_every_workload() {
         ] {
             let name = format!("{shape} {queues}");
             let found = rows.iter().filter(|row| row["workload"] == name.as_str());
-            assert_eq!(found.count(), 2, "{name}");
+            assert_eq!(found.count(), 3, "{name}");
         }
     }
     let left: Vec<_> = std::fs::read_dir(scratch.path()).unwrap().collect();

@@ -13,6 +13,9 @@
 //! called from many threads at once. [`Target::flush`] makes every write completed before it,
 //! through any front end, durable.
 //!
+//! [`FileTarget`] serves a plain file the same way (no mapping): the benchmark's raw export
+//! and a reference device for tests.
+//!
 //! Invariant: a [`VolumeTarget`] holds its [`thin_pool::Volume`] handle for its whole life, so
 //! while a front end has a volume attached the engine counts it as open and refuses to
 //! delete, revert or shrink it.
@@ -22,6 +25,9 @@
 use std::fmt;
 
 use thin_pool::Volume;
+
+mod file;
+pub use file::{FileTarget, FILE_BLOCK_BYTES};
 
 /// The unit of every offset and length.
 pub const SECTOR_BYTES: u64 = 512;

@@ -11,8 +11,9 @@
 //! mappings alive. Nothing keeps a pointer into guest memory across batches.
 
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use thinpool_frontend::Target;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
@@ -42,8 +43,10 @@ pub struct BlkBackend {
 struct Inner {
     target: Arc<dyn Target>,
     queues: u16,
+    /// How long a queue thread keeps looking at its ring for more chains after it ran dry,
+    /// before it re-enables notifications and sleeps (zero: it sleeps at once).
+    poll: Duration,
     mem: Memory,
-    event_idx: AtomicBool,
     acked: AtomicU64,
     /// One worker per queue thread: its buffer (only its thread locks it).
     workers: Vec<Mutex<Worker>>,
@@ -56,8 +59,13 @@ struct Inner {
 
 impl BlkBackend {
     /// A backend serving `target` with `queues` queues (1..=[`config::QUEUES_MAX`]) over
-    /// `mem`.
-    pub fn new(target: Arc<dyn Target>, queues: u16, mem: Memory) -> io::Result<Self> {
+    /// `mem`, each queue thread polling its ring for `poll` before it sleeps.
+    pub fn new(
+        target: Arc<dyn Target>,
+        queues: u16,
+        poll: Duration,
+        mem: Memory,
+    ) -> io::Result<Self> {
         assert!(
             (1..=config::QUEUES_MAX).contains(&queues),
             "{queues} queues"
@@ -71,8 +79,8 @@ impl BlkBackend {
             inner: Arc::new(Inner {
                 target,
                 queues,
+                poll,
                 mem,
-                event_idx: AtomicBool::new(false),
                 acked: AtomicU64::new(0),
                 workers: (0..queues)
                     .map(|_| Mutex::new(Worker::new(false)))
@@ -93,19 +101,40 @@ impl BlkBackend {
         }
     }
 
-    /// Serves every chain available on `vring` with `worker`.
+    /// Serves every chain available on `vring` with `worker`. Notifications stay off while
+    /// the thread serves and polls (the driver need not kick); they are re-enabled before it
+    /// sleeps, then the ring is looked at once more so that no chain is left behind.
     fn serve_queue(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
-        let event_idx = self.inner.event_idx.load(Ordering::Acquire);
         loop {
-            if event_idx {
-                vring.disable_notification().map_err(to_io)?;
-            }
+            vring.disable_notification().map_err(to_io)?;
             self.serve_available(vring, worker)?;
-            if !event_idx || !vring.enable_notification().map_err(to_io)? {
+            if self.inner.poll > Duration::ZERO {
+                let mut deadline = Instant::now() + self.inner.poll;
+                while Instant::now() < deadline {
+                    if self.has_available(vring) {
+                        self.serve_available(vring, worker)?;
+                        deadline = Instant::now() + self.inner.poll;
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
+            }
+            if !vring.enable_notification().map_err(to_io)? {
                 return Ok(());
             }
             // More chains arrived while notifications were off: serve them too.
         }
+    }
+
+    /// Whether the driver has made chains available that were not served yet.
+    fn has_available(&self, vring: &VringRwLock) -> bool {
+        let mem = self.inner.mem.memory();
+        let state = vring.get_ref();
+        let queue = state.get_queue();
+        queue.ready()
+            && queue
+                .avail_idx(&*mem, Ordering::Acquire)
+                .is_ok_and(|idx| idx.0 != queue.next_avail())
     }
 
     fn serve_available(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
@@ -178,9 +207,9 @@ impl VhostUserBackend for BlkBackend {
         }
     }
 
-    fn set_event_idx(&self, enabled: bool) {
-        self.inner.event_idx.store(enabled, Ordering::Release);
-    }
+    /// The handler sets event idx on the queues themselves; virtio-queue then suppresses
+    /// notifications (avail_event) and calls (used_event) by the indexes.
+    fn set_event_idx(&self, _enabled: bool) {}
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         let space = config::config_space(&self.inner.target.geometry(), self.inner.queues);

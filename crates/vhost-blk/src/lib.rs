@@ -12,7 +12,9 @@
 //!   space, read live so a grown volume shows its capacity at the next GET_CONFIG;
 //! - `request`: one request, served through the front-end seam (`Target`: the same calls
 //!   NBD makes), the errno turned into `VIRTIO_BLK_S_IOERR` / `_UNSUPP`;
-//! - `backend`: [`BlkBackend`], the queues (each its own thread);
+//! - `backend`: [`BlkBackend`], the queues (each its own thread; notifications off while a
+//!   thread serves, event-idx suppression of calls, an optional poll of the ring before it
+//!   sleeps: [`ServerOptions::poll`], `THINPOOL_VHOST_POLL_US`);
 //! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects);
 //! - `relay`: a compatibility shim each connection passes through on its way to the
 //!   handler: it trims the zero padding Linux's UML `virtio_uml` puts after the regions of
@@ -27,7 +29,11 @@
 //!
 //! No `unsafe` here: the rust-vmm crates hold the mapping of guest memory and the volatile
 //! copies. The price is one copy of the data through a worker's buffer (the engine takes
-//! `&[u8]`, which guest memory cannot safely be).
+//! `&[u8]`, which guest memory cannot safely be): at 1 MiB requests that copy is the cost
+//! that keeps the device under qemu-storage-daemon, which reads into guest memory directly.
+//! Reading directly would need the engine to hand out the data device's ranges of a read
+//! (as NBD's `read_source` does for plain files) under a guard. Nothing else is allocated
+//! per request: a worker's segment lists and buffer are reused.
 
 #![forbid(unsafe_code)]
 
@@ -39,4 +45,4 @@ mod server;
 
 pub use backend::{BlkBackend, Memory};
 pub use request::CHUNK_BYTES;
-pub use server::VhostBlkServer;
+pub use server::{ServerOptions, VhostBlkServer, POLL_ENV, POLL_MAX};

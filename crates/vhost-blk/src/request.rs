@@ -1,19 +1,21 @@
-//! One virtio-blk request: a descriptor chain read through virtio-queue's bounds-checked
-//! [`Reader`] and [`Writer`] (every byte through vm-memory's checked accessors, inside the
-//! regions of the memory table), served by the front-end seam ([`Target`]), its status
-//! written last.
+//! One virtio-blk request: a descriptor chain walked once into the worker's reused segment
+//! lists (readable, then writable), every segment checked against the memory table before
+//! anything is done and every byte moved through vm-memory's checked accessors
+//! (`read_slice`/`write_slice`, inside the regions of the snapshot the batch holds), served by
+//! the front-end seam ([`Target`]), its status written last. Nothing is allocated per request:
+//! the segment lists and the data buffer live in the [`Worker`] and only grow.
 //!
 //! A chain is untrusted. One whose descriptors leave guest memory, overflow, or have no
 //! writable byte for the status is dropped (returned to the used ring with length 0, nothing
 //! written); any other bad request (short or write-only header, a length that is not whole
 //! sectors, a range past the end, malformed discard segments) gets `VIRTIO_BLK_S_IOERR`, an
-//! unknown type or flag `VIRTIO_BLK_S_UNSUPP`. Nothing here panics on guest input.
+//! unknown type or flag `VIRTIO_BLK_S_UNSUPP`. Nothing here panics on guest input. The walk
+//! is bounded by virtio-queue (a chain visits at most a queue's worth of descriptors, so a
+//! loop ends).
 //!
 //! The one copy: the engine reads into and writes from `&[u8]` slices, and guest memory
 //! (shared with a guest that may change it at any time) cannot be one without `unsafe`, so
 //! data passes through the worker's own buffer, at most [`CHUNK_BYTES`] at a time.
-
-use std::io::{Read, Write};
 
 use thinpool_frontend::{Target, TargetError, ZeroMode, SECTOR_BYTES};
 use virtio_bindings::virtio_blk::{
@@ -21,8 +23,8 @@ use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
     VIRTIO_BLK_T_WRITE_ZEROES,
 };
-use virtio_queue::{DescriptorChain, Reader, Writer};
-use vm_memory::GuestMemoryMmap;
+use virtio_queue::DescriptorChain;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap};
 
 use crate::config::{zero_sectors_max, DISCARD_SEG_MAX, ID_BYTES};
 
@@ -40,22 +42,139 @@ const FLAG_UNMAP: u32 = 1;
 /// A request's outcome: its virtio-blk status.
 type Status = u8;
 
+/// One descriptor's buffer, checked to lie inside guest memory.
+#[derive(Clone, Copy, Debug)]
+struct Segment {
+    addr: GuestAddress,
+    len: usize,
+}
+
+/// A list of segments read or written in order, as one run of bytes.
+#[derive(Default)]
+struct Segments {
+    list: Vec<Segment>,
+    /// Total bytes.
+    len: usize,
+    /// Bytes consumed so far: the position in the run.
+    at: usize,
+}
+
+impl Segments {
+    fn clear(&mut self) {
+        self.list.clear();
+        self.len = 0;
+        self.at = 0;
+    }
+
+    fn left(&self) -> usize {
+        self.len - self.at
+    }
+
+    /// Calls `each(address, range of the run)` for the `count` bytes from the position, and
+    /// moves past them; stops at the first error.
+    fn visit<E>(
+        &mut self,
+        count: usize,
+        mut each: impl FnMut(GuestAddress, std::ops::Range<usize>) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(), E> {
+        assert!(
+            count <= self.left(),
+            "{count} bytes past the chain's {}",
+            self.len
+        );
+        let (mut start, end) = (self.at, self.at + count);
+        let mut base = 0;
+        for segment in &self.list {
+            let segment_end = base + segment.len;
+            if start < segment_end && start < end {
+                let piece = (segment_end.min(end)) - start;
+                let addr = GuestAddress(segment.addr.0 + (start - base) as u64);
+                each(addr, start - self.at..start - self.at + piece)?;
+                start += piece;
+            }
+            base = segment_end;
+            if start >= end {
+                break;
+            }
+        }
+        self.at = end;
+        Ok(())
+    }
+
+    /// Reads the next `buffer.len()` bytes of the run from guest memory.
+    fn read(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        buffer: &mut [u8],
+    ) -> std::result::Result<(), GuestMemoryError> {
+        self.visit(buffer.len(), |addr, range| {
+            mem.read_slice(&mut buffer[range], addr)
+        })
+    }
+
+    /// Writes `data` as the next bytes of the run into guest memory.
+    fn write(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        data: &[u8],
+    ) -> std::result::Result<(), GuestMemoryError> {
+        self.visit(data.len(), |addr, range| {
+            mem.write_slice(&data[range], addr)
+        })
+    }
+}
+
 /// What a worker thread keeps between requests.
 pub struct Worker {
     /// The data buffer, reused (grown to at most [`CHUNK_BYTES`]).
     buffer: Vec<u8>,
+    /// The chain's readable and writable buffers, reused.
+    readable: Segments,
+    writable: Segments,
     /// The driver negotiated FLUSH: the device is a write-back cache, writes need no FUA;
     /// without it every write is durable before it completes.
     pub write_back: bool,
 }
 
 impl Worker {
-    /// A worker with an empty buffer.
+    /// A worker with empty buffers.
     pub fn new(write_back: bool) -> Self {
         Worker {
             buffer: Vec::new(),
+            readable: Segments::default(),
+            writable: Segments::default(),
             write_back,
         }
+    }
+
+    /// Walks `chain` into the segment lists; false if a descriptor leaves guest memory or
+    /// the lengths overflow.
+    fn walk<M>(&mut self, mem: &GuestMemoryMmap, chain: DescriptorChain<M>) -> bool
+    where
+        M: std::ops::Deref<Target = GuestMemoryMmap> + Clone,
+    {
+        self.readable.clear();
+        self.writable.clear();
+        for descriptor in chain {
+            let (addr, len) = (descriptor.addr(), descriptor.len() as usize);
+            if len == 0 {
+                continue;
+            }
+            if addr.0.checked_add(len as u64).is_none() || !mem.check_range(addr, len) {
+                return false;
+            }
+            let list = if descriptor.is_write_only() {
+                &mut self.writable
+            } else {
+                &mut self.readable
+            };
+            let Some(total) = list.len.checked_add(len) else {
+                return false;
+            };
+            list.len = total;
+            list.list.push(Segment { addr, len });
+        }
+        true
     }
 
     /// Serves one chain; returns the number of bytes written into it (the used length), 0
@@ -69,43 +188,41 @@ impl Worker {
     where
         M: std::ops::Deref<Target = GuestMemoryMmap> + Clone,
     {
-        let (Ok(mut reader), Ok(mut writer)) = (
-            Reader::new(mem, chain.clone()),
-            Writer::<()>::new(mem, chain),
-        ) else {
+        if !self.walk(mem, chain) {
             tracing::debug!("vhost-user-blk: dropped a chain outside guest memory");
             return 0;
-        };
-        let Some(data_len) = writer.available_bytes().checked_sub(1) else {
+        }
+        let Some(data_len) = self.writable.len.checked_sub(1) else {
             tracing::debug!("vhost-user-blk: dropped a chain with no status byte");
             return 0;
         };
-        let Ok(mut status_writer) = writer.split_at(data_len) else {
-            return 0;
-        };
-        let status = self.execute(target, &mut reader, &mut writer);
-        let written = writer.bytes_written();
-        if status_writer.write_all(&[status]).is_err() {
+        // The data part of the writable run ends before the status byte.
+        self.writable.len = data_len;
+        let status = self.execute(target, mem);
+        let written = self.writable.at;
+        self.writable.len = data_len + 1;
+        self.writable.at = data_len;
+        if self.writable.write(mem, &[status]).is_err() {
             return 0;
         }
         u32::try_from(written + 1).unwrap_or(u32::MAX)
     }
 
-    fn execute(&mut self, target: &dyn Target, reader: &mut Reader, writer: &mut Writer) -> Status {
+    fn execute(&mut self, target: &dyn Target, mem: &GuestMemoryMmap) -> Status {
         let mut header = [0u8; HEADER_BYTES];
-        if reader.read_exact(&mut header).is_err() {
+        if self.readable.left() < HEADER_BYTES || self.readable.read(mem, &mut header).is_err() {
             tracing::debug!("vhost-user-blk: request header shorter than 16 readable bytes");
             return VIRTIO_BLK_S_IOERR as Status;
         }
         let kind = u32::from_le_bytes([header[0], header[1], header[2], header[3]]);
         let sector = u64::from_le_bytes(header[8..16].try_into().unwrap_or_default());
         let result = match kind {
-            VIRTIO_BLK_T_IN => self.read(target, sector, writer),
-            VIRTIO_BLK_T_OUT => self.write(target, sector, reader),
+            VIRTIO_BLK_T_IN => self.read(target, mem, sector),
+            VIRTIO_BLK_T_OUT => self.write(target, mem, sector),
             VIRTIO_BLK_T_FLUSH => target.flush(),
-            VIRTIO_BLK_T_GET_ID => get_id(target, writer),
+            VIRTIO_BLK_T_GET_ID => self.get_id(target, mem),
             VIRTIO_BLK_T_DISCARD | VIRTIO_BLK_T_WRITE_ZEROES => {
-                self.zero(target, kind == VIRTIO_BLK_T_DISCARD, reader)
+                self.zero(target, mem, kind == VIRTIO_BLK_T_DISCARD)
             }
             _ => return VIRTIO_BLK_S_UNSUPP as Status,
         };
@@ -122,16 +239,16 @@ impl Worker {
         }
     }
 
-    fn read(&mut self, target: &dyn Target, sector: u64, writer: &mut Writer) -> Result {
-        let length = writer.available_bytes();
+    fn read(&mut self, target: &dyn Target, mem: &GuestMemoryMmap, sector: u64) -> Result {
+        let length = self.writable.left();
         let mut offset = byte_range(target, sector, length as u64)?;
         let mut left = length;
         while left > 0 {
             let piece = left.min(CHUNK_BYTES);
-            let buffer = self.buffer(piece);
+            let buffer = grown(&mut self.buffer, piece);
             target.read(offset, buffer)?;
-            writer
-                .write_all(buffer)
+            self.writable
+                .write(mem, buffer)
                 .map_err(|e| invalid(format!("writing guest memory: {e}")))?;
             offset += piece as u64;
             left -= piece;
@@ -139,16 +256,16 @@ impl Worker {
         Ok(())
     }
 
-    fn write(&mut self, target: &dyn Target, sector: u64, reader: &mut Reader) -> Result {
-        let length = reader.available_bytes();
+    fn write(&mut self, target: &dyn Target, mem: &GuestMemoryMmap, sector: u64) -> Result {
+        let length = self.readable.left();
         let mut offset = byte_range(target, sector, length as u64)?;
         let fua = !self.write_back;
         let mut left = length;
         while left > 0 {
             let piece = left.min(CHUNK_BYTES);
-            let buffer = self.buffer(piece);
-            reader
-                .read_exact(buffer)
+            let buffer = grown(&mut self.buffer, piece);
+            self.readable
+                .read(mem, buffer)
                 .map_err(|e| invalid(format!("reading guest memory: {e}")))?;
             target.write(offset, buffer, fua)?;
             offset += piece as u64;
@@ -158,8 +275,8 @@ impl Worker {
     }
 
     /// DISCARD (`discard`) or WRITE_ZEROES: segments of (sector, sectors, flags).
-    fn zero(&mut self, target: &dyn Target, discard: bool, reader: &mut Reader) -> Result {
-        let length = reader.available_bytes();
+    fn zero(&mut self, target: &dyn Target, mem: &GuestMemoryMmap, discard: bool) -> Result {
+        let length = self.readable.left();
         let count = length / SEGMENT_BYTES;
         if !length.is_multiple_of(SEGMENT_BYTES) || count == 0 || count > DISCARD_SEG_MAX as usize {
             return Err(invalid(format!("{length} bytes of discard segments")));
@@ -168,8 +285,8 @@ impl Worker {
         let fua = !self.write_back;
         for _ in 0..count {
             let mut segment = [0u8; SEGMENT_BYTES];
-            reader
-                .read_exact(&mut segment)
+            self.readable
+                .read(mem, &mut segment)
                 .map_err(|e| invalid(format!("reading guest memory: {e}")))?;
             let sector = u64::from_le_bytes(segment[0..8].try_into().unwrap_or_default());
             let sectors = u32::from_le_bytes(segment[8..12].try_into().unwrap_or_default());
@@ -200,12 +317,25 @@ impl Worker {
         Ok(())
     }
 
-    fn buffer(&mut self, length: usize) -> &mut [u8] {
-        if self.buffer.len() < length {
-            self.buffer.resize(length, 0);
-        }
-        &mut self.buffer[..length]
+    /// GET_ID: the volume's name, zero-padded to 20 bytes (cut to what the chain can hold).
+    fn get_id(&mut self, target: &dyn Target, mem: &GuestMemoryMmap) -> Result {
+        let mut id = [0u8; ID_BYTES];
+        let name = target.name().as_bytes();
+        let n = name.len().min(ID_BYTES);
+        id[..n].copy_from_slice(&name[..n]);
+        let room = self.writable.left().min(ID_BYTES);
+        self.writable
+            .write(mem, &id[..room])
+            .map_err(|e| invalid(format!("writing guest memory: {e}")))
     }
+}
+
+/// The first `length` bytes of `buffer`, grown to hold them (it never shrinks).
+fn grown(buffer: &mut Vec<u8>, length: usize) -> &mut [u8] {
+    if buffer.len() < length {
+        buffer.resize(length, 0);
+    }
+    &mut buffer[..length]
 }
 
 type Result = std::result::Result<(), TargetError>;
@@ -231,18 +361,6 @@ fn byte_range(
             "sector {sector} length {length} is not whole sectors inside {size} bytes"
         ))),
     }
-}
-
-/// GET_ID: the volume's name, zero-padded to 20 bytes (cut to what the chain can hold).
-fn get_id(target: &dyn Target, writer: &mut Writer) -> Result {
-    let mut id = [0u8; ID_BYTES];
-    let name = target.name().as_bytes();
-    let n = name.len().min(ID_BYTES);
-    id[..n].copy_from_slice(&name[..n]);
-    let room = writer.available_bytes().min(ID_BYTES);
-    writer
-        .write_all(&id[..room])
-        .map_err(|e| invalid(format!("writing guest memory: {e}")))
 }
 
 #[cfg(test)]

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use thinpool_frontend::Target;
 use vhost::vhost_user::Listener;
@@ -21,6 +22,44 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use crate::backend::BlkBackend;
 use crate::config::QUEUES_MAX;
 use crate::relay::Relay;
+
+/// The environment variable [`ServerOptions::from_env`] reads the poll time from, in
+/// microseconds (`thinpool serve` and the benchmark's raw export honour it).
+pub const POLL_ENV: &str = "THINPOOL_VHOST_POLL_US";
+
+/// Longest poll accepted (a queue thread spins on a core for this long after each batch).
+pub const POLL_MAX: Duration = Duration::from_millis(10);
+
+/// How a socket serves its device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ServerOptions {
+    /// Queues offered (1 to [`QUEUES_MAX`]), each served by its own thread.
+    pub queues: u16,
+    /// After a queue runs dry its thread keeps looking at the ring this long (notifications
+    /// off, so the driver need not kick) before it sleeps: lower latency for a core's worth
+    /// of spinning per queue. Zero (the default) sleeps at once.
+    pub poll: Duration,
+}
+
+impl ServerOptions {
+    /// `queues` queues, the poll time from [`POLL_ENV`] (unset: zero; at most
+    /// [`POLL_MAX`]).
+    pub fn from_env(queues: u16) -> io::Result<ServerOptions> {
+        let poll = match std::env::var(POLL_ENV) {
+            Err(_) => Duration::ZERO,
+            Ok(text) => match text.trim().parse::<u64>() {
+                Ok(us) if Duration::from_micros(us) <= POLL_MAX => Duration::from_micros(us),
+                _ => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("{POLL_ENV}={text:?}: microseconds, at most {POLL_MAX:?}"),
+                    ))
+                }
+            },
+        };
+        Ok(ServerOptions { queues, poll })
+    }
+}
 
 /// A vhost-user-blk socket serving one [`Target`] until stopped.
 pub struct VhostBlkServer {
@@ -37,8 +76,19 @@ struct Shared {
 
 impl VhostBlkServer {
     /// Binds `path` (replacing a stale socket there) and serves `target` on it with `queues`
-    /// queues (1 to 64) from a thread of its own.
+    /// queues (1 to 64) from a thread of its own, polling as [`ServerOptions::from_env`]
+    /// says.
     pub fn start(target: Arc<dyn Target>, path: &Path, queues: u16) -> io::Result<Self> {
+        Self::start_with(target, path, ServerOptions::from_env(queues)?)
+    }
+
+    /// [`VhostBlkServer::start`] with explicit options.
+    pub fn start_with(
+        target: Arc<dyn Target>,
+        path: &Path,
+        options: ServerOptions,
+    ) -> io::Result<Self> {
+        let queues = options.queues;
         if !(1..=QUEUES_MAX).contains(&queues) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -56,7 +106,7 @@ impl VhostBlkServer {
             let socket = path.to_owned();
             std::thread::Builder::new()
                 .name("vhost-listen".into())
-                .spawn(move || accept_loop(target, listener, &socket, queues, &shared, &name))?
+                .spawn(move || accept_loop(target, listener, &socket, options, &shared, &name))?
         };
         Ok(VhostBlkServer {
             path: path.to_owned(),
@@ -138,7 +188,7 @@ fn accept_loop(
     target: Arc<dyn Target>,
     listener: UnixListener,
     socket: &Path,
-    queues: u16,
+    options: ServerOptions,
     shared: &Shared,
     name: &str,
 ) {
@@ -154,7 +204,7 @@ fn accept_loop(
         if shared.stopping.load(Ordering::Acquire) {
             break;
         }
-        if let Err(error) = serve_one(&target, front, socket, queues, shared, name) {
+        if let Err(error) = serve_one(&target, front, socket, options, shared, name) {
             if shared.stopping.load(Ordering::Acquire) {
                 break;
             }
@@ -190,12 +240,17 @@ fn serve_one(
     target: &Arc<dyn Target>,
     front: UnixStream,
     socket: &Path,
-    queues: u16,
+    options: ServerOptions,
     shared: &Shared,
     name: &str,
 ) -> io::Result<()> {
     let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
-    let backend = BlkBackend::new(Arc::clone(target), queues, mem.clone())?;
+    let backend = BlkBackend::new(
+        Arc::clone(target),
+        options.queues,
+        options.poll,
+        mem.clone(),
+    )?;
     let mut daemon = VhostUserDaemon::new(name.to_string(), backend.clone(), mem)
         .map_err(|e| io::Error::other(e.to_string()))?;
     let relay = connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours));

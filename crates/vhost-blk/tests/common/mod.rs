@@ -92,6 +92,10 @@ impl Client {
         self.blkio.get_u64(name).unwrap()
     }
 
+    pub fn get_i32(&self, name: &str) -> i32 {
+        self.blkio.get_i32(name).unwrap()
+    }
+
     fn slot_addr(&self, slot: usize) -> usize {
         assert!(slot < SLOTS);
         self.region.addr + slot * SLOT
