@@ -81,7 +81,6 @@ enum Command {
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions(commands::completions::Args),
     /// Write the man pages (thinpool.1, thinpool-serve.1, ...) to a directory.
-    #[command(hide = true)]
     ManPages(man::Args),
 }
 
@@ -90,6 +89,14 @@ enum Command {
 /// and accepted, there too).
 pub fn cli_command() -> clap::Command {
     refuse_pool_where_unused(Cli::command())
+}
+
+/// The definition the shell completions are generated from: [`Cli`]'s with `--pool` on the
+/// top level and on each command that has its own, not propagated (clap_complete's bash
+/// script would offer the hidden refusals of [`cli_command`], and a propagated `--pool` on
+/// the commands without a pool directory).
+pub fn completion_command() -> clap::Command {
+    Cli::command().mut_arg("pool", |arg| arg.global(false))
 }
 
 /// [`cli_command`] for `command`'s subcommands, before clap propagates the global `--pool`.
