@@ -33,6 +33,11 @@ const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
 
 /// Arguments (those of `thin_check`).
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool check /srv/pool/metadata                   # a pool that is not being served
+  thinpool check --super-block-only /dev/vg0/pool_tmeta
+  thinpool check -q /srv/pool/metadata || echo damaged # the exit status only")]
 pub struct Args {
     /// The metadata file or device to check.
     #[arg(value_name = "INPUT")]

@@ -30,6 +30,11 @@ enum Format {
 
 /// Arguments (those of `thin_dump`).
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool dump /srv/pool/metadata -o pool.xml
+  thinpool dump --format human_readable /srv/pool/metadata | less
+  thinpool dump -m /srv/pool/metadata   # served pool: after `thinpool metadata-snap reserve`")]
 pub struct Args {
     /// The metadata file or device to dump.
     #[arg(value_name = "INPUT")]

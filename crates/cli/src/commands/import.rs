@@ -29,6 +29,12 @@ const PROBLEMS_SHOWN: usize = 5;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Example (an LVM thin pool vg0/pool, deactivated first):
+  lvchange -an vg0/pool
+  thinpool import --pool /srv/imported --metadata-device /dev/mapper/vg0-pool_tmeta \\
+      --data-device /dev/mapper/vg0-pool_tdata --volume 1:root:20G
+  thinpool --pool /srv/imported list")]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,

@@ -14,6 +14,10 @@ const EXIT_REFUSED: u8 = 64;
 
 /// Arguments (those of `thin_metadata_size`).
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool metadata-size --block-size 64k --pool-size 1t --max-thins 100
+  thinpool metadata-size -b 64k -s 10t -m 1000 --unit m -n   # the number of MiB only")]
 pub struct Args {
     /// Data block size, e.g. 64k (unit letters bskmg; sectors if none).
     #[arg(short = 'b', long = "block-size", value_name = "SIZE[bskmg]", value_parser = parse_size)]

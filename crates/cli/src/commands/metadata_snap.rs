@@ -13,6 +13,11 @@ use crate::pool_dir::PoolArg;
 
 /// Metadata snapshot subcommands.
 #[derive(clap::Subcommand, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool metadata-snap reserve --pool /srv/pool
+  thin_ls -m /srv/pool/metadata
+  thinpool metadata-snap release --pool /srv/pool")]
 pub enum Command {
     /// Hold a metadata snapshot of the pool as committed now (refused if one is held).
     #[command(after_help = "\

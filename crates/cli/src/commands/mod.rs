@@ -1,6 +1,7 @@
 //! One module per subcommand; each exposes `Args` (clap) and `run(Args) -> Result<ExitCode>`.
 
 pub mod check;
+pub mod completions;
 pub mod create;
 pub mod create_devices;
 pub mod diff;

@@ -19,6 +19,11 @@ use super::{tools_exit, SuperblockOverrides, ToolsVersionFlag};
 
 /// Arguments (those of `thin_repair`).
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool check /srv/pool/metadata                # reports damage
+  thinpool repair -i /srv/pool/metadata -o /tmp/repaired-metadata
+  thinpool check /tmp/repaired-metadata && mv /tmp/repaired-metadata /srv/pool/metadata")]
 pub struct Args {
     /// The damaged metadata file or device (only read).
     #[arg(short = 'i', long = "input", value_name = "FILE")]

@@ -28,6 +28,11 @@ use thinpool_daemon::restored::{has_catalog, write_restored_catalog};
 
 /// Arguments (those of `thin_restore`).
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool dump /srv/pool/metadata -o pool.xml     # the pool is not served
+  thinpool restore -i pool.xml -o /srv/pool/metadata
+  thinpool restore -i pool.xml -o /dev/vg0/pool_tmeta --transaction-id 7")]
 pub struct Args {
     /// The XML dump to read.
     #[arg(short = 'i', long = "input", value_name = "FILE")]

@@ -10,6 +10,10 @@ use crate::pool_dir::{format_size, PoolArg};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool status --pool /srv/pool
+  THINPOOL_POOL=/srv/pool thinpool status --json | jq .data_used_percent")]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,

@@ -10,6 +10,10 @@ use crate::pool_dir::{format_size, PoolArg};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool trim --pool /srv/pool            # offline, or through `serve` while it runs
+  thinpool trim --pool /srv/pool --json")]
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,

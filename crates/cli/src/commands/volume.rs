@@ -1,6 +1,7 @@
 //! `thinpool volume create|snapshot|delete|resize|revert|rename|adopt|forget`: manage
 //! volumes, on the pool directly or through the control socket of the server holding it
-//! (same syntax, same output).
+//! (same syntax, same output). `volume list` is `thinpool list` under the name LVM users
+//! look for.
 
 use anyhow::{bail, Context};
 use std::process::ExitCode;
@@ -10,8 +11,19 @@ use crate::pool_dir::{format_size, parse_size, PoolArg};
 
 /// Volume subcommands.
 #[derive(clap::Subcommand, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool volume create vm0 --size 20G --pool /srv/pool
+  thinpool volume snapshot vm0 vm0-snap --read-only
+  thinpool volume list                    # the same as `thinpool list`
+  thinpool volume resize vm0 --size 40G
+  thinpool volume delete vm0-snap")]
 pub enum Command {
     /// Create a thin volume.
+    #[command(after_help = "\
+Examples:
+  thinpool volume create vm0 --size 20G --pool /srv/pool
+  thinpool volume create scratch --size 1T --json   # thin: takes space as it is written")]
     Create {
         /// Volume name (also its NBD export name).
         name: String,
@@ -22,6 +34,10 @@ pub enum Command {
         common: Common,
     },
     /// Snapshot a volume.
+    #[command(after_help = "\
+Examples (a mounted file system: freeze it around the snapshot):
+  fsfreeze -f /mnt/vm0 && thinpool volume snapshot vm0 vm0-snap --read-only; fsfreeze -u /mnt/vm0
+  thinpool volume snapshot vm0 vm0-clone   # a writable clone")]
     Snapshot {
         /// The volume to snapshot.
         origin: String,
@@ -34,6 +50,9 @@ pub enum Command {
         common: Common,
     },
     /// Delete a volume (refused while a client has it open).
+    #[command(after_help = "\
+Example:
+  thinpool volume delete vm0-snap --pool /srv/pool")]
     Delete {
         /// Volume name.
         name: String,
@@ -46,6 +65,10 @@ pub enum Command {
     /// has it open, and refused if it would unmap mapped data beyond the new end (the
     /// refusal says how much) unless --force is given; a shrink past unmapped space only
     /// needs no --force.
+    #[command(after_help = "\
+Examples:
+  thinpool volume resize vm0 --size 40G            # grow, also while clients use it
+  thinpool volume resize vm0 --size 10G --force    # shrink, dropping data beyond 10G")]
     Resize {
         /// Volume name.
         name: String,
@@ -125,12 +148,18 @@ Example:
     /// e.g. deleted by the kernel): the catalog entry only.
     ///
     /// Refused for a volume whose thin id exists (that is `volume delete`).
+    #[command(after_help = "\
+Example:
+  thinpool list                          # orphaned: vm0-old (thin id 7 is gone)
+  thinpool volume forget vm0-old")]
     Forget {
         /// Volume name.
         name: String,
         #[command(flatten)]
         common: Common,
     },
+    /// List volumes (the same as `thinpool list`).
+    List(super::list::Args),
 }
 
 /// Arguments every volume subcommand takes.
@@ -145,6 +174,10 @@ pub struct Common {
 
 /// Run the command.
 pub fn run(command: Command) -> anyhow::Result<ExitCode> {
+    let command = match command {
+        Command::List(args) => return super::list::run(args),
+        command => command,
+    };
     let (request, common, what) = request(command)?;
     let dir = common.pool.resolve();
     let outcome = control::ask(&dir, &request).context(what)?;
@@ -239,6 +272,7 @@ fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
             )
         }
         command @ (Command::Adopt { .. } | Command::Forget { .. }) => catalog_request(command)?,
+        Command::List(_) => unreachable!("`volume list` makes no request of its own"),
     })
 }
 
