@@ -7,8 +7,9 @@
 //! maintainer scripts chrooted there (no shell in an empty root); the package has none, so
 //! unpacking is what installing does.
 //!
-//! Ignored by default (it builds the release binary, minutes); scripts/test runs it in its
-//! "debian package" stage, after installing cargo-deb if missing.
+//! Ignored by default (it runs cargo, which would wait on the lock of a workspace `cargo
+//! test`, and without `THINPOOL_DEB_PROFILE=dev` builds the release binary); scripts/test runs
+//! it in its "debian package" stage with the debug binary, after scripts/fetch-cargo-deb.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -50,7 +51,7 @@ fn build_deb() -> String {
 }
 
 #[test]
-#[ignore = "builds the release binary and the .deb (minutes): scripts/test runs it"]
+#[ignore = "runs cargo and cargo-deb: scripts/test runs it in its own stage"]
 fn the_debian_package_installs_a_working_thinpool() {
     require_tool("dpkg-deb", "dpkg");
     let deb = build_deb();
