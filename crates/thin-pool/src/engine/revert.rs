@@ -68,6 +68,7 @@ pub(crate) fn revert_volume(
         let mut catalog = change.catalog().clone();
         for v in catalog.volumes.iter_mut().filter(|v| v.id == target.id()) {
             v.size_bytes = size_bytes;
+            v.content_id = None; // its content is no longer what was sent or received
         }
         if delete_snapshot {
             catalog.remove(source.id());
