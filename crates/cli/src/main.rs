@@ -52,6 +52,10 @@ enum Command {
     Trim(commands::trim::Args),
     /// List the blocks in which two volumes differ (like thin_delta).
     Diff(commands::diff::Args),
+    /// Write a read-only snapshot (or what changed since a base) as a stream.
+    Send(commands::send::Args),
+    /// Make a stream of `send` a volume of this pool.
+    Receive(commands::receive::Args),
 }
 
 /// `thinpool serve`: the daemon (`thinpool_daemon::serve`), with the binary's log installed.
@@ -81,6 +85,8 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Trim(args) => commands::trim::run(args),
         Command::Diff(args) => commands::diff::run(args),
+        Command::Send(args) => commands::send::run(args),
+        Command::Receive(args) => commands::receive::run(args),
     };
     match result {
         Ok(code) => code,

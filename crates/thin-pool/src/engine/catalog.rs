@@ -137,6 +137,15 @@ impl From<CatalogFile> for Catalog {
 }
 
 impl Catalog {
+    /// Volume `id` has another content of `size_bytes` (a revert, a resize): it loses its
+    /// content id, since it no longer holds what was sent or received under it.
+    pub fn set_content_changed(&mut self, id: VolumeId, size_bytes: u64) {
+        for v in self.volumes.iter_mut().filter(|v| v.id == id) {
+            v.size_bytes = size_bytes;
+            v.content_id = None;
+        }
+    }
+
     /// Remove the volume with thin id `id`, and clear it as the origin of its snapshots.
     pub fn remove(&mut self, id: VolumeId) {
         self.volumes.retain(|v| v.id != id);
