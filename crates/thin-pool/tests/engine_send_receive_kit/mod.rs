@@ -43,10 +43,11 @@ impl Model {
         let size = self.bytes.len() as u64;
         for _ in 0..steps {
             if rng.gen_ratio(1, 6) {
-                let blocks = size.div_ceil(self.block);
+                // Whole blocks only: the engine ignores a discard of the partial last one.
+                let blocks = size / self.block;
                 let first = rng.gen_range(0..blocks);
                 let count = rng.gen_range(1..=3.min(blocks - first));
-                let len = (count * self.block).min(size - first * self.block);
+                let len = count * self.block;
                 volume.discard(first * self.block, len).unwrap();
                 let start = (first * self.block) as usize;
                 self.bytes[start..start + len as usize].fill(0);
