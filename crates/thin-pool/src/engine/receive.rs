@@ -121,6 +121,8 @@ pub struct VolumeReceiver {
     removes: Vec<VirtualBlock>,
     generation: Option<u64>,
     finished: bool,
+    /// The last block's buffer, for the next one.
+    spare: Vec<u8>,
 }
 
 impl VolumeReceiver {
@@ -165,6 +167,7 @@ impl VolumeReceiver {
             removes: Vec::new(),
             generation: None,
             finished: false,
+            spare: Vec::new(),
         })
     }
 
@@ -207,12 +210,18 @@ impl VolumeReceiver {
             if self.pending.as_ref().is_some_and(|p| p.block != block) {
                 self.flush_pending()?;
             }
-            let pending = self.pending.get_or_insert_with(|| Pending {
-                block,
-                buf: vec![0; self.block_size as usize],
-                covered: Vec::new(),
-                has_data: false,
-            });
+            if self.pending.is_none() {
+                let mut buf = std::mem::take(&mut self.spare);
+                buf.clear();
+                buf.resize(self.block_size as usize, 0);
+                self.pending = Some(Pending {
+                    block,
+                    buf,
+                    covered: Vec::new(),
+                    has_data: false,
+                });
+            }
+            let pending = self.pending.as_mut().expect("just set");
             if let Some(data) = data {
                 let from = (at - offset) as usize;
                 pending.buf[within..within + n].copy_from_slice(&data[from..from + n]);
@@ -266,7 +275,9 @@ impl VolumeReceiver {
                 return Ok(());
             }
         }
-        self.write_block(vblock, &p.buf)
+        let written = self.write_block(vblock, &p.buf);
+        self.spare = p.buf;
+        written
     }
 
     fn write_block(&mut self, vblock: VirtualBlock, buf: &[u8]) -> Result<()> {
