@@ -82,6 +82,10 @@ enum Command {
     Completions(commands::completions::Args),
     /// Write the man pages (thinpool.1, thinpool-serve.1, ...) to a directory.
     ManPages(man::Args),
+    /// Write a read-only snapshot (or what changed since a base) as a stream.
+    Send(commands::send::Args),
+    /// Make a stream of `send` a volume of this pool.
+    Receive(commands::receive::Args),
 }
 
 /// The command line's definition: [`Cli`]'s, with a hidden `--pool` that refuses any value
@@ -196,6 +200,8 @@ fn main() -> ExitCode {
         Command::Diff(args) => commands::diff::run(args),
         Command::Completions(args) => commands::completions::run(args),
         Command::ManPages(args) => man::run(args),
+        Command::Send(args) => commands::send::run(args),
+        Command::Receive(args) => commands::receive::run(args),
     };
     match result {
         Ok(code) => code,

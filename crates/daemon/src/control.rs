@@ -25,6 +25,8 @@
 //!   -> {"op":"release_metadata_snap"}                    (answers with the status)
 //!   -> {"op":"diff","base":"vm1","target":"snap"}        (answers {"ok":true,"diff":{...}})
 //!   -> {"op":"trim"}                                     (answers {"ok":true,"trimmed_bytes":N})
+//!   -> {"op":"send_stream","snapshot":"s2","base":"s1"}  (answers {"ok":true}, then the stream)
+//!   -> {"op":"receive_stream","name":"s2"} + the stream  (answers with the volume; stream.rs)
 //! ```
 //!
 //! Requests are checked strictly: an unknown `op`, a missing field or a field the request does
@@ -76,6 +78,7 @@ mod listing;
 mod log;
 mod protocol;
 mod server;
+pub mod stream;
 mod target;
 #[cfg(test)]
 mod tests;

@@ -67,6 +67,7 @@ pub fn write_restored_catalog(dir: &Path) -> anyhow::Result<()> {
             size_bytes,
             read_only: false,
             origin: None,
+            content_id: None,
         });
     }
     let catalog = Catalog {

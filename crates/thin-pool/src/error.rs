@@ -384,6 +384,9 @@ pub enum Error {
     /// A restore input (a dump) that breaks a rule of the format.
     #[error("{0}")]
     BadDump(String),
+    /// A send/receive stream refused: cut off, corrupted, replayed or for another base.
+    #[error("{0}")]
+    BadStream(String),
     /// What is on disk breaks a format rule (even with a valid checksum): the pool goes
     /// read-only with needs_check.
     #[error("corrupt metadata: {0}")]
@@ -524,7 +527,8 @@ impl Error {
             | Error::CatalogDamaged { .. }
             | Error::CatalogMismatch { .. }
             | Error::NoCatalog { .. }
-            | Error::BadDump(_) => (Refused, libc::EINVAL),
+            | Error::BadDump(_)
+            | Error::BadStream(_) => (Refused, libc::EINVAL),
             Error::MetadataSnapExists(_) | Error::Locked { .. } | Error::Busy(_) => {
                 (Refused, libc::EBUSY)
             }

@@ -19,6 +19,7 @@ mod error;
 pub mod format;
 mod ids;
 pub mod owner;
+pub mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -34,6 +35,7 @@ pub use engine::options::{
     PoolOptions, PoolStatus, VolumeInfo, LOW_WATER_PERCENT_DEFAULT,
 };
 pub use engine::pool::Pool;
+pub use engine::receive::{ReceiveSpec, VolumeReceiver};
 pub use engine::space::host_free_bytes;
 pub use engine::usage::VolumeSpace;
 pub use engine::volume::{Extent, Volume, SECTOR_SIZE};

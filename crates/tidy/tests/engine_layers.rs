@@ -33,7 +33,7 @@ const LAYERS: &[&[&str]] = &[
     &["provision"],
     &["volume"],
     &[
-        "manage", "adopt", "grow", "revert", "usage", "diff", "trim", "listing",
+        "manage", "adopt", "grow", "revert", "usage", "diff", "trim", "listing", "receive",
     ],
     &["committer", "autoextend"],
     &["open"],

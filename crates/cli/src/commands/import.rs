@@ -179,6 +179,7 @@ fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow
             size_bytes,
             read_only: false,
             origin: None,
+            content_id: None,
         });
     }
     if let Some(taken) = volumes

@@ -108,6 +108,21 @@ pub enum Request {
     },
     /// Give every free data block back to the host (answers with the bytes trimmed).
     Trim,
+    /// Send a read-only snapshot as a stream (`control/stream.rs`): the answer line, then
+    /// the stream's bytes until the server closes the connection.
+    SendStream {
+        /// The snapshot.
+        snapshot: String,
+        /// For an incremental stream: its base.
+        #[serde(default)]
+        base: Option<String>,
+    },
+    /// Receive a stream as volume `name` (`control/stream.rs`): the stream's bytes follow
+    /// the request line; the answer comes once it was read and applied (or refused).
+    ReceiveStream {
+        /// The new volume's name.
+        name: String,
+    },
 }
 
 /// One volume, as `list` and the volume commands report it.

@@ -371,6 +371,10 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
             Ok(_) if shared.stopping.load(Ordering::SeqCst) => {
                 Err(OpError::new(libc::ESHUTDOWN, "the server is stopping"))
             }
+            Ok(request) if super::stream::is_stream(&request) => {
+                super::stream::serve(&request, reader, writer, &shared.target);
+                return;
+            }
             Ok(request) => shared.target.execute(&request),
             Err(message) => Err(OpError::new(libc::EINVAL, message)),
         };

@@ -35,7 +35,7 @@ impl Target {
 
     /// A pool opened read-only (`serve --read-only`) takes no management operation: say so
     /// before the engine refuses it less clearly.
-    fn refuse_if_read_only(&self) -> Result<(), OpError> {
+    pub(super) fn refuse_if_read_only(&self) -> Result<(), OpError> {
         let status = self.pool.status();
         if status.mode == thin_pool::PoolMode::ReadOnly && !status.needs_check {
             return Err(OpError::new(
@@ -99,6 +99,10 @@ impl Target {
                 Ok(self.status_outcome())
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
+            Request::SendStream { .. } | Request::ReceiveStream { .. } => Err(OpError::new(
+                libc::EINVAL,
+                "a stream request is carried out on its own connection (control/stream.rs)",
+            )),
             Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
                 &pool.status(),
                 &self.options,
@@ -170,7 +174,7 @@ impl Target {
         Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
     }
 
-    fn check_name_free(&self, name: &str) -> Result<(), OpError> {
+    pub(super) fn check_name_free(&self, name: &str) -> Result<(), OpError> {
         if self.reserved_names.iter().any(|reserved| reserved == name) {
             return Err(OpError::new(
                 libc::EEXIST,

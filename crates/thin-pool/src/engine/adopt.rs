@@ -207,6 +207,7 @@ pub(crate) fn adopt(meta: &Meta, volumes: &Volumes, adoption: &Adoption<'_>) -> 
         size_bytes,
         read_only: false,
         origin: origin_id,
+        content_id: None,
     };
     let mut catalog = catalog.clone();
     // Last in creation order: its origin comes before it, as the catalog's rule wants.

@@ -57,6 +57,10 @@ pub struct CatalogVolume {
     /// `origin_id`, the raw number or null).
     #[serde(rename = "origin_id", serialize_with = "raw_origin_id")]
     pub origin: Option<VolumeId>,
+    /// The identity of a read-only volume's content (a stream's uuid, see `thin_pool::stream`):
+    /// set when the volume is received or first sent, dropped when its content changes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content_id: Option<String>,
 }
 
 fn raw_origin_id<S: serde::Serializer>(
@@ -95,6 +99,8 @@ struct CatalogVolumeFile {
     /// Older versions: the origin's name.
     #[serde(default)]
     origin: Option<String>,
+    #[serde(default)]
+    content_id: Option<String>,
 }
 
 impl From<CatalogFile> for Catalog {
@@ -120,6 +126,7 @@ impl From<CatalogFile> for Catalog {
                 size_bytes: v.size_bytes,
                 read_only: v.read_only,
                 origin,
+                content_id: v.content_id,
             });
         }
         Catalog {
@@ -130,6 +137,15 @@ impl From<CatalogFile> for Catalog {
 }
 
 impl Catalog {
+    /// Volume `id` has another content of `size_bytes` (a revert, a resize): it loses its
+    /// content id, since it no longer holds what was sent or received under it.
+    pub fn set_content_changed(&mut self, id: VolumeId, size_bytes: u64) {
+        for v in self.volumes.iter_mut().filter(|v| v.id == id) {
+            v.size_bytes = size_bytes;
+            v.content_id = None;
+        }
+    }
+
     /// Remove the volume with thin id `id`, and clear it as the origin of its snapshots.
     pub fn remove(&mut self, id: VolumeId) {
         self.volumes.retain(|v| v.id != id);
@@ -382,6 +398,7 @@ mod tests {
                 size_bytes: 512,
                 read_only: false,
                 origin: None,
+                content_id: None,
             }],
         };
         store.store(&catalog).unwrap();

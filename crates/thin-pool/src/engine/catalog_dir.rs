@@ -209,6 +209,7 @@ mod tests {
             size_bytes: 512,
             read_only: false,
             origin: None,
+            content_id: None,
         });
         store.store(&c).unwrap();
         assert_eq!(store.load(2).unwrap(), c);

@@ -221,9 +221,7 @@ fn resize_locked(
         });
     }
     let mut catalog = change.catalog().clone();
-    for v in catalog.volumes.iter_mut().filter(|v| v.id == volume.id()) {
-        v.size_bytes = size_bytes;
-    }
+    catalog.set_content_changed(volume.id(), size_bytes);
     let id = volume.id();
     let mut removed = 0;
     change.commit_catalog(catalog, |md| {

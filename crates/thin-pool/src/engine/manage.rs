@@ -41,6 +41,7 @@ pub(crate) fn create_volume(
         size_bytes,
         read_only: false,
         origin: None,
+        content_id: None,
     };
     let mut catalog = change.catalog().clone();
     catalog.volumes.push(entry.clone());
@@ -83,6 +84,7 @@ pub(crate) fn snapshot(
         size_bytes: origin_volume.size_bytes(),
         read_only,
         origin: Some(origin_volume.id()),
+        content_id: None,
     };
     let mut catalog = change.catalog().clone();
     catalog.volumes.push(entry.clone());

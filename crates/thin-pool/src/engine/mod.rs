@@ -21,7 +21,7 @@
 //! 8. `volume`: volume I/O on the caller's thread (`Volume`);
 //! 9. management, free functions over the owners: `manage`, `adopt` (thin ids the
 //!    catalog and the metadata disagree on), `grow`, `revert`, `usage`, `diff`, `trim`,
-//!    `listing`;
+//!    `listing`, `receive` (a received volume staged, then made in one transaction);
 //! 10. workers, started by the pool with handles to the owners: `committer`, `autoextend`;
 //! 11. `open`: creating, opening and assembling a pool (`Owners`);
 //! 12. `pool`: the façade, the only `impl Pool`.
@@ -52,6 +52,7 @@ pub(crate) mod options;
 pub(crate) mod pool;
 mod provision;
 mod queue;
+pub(crate) mod receive;
 mod recovery;
 mod revert;
 pub(crate) mod space;

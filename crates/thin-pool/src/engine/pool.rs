@@ -21,6 +21,7 @@ use crate::engine::layout::pool_exists;
 use crate::engine::listing::{self, StatusSources};
 use crate::engine::open::{self, Owners};
 use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
+use crate::engine::receive::{self, ReceiveSpec, VolumeReceiver};
 use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
@@ -352,6 +353,31 @@ impl Pool {
             delete_snapshot,
         )?;
         self.info(volume)
+    }
+
+    /// Start receiving a volume (`thin_pool::stream`): nothing is visible until
+    /// [`VolumeReceiver::finish`] makes it in one transaction; dropping the receiver
+    /// abandons it. Refused, with nothing changed, for a name in use, a replay (the content
+    /// id is held already) or an incremental whose base content is not here.
+    pub fn receive_volume(&self, spec: ReceiveSpec) -> Result<VolumeReceiver> {
+        let owners = &*self.owners;
+        VolumeReceiver::begin(
+            owners.meta.clone(),
+            owners.volumes.clone(),
+            owners.data.clone(),
+            spec,
+            |name| self.volume(name),
+        )
+    }
+
+    /// The content id of a volume (`receive`), if it has one.
+    pub fn content_id(&self, name: &str) -> Result<Option<String>> {
+        receive::content_id(&self.owners.meta, &self.owners.volumes, name)
+    }
+
+    /// The content id of a read-only volume, given one (a transaction) if it has none.
+    pub fn assign_content_id(&self, name: &str) -> Result<String> {
+        receive::assign_content_id(&self.owners.meta, &self.owners.volumes, name)
     }
 
     /// Rename a volume (catalog only). Refused while it is open, or if `new` is taken.

@@ -28,7 +28,8 @@
 //! and `set_transaction_id(T, T + 1)` commit together (`Change::commit_catalog`): a
 //! crash before the commit reopens the pool as it was (catalog `T + 1` discarded), after it
 //! as reverted or renamed. The in-memory state (published volumes, indexes) changes only
-//! after the commit, under the metadata lock.
+//! after the commit, under the metadata lock. A reverted volume loses its content id
+//! (`receive`): its content is no longer what was sent or received under it.
 
 use crate::engine::catalog::validate_name;
 use crate::engine::meta::Meta;
@@ -66,9 +67,7 @@ pub(crate) fn revert_volume(
         let mut change = turn.begin()?;
         let size_bytes = source.size_bytes();
         let mut catalog = change.catalog().clone();
-        for v in catalog.volumes.iter_mut().filter(|v| v.id == target.id()) {
-            v.size_bytes = size_bytes;
-        }
+        catalog.set_content_changed(target.id(), size_bytes);
         if delete_snapshot {
             catalog.remove(source.id());
         }

@@ -1,0 +1,90 @@
+//! `thinpool send SNAPSHOT [--base BASE] [-o FILE]`: a read-only snapshot as a stream
+//! (`thin_pool::stream`, docs/send-stream.md) on stdout or a file: every mapped extent, or
+//! with `--base` only what changed since BASE (the diff walk, whose cost follows the
+//! change). Through the control socket when the pool is served: the snapshot's committed
+//! data is read while clients keep writing its origin. Progress on stderr when it is a
+//! terminal.
+
+use anyhow::{bail, Context};
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::control::stream;
+use crate::pool_dir::PoolArg;
+
+/// Arguments.
+#[derive(clap::Args, Debug)]
+#[command(after_help = "\
+Examples:
+  thinpool volume snapshot vm0 vm0-s1 --read-only --pool /srv/pool
+  thinpool send vm0-s1 --pool /srv/pool | ssh backup thinpool receive vm0-s1 --pool /srv/copy
+  ... vm0 is written ...
+  thinpool volume snapshot vm0 vm0-s2 --read-only --pool /srv/pool
+  thinpool send vm0-s2 --base vm0-s1 --pool /srv/pool | ssh backup thinpool receive vm0-s2 --pool /srv/copy
+  thinpool send vm0-s2 --base vm0-s1 -o vm0-s2.stream   # to a file
+
+Only read-only snapshots are sent: the stream names its base by the base's content id,
+which a snapshot gets when it is first sent or received.")]
+pub struct Args {
+    /// The read-only snapshot to send.
+    snapshot: String,
+    /// Send only what changed since this read-only snapshot (which the receiver holds).
+    #[arg(long = "base", value_name = "BASE")]
+    base: Option<String>,
+    /// Write the stream to FILE instead of stdout.
+    #[arg(short = 'o', long = "output", value_name = "FILE")]
+    output: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pool: PoolArg,
+}
+
+/// A progress line on stderr (bytes, rate) when stderr is a terminal.
+pub(crate) fn progress_bar(what: &'static str) -> Option<indicatif::ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} {prefix} {bytes} ({bytes_per_sec}) {elapsed}",
+        )
+        .expect("a valid template"),
+    );
+    bar.set_prefix(what);
+    bar.enable_steady_tick(Duration::from_millis(200));
+    Some(bar)
+}
+
+/// Run the command.
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let dir = args.pool.resolve();
+    let mut out: Box<dyn Write> = match &args.output {
+        Some(path) => Box::new(
+            std::fs::File::create(path)
+                .with_context(|| format!("cannot create {}", path.display()))?,
+        ),
+        None if std::io::stdout().is_terminal() => {
+            bail!("the stream is binary: redirect stdout, pipe it to `thinpool receive`, or use -o FILE")
+        }
+        None => Box::new(std::io::stdout().lock()),
+    };
+    let bar = progress_bar("sent");
+    let bytes = stream::send(
+        &dir,
+        &args.snapshot,
+        args.base.as_deref(),
+        &mut out,
+        &mut |bytes| {
+            if let Some(bar) = &bar {
+                bar.set_position(bytes);
+            }
+        },
+    )?;
+    out.flush().context("writing the stream")?;
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+        eprintln!("sent {} ({bytes} bytes of stream)", args.snapshot);
+    }
+    Ok(ExitCode::SUCCESS)
+}
