@@ -56,7 +56,7 @@ use log_limit::LogLimit;
 use table::Table;
 
 use crate::export::ExportRegistry;
-use crate::session::Budget;
+use crate::session::{Budget, Reactor};
 use crate::sync;
 
 struct Shared {
@@ -72,6 +72,8 @@ struct Shared {
     closing: Mutex<Option<(usize, String)>>,
     /// How often refusals and evictions are logged.
     log_limit: LogLimit,
+    /// The event loop serving sessions, with `Config::event_loop`.
+    reactor: Option<Arc<Reactor>>,
 }
 
 /// An NBD server: serves the exports of a registry on any number of listeners.
@@ -107,6 +109,7 @@ impl Server {
             "requests_in_flight_max is 0"
         );
         assert!(!config.idle_timeout.is_zero(), "idle_timeout is 0");
+        let reactor = config.event_loop.then(|| new_reactor(&config)).flatten();
         Server {
             shared: Arc::new(Shared {
                 registry,
@@ -122,6 +125,7 @@ impl Server {
                 closing: Mutex::new(None),
                 log_limit: LogLimit::new(),
                 server_bytes: Arc::new(Budget::new(usize::MAX, config.server_bytes_in_flight_max)),
+                reactor,
                 config,
             }),
             accept_threads: Vec::new(),
@@ -177,6 +181,9 @@ impl Server {
             drop(table);
             shared.wait_for_connections(shared.config.shutdown_grace);
         }
+        if let Some(reactor) = &shared.reactor {
+            reactor.stop(shared.config.shutdown_grace);
+        }
         let listening = sync::lock(&shared.listening);
         for listening in listening.iter() {
             if let Listening::Unix {
@@ -194,6 +201,22 @@ impl Server {
             connections = %closing,
             "NBD server stopped"
         );
+    }
+}
+
+/// The event loop for `config`, or `None` (connections get their own threads) if the
+/// system refuses one.
+fn new_reactor(config: &Config) -> Option<Arc<Reactor>> {
+    let threads = match config.loop_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        threads => threads,
+    };
+    match Reactor::new(threads, config.idle_timeout, config.thread_stack_bytes) {
+        Ok(reactor) => Some(Arc::new(reactor)),
+        Err(error) => {
+            tracing::warn!(%error, "no NBD event loop: each connection gets its own threads");
+            None
+        }
     }
 }
 
