@@ -1,11 +1,13 @@
 //! Listeners, accept loops, a thread per connection, and graceful shutdown.
 //!
-//! Owns the listening sockets and the table of live connections. Each accepted connection
-//! runs on its own thread (stack `thread_stack_bytes`): the handshake, which must finish
-//! within `handshake_timeout` of the accept in total, then the session, which adds threads
-//! only while requests queue up and closes after `idle_timeout` without a request. So an
-//! idle or handshaking connection costs one thread with a small stack, and the connection
-//! cap can be in the thousands.
+//! Owns the listening sockets, the table of live connections and (with
+//! `Config::event_loop`, the default) the event loop that serves sessions. Each accepted
+//! connection runs the handshake on its own thread (stack `thread_stack_bytes`), which
+//! must finish within `handshake_timeout` of the accept in total; then the session is
+//! handed to the event loop (`session`'s `reactor`: a few workers for all connections, an
+//! idle one costs no thread) or, without it, runs on that thread, adding threads only while
+//! requests queue up. Either way the session closes after `idle_timeout` without a request,
+//! and the connection cap can be in the thousands.
 //!
 //! Invariants: at most `connections_max` connections are served at once, and at most
 //! `connections_per_peer_max` from one peer (a uid on a Unix socket, an IPv4 address or an

@@ -59,12 +59,19 @@
 //! error reply and the connection goes on; a bad magic, an oversize WRITE payload or a
 //! socket error ends the connection after in-flight requests are answered.
 //!
+//! On the event loop (`Limits::reactor`, see `reactor`) the same loop runs on the loop's
+//! workers instead of the connection's own threads: a reader that would block for the next
+//! header parks the connection, a hand-off parks it for another worker to read on, the
+//! watchdog parks a connection whose reader is stuck in an export call (no standby threads
+//! are started), and the idle timeout is the reactor's sweep of parked connections.
+//!
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading of requests;
 //! `check` their checks; `standby` waiting for the input; `payload` a thread's payload
 //! buffer; `activity` what the server's table sees of the session; `dispatch` serving a checked request on the export and making its reply;
-//! `batch` a thread's replies not yet sent; `splice` sending large READ replies from the
+//! `batch` a thread's replies not yet sent; `more` when to look for more requests before a
+//! send; `reactor` and `visit` the event loop; `splice` sending large READ replies from the
 //! export's file without a copy (plaintext connections, exports that give
 //! [`Export::read_source`]).
 
