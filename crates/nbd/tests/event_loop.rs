@@ -1,4 +1,4 @@
-//! Goal: on the event loop (`Config::event_loop`, the default) connections in transmission
+//! Goal: on the event loop (`Config::event_loop`) connections in transmission
 //! cost no thread: thousands of idle ones are held by a few workers and still served, and a
 //! connection that stalls in the middle of a request does not hold up the others sharing
 //! its worker.
@@ -60,6 +60,7 @@ fn thousands_of_idle_connections_cost_no_thread_each_and_are_served() {
         connections_max: count + 16,
         connections_per_peer_max: count + 16,
         handshakes_per_peer_max: count + 16,
+        event_loop: true,
         loop_threads: 2,
         ..Config::default()
     });
@@ -116,6 +117,7 @@ fn header(command: u16, cookie: u64, offset: u64, length: u32) -> Vec<u8> {
 #[test]
 fn a_connection_stalled_mid_request_does_not_hold_up_its_worker() {
     let server = server(Config {
+        event_loop: true,
         loop_threads: 1,
         ..Config::default()
     });
