@@ -1,11 +1,13 @@
 //! Listeners, accept loops, a thread per connection, and graceful shutdown.
 //!
-//! Owns the listening sockets and the table of live connections. Each accepted connection
-//! runs on its own thread (stack `thread_stack_bytes`): the handshake, which must finish
-//! within `handshake_timeout` of the accept in total, then the session, which adds threads
-//! only while requests queue up and closes after `idle_timeout` without a request. So an
-//! idle or handshaking connection costs one thread with a small stack, and the connection
-//! cap can be in the thousands.
+//! Owns the listening sockets, the table of live connections and (with
+//! `Config::event_loop`, opt-in) the event loop that serves sessions. Each accepted
+//! connection runs the handshake on its own thread (stack `thread_stack_bytes`), which
+//! must finish within `handshake_timeout` of the accept in total; then the session is
+//! handed to the event loop (`session`'s `reactor`: a few workers for all connections, an
+//! idle one costs no thread) or, without it, runs on that thread, adding threads only while
+//! requests queue up. Either way the session closes after `idle_timeout` without a request,
+//! and the connection cap can be in the thousands.
 //!
 //! Invariants: at most `connections_max` connections are served at once, and at most
 //! `connections_per_peer_max` from one peer (a uid on a Unix socket, an IPv4 address or an
@@ -56,7 +58,7 @@ use log_limit::LogLimit;
 use table::Table;
 
 use crate::export::ExportRegistry;
-use crate::session::Budget;
+use crate::session::{Budget, Reactor};
 use crate::sync;
 
 struct Shared {
@@ -72,6 +74,8 @@ struct Shared {
     closing: Mutex<Option<(usize, String)>>,
     /// How often refusals and evictions are logged.
     log_limit: LogLimit,
+    /// The event loop serving sessions, with `Config::event_loop`.
+    reactor: Option<Arc<Reactor>>,
 }
 
 /// An NBD server: serves the exports of a registry on any number of listeners.
@@ -107,6 +111,7 @@ impl Server {
             "requests_in_flight_max is 0"
         );
         assert!(!config.idle_timeout.is_zero(), "idle_timeout is 0");
+        let reactor = config.event_loop.then(|| new_reactor(&config)).flatten();
         Server {
             shared: Arc::new(Shared {
                 registry,
@@ -122,6 +127,7 @@ impl Server {
                 closing: Mutex::new(None),
                 log_limit: LogLimit::new(),
                 server_bytes: Arc::new(Budget::new(usize::MAX, config.server_bytes_in_flight_max)),
+                reactor,
                 config,
             }),
             accept_threads: Vec::new(),
@@ -177,6 +183,9 @@ impl Server {
             drop(table);
             shared.wait_for_connections(shared.config.shutdown_grace);
         }
+        if let Some(reactor) = &shared.reactor {
+            reactor.stop(shared.config.shutdown_grace);
+        }
         let listening = sync::lock(&shared.listening);
         for listening in listening.iter() {
             if let Listening::Unix {
@@ -194,6 +203,22 @@ impl Server {
             connections = %closing,
             "NBD server stopped"
         );
+    }
+}
+
+/// The event loop for `config`, or `None` (connections get their own threads) if the
+/// system refuses one.
+fn new_reactor(config: &Config) -> Option<Arc<Reactor>> {
+    let threads = match config.loop_threads {
+        0 => std::thread::available_parallelism().map_or(1, usize::from),
+        threads => threads,
+    };
+    match Reactor::new(threads, config.idle_timeout, config.thread_stack_bytes) {
+        Ok(reactor) => Some(Arc::new(reactor)),
+        Err(error) => {
+            tracing::warn!(%error, "no NBD event loop: each connection gets its own threads");
+            None
+        }
     }
 }
 

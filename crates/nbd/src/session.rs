@@ -59,12 +59,19 @@
 //! error reply and the connection goes on; a bad magic, an oversize WRITE payload or a
 //! socket error ends the connection after in-flight requests are answered.
 //!
+//! On the event loop (`Limits::reactor`, see `reactor`) the same loop runs on the loop's
+//! workers instead of the connection's own threads: a reader that would block for the next
+//! header parks the connection, a hand-off parks it for another worker to read on, the
+//! watchdog parks a connection whose reader is stuck in an export call (no standby threads
+//! are started), and the idle timeout is the reactor's sweep of parked connections.
+//!
 //! Files: this one holds the entry ([`serve`]), the state the threads share ([`Connection`])
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading of requests;
 //! `check` their checks; `standby` waiting for the input; `payload` a thread's payload
 //! buffer; `activity` what the server's table sees of the session; `dispatch` serving a checked request on the export and making its reply;
-//! `batch` a thread's replies not yet sent; `splice` sending large READ replies from the
+//! `batch` a thread's replies not yet sent; `more` when to look for more requests before a
+//! send; `reactor` and `visit` the event loop; `splice` sending large READ replies from the
 //! export's file without a copy (plaintext connections, exports that give
 //! [`Export::read_source`]).
 
@@ -74,10 +81,13 @@ mod budget;
 mod check;
 mod dispatch;
 mod input;
+mod more;
 mod payload;
+mod reactor;
 mod spin;
 mod splice;
 mod standby;
+mod visit;
 mod watchdog;
 
 use std::io;
@@ -96,6 +106,7 @@ use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
 use input::Input;
 use payload::Payload;
+pub(crate) use reactor::Reactor;
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -141,6 +152,10 @@ pub(crate) struct Limits {
     pub(crate) batch_replies: bool,
     /// Whether requests are in flight, for the server's choice of a connection to evict.
     pub(crate) activity: Arc<Activity>,
+    /// The event loop that serves the session (see `reactor`); `None`: its own threads.
+    pub(crate) reactor: Option<Arc<Reactor>>,
+    /// The connection's number, its key in the reactor.
+    pub(crate) key: u64,
 }
 
 /// Called once, by the last thread of a session to leave, with the session's result and
@@ -254,6 +269,12 @@ struct Connection {
     /// Taken by the last thread to leave.
     on_end: Mutex<Option<OnEnd>>,
     idle_timeout: Duration,
+    /// The event loop serving the session, the connection's key in it, the socket it
+    /// watches (the input's) and the connection's span, which its visits enter.
+    reactor: Option<Arc<Reactor>>,
+    key: u64,
+    socket: Arc<Stream>,
+    span: tracing::Span,
 }
 
 /// Serves requests on `reader`/`writer` until the client disconnects or stays idle too long.
@@ -275,40 +296,26 @@ pub(crate) fn serve(
         "a session needs a request slot"
     );
     assert!(!limits.idle_timeout.is_zero(), "idle timeout is 0");
-    // The socket's read timeout is the tick at which a reader blocked on a quiet connection
-    // wakes up, to hand its thread back and to count towards the idle timeout: a quarter of
-    // the timeout, so a quiet connection closes between 1 and 1.25 times it.
-    let idle_tick = (limits.idle_timeout / 4).clamp(Duration::from_millis(1), IDLE_TICK_MAX);
-    let idle_ticks_max = u32::try_from(
-        limits
-            .idle_timeout
-            .as_nanos()
-            .div_ceil(idle_tick.as_nanos()),
-    )
-    .unwrap_or(u32::MAX);
+    let (idle_tick, idle_ticks_max) = idle_ticks(limits.idle_timeout);
     if let Err(error) = reader.set_read_timeout(Some(idle_tick)) {
         on_end(Err(Error::io("set idle timeout", error)), 0);
         return;
     }
     let server_share_bytes = limits.server_bytes.fair_share_bytes();
     let any_alignment = !negotiated.block_sizes;
-    let contexts = negotiated
-        .contexts
-        .into_iter()
-        .map(|context| match context.source {
-            ContextSource::Export(source) if any_alignment => SelectedContext {
-                id: context.id,
-                source: ContextSource::Export(Arc::new(UnalignedContext(source))),
-            },
-            _ => context,
-        })
-        .collect();
+    let contexts = unaligned_contexts(negotiated.contexts, any_alignment);
+    let socket = Arc::new(reader);
+    let on_loop = limits.reactor.is_some();
     let connection = Arc::new(Connection {
         export: Arc::new(Unaligned::new(negotiated.export, any_alignment)),
         any_alignment,
         style: negotiated.style,
         contexts,
-        input: Mutex::new(Input::new(reader, idle_ticks_max, limits.spin_max)),
+        input: Mutex::new(Input::new(
+            Arc::clone(&socket),
+            idle_ticks_max,
+            limits.spin_max,
+        )),
         idle_timeout: limits.idle_timeout,
         writer: Mutex::new(writer),
         broken: AtomicBool::new(false),
@@ -318,7 +325,8 @@ pub(crate) fn serve(
         server_bytes: limits.server_bytes,
         server_bytes_held: AtomicU64::new(0),
         server_share_bytes,
-        threads: AtomicUsize::new(1),
+        // On the event loop only the workers visiting it count.
+        threads: AtomicUsize::new(usize::from(!on_loop)),
         watch: Arc::default(),
         standby_starting: AtomicBool::new(false),
         threads_max: limits.threads,
@@ -327,13 +335,49 @@ pub(crate) fn serve(
         splice_reads: limits.splice_reads,
         batch_replies: limits.batch_replies,
         on_end: Mutex::new(Some(on_end)),
+        reactor: limits.reactor,
+        key: limits.key,
+        socket,
+        span: tracing::Span::current(),
     });
-    connection.run_thread(Start::Read);
+    if on_loop {
+        connection.start_on_loop();
+    } else {
+        connection.run_thread(Start::Read);
+    }
+}
+
+/// The socket's read timeout and how many in a row are the idle timeout. The timeout is
+/// the tick at which a reader blocked on a quiet connection wakes up, to hand its thread
+/// back and to count towards the idle timeout: a quarter of the timeout, so a quiet
+/// connection closes between 1 and 1.25 times it.
+fn idle_ticks(idle_timeout: Duration) -> (Duration, u32) {
+    let idle_tick = (idle_timeout / 4).clamp(Duration::from_millis(1), IDLE_TICK_MAX);
+    let ticks =
+        u32::try_from(idle_timeout.as_nanos().div_ceil(idle_tick.as_nanos())).unwrap_or(u32::MAX);
+    (idle_tick, ticks)
+}
+
+/// The selected contexts, each wrapped to answer unaligned requests if `any_alignment`.
+fn unaligned_contexts(contexts: Vec<SelectedContext>, any_alignment: bool) -> Vec<SelectedContext> {
+    contexts
+        .into_iter()
+        .map(|context| match context.source {
+            ContextSource::Export(source) if any_alignment => SelectedContext {
+                id: context.id,
+                source: ContextSource::Export(Arc::new(UnalignedContext(source))),
+            },
+            _ => context,
+        })
+        .collect()
 }
 
 impl Drop for Connection {
     /// The last thread has left (or unwound): report how the connection ended.
     fn drop(&mut self) {
+        if let Some(reactor) = &self.reactor {
+            reactor.forget(&*self.socket);
+        }
         let input = self.input.get_mut().unwrap_or_else(|e| e.into_inner());
         let result = match (input.ended, input.error.take()) {
             (_, Some(error)) => Err(error),
@@ -411,76 +455,6 @@ impl Connection {
         self.budget.release_many(requests, bytes);
     }
 
-    /// Starts one more thread if the limit allows; `false` if none was started.
-    fn add_thread(self: &Arc<Self>, start: Start) -> bool {
-        let grown = self
-            .threads
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
-                (threads < self.threads_max).then_some(threads + 1)
-            });
-        if grown.is_err() {
-            return false;
-        }
-        let connection = Arc::clone(self);
-        // The connection's span (its number and peer) goes with its threads.
-        let span = tracing::Span::current();
-        let spawned = std::thread::Builder::new()
-            .name(self.thread_name.clone())
-            .stack_size(self.stack_bytes)
-            .spawn(move || span.in_scope(|| connection.run_thread(start)));
-        if spawned.is_err() {
-            // Serve with the threads there are.
-            self.threads.fetch_sub(1, Ordering::SeqCst);
-            return false;
-        }
-        true
-    }
-
-    /// Gives the input up so that another thread reads on: wakes a standby, or starts a
-    /// thread if none waits.
-    fn hand_off(self: &Arc<Self>, input: MutexGuard<'_, Input>) {
-        drop(input);
-        if !self.wake_standby() {
-            self.add_thread(Start::Read);
-        }
-    }
-
-    /// Wakes one standby thread, if any waits; a thread that gives the input up calls it
-    /// after unlocking the input. A standby registers before it last tries the input, so
-    /// either it sees the input free or this sees it registered.
-    fn wake_standby(&self) -> bool {
-        self.watch.wake_standby()
-    }
-
-    /// Lets this thread leave if it is not the last one; the others still read.
-    fn leave_if_not_last(&self) -> bool {
-        self.threads
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
-                (threads > 1).then(|| threads - 1)
-            })
-            .is_ok()
-    }
-
-    /// One thread's life: wait for the input, read and serve requests while holding it
-    /// ([`Connection::lead`]), and again, until the session ends or the thread is not needed.
-    fn run_thread(self: Arc<Self>, start: Start) {
-        let mut scratch = Scratch::default();
-        // Only a thread started for a hand-off takes the input regardless of a reading
-        // thread in an export call; otherwise two threads would take it from each other
-        // at every call.
-        let mut take_now = start == Start::Read;
-        loop {
-            let Some(input) = self.wait_for_input(take_now) else {
-                return;
-            };
-            take_now = false;
-            match self.lead(input, &mut scratch) {
-                Led::GaveUp => {}
-                Led::Left => return,
-            }
-        }
-    }
-
     /// Reads requests and serves the quick ones into the thread's batch, giving the input
     /// lock up only for the export call itself (no other thread waits on it, so that costs
     /// no wake-up); a slow request is handed off: the batch is sent, another thread gets
@@ -493,7 +467,8 @@ impl Connection {
     ) -> Led {
         loop {
             // A quiet connection needs one reader; the others leave as they get here.
-            if input.quiet_ticks > 0
+            if self.reactor.is_none()
+                && input.quiet_ticks > 0
                 && input.buffered() == 0
                 && self.in_flight.load(Ordering::SeqCst) == 0
                 && self.leave_if_not_last()
@@ -514,16 +489,18 @@ impl Connection {
                 Next::Answered => continue,
                 Next::End => {
                     self.flush(&mut scratch.batch);
+                    // Parked meanwhile by another worker: the table lets go of it.
+                    let parked = self.reactor.as_ref().and_then(|r| r.unpark(self.key));
                     // Whoever leaves last reports, in `drop`.
                     self.threads.fetch_sub(1, Ordering::SeqCst);
                     drop(input);
+                    drop(parked);
                     self.wake_standby();
                     return Led::Left;
                 }
                 Next::Leave => {
                     self.flush(&mut scratch.batch);
-                    drop(input);
-                    self.wake_standby();
+                    self.stop_reading(input);
                     return Led::Left;
                 }
             };
@@ -555,7 +532,9 @@ impl Connection {
         job: &Job,
         scratch: &mut Scratch,
     ) -> Option<MutexGuard<'a, Input>> {
-        if self.watch.waiters.load(Ordering::SeqCst) == 0
+        // On the event loop the watchdog parks the connection instead (see `visit`).
+        if self.reactor.is_none()
+            && self.watch.waiters.load(Ordering::SeqCst) == 0
             && !self.standby_starting.swap(true, Ordering::SeqCst)
         {
             // Requests sent after this one must not wait if this call gets stuck: keep a

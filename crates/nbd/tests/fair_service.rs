@@ -349,6 +349,9 @@ fn idle_connections_cost_one_thread_each() {
         idle_timeout: Duration::from_secs(8),
         // 100 handshakes of one uid held at once (past the default, its oldest would close).
         handshakes_per_peer_max: 200,
+        // The thread-per-connection path; the event loop's idle connections cost no thread
+        // at all (`event_loop.rs`).
+        event_loop: false,
         ..quick_shutdown(Config::default())
     };
     let server = TestServer::start(vec![memory("disk", MIB)], config, false);

@@ -129,6 +129,15 @@ pub struct Config {
     /// hand-off model it replaced: QD64 over one connection 1.26× the IOPS at 0.53 of the
     /// server CPU per read, QD32 over two connections 1.40× at 0.54.
     pub batch_replies: bool,
+    /// Serve connections in transmission on an event loop: `loop_threads` workers wait for
+    /// any connection's requests in one `epoll`, so an idle connection costs no thread and
+    /// many busy ones share a few (see the `session` module's `reactor`). `false` gives
+    /// each connection its own threads, as before (the default until the loop's known
+    /// ordering difference in `tests/spin.rs` is resolved).
+    pub event_loop: bool,
+    /// Workers of the event loop that are not blocked (more are started while some are
+    /// stuck in an export call or a write); 0 is one per available CPU.
+    pub loop_threads: usize,
 }
 
 /// Where zero-copy READ replies are used. Measured with fio's nbd engine (1 MiB reads, QD8,
@@ -166,6 +175,8 @@ impl Default for Config {
             splice_reads: SpliceReads::default(),
             spin_max: Duration::from_micros(50),
             batch_replies: true,
+            event_loop: false,
+            loop_threads: 0,
         }
     }
 }
@@ -194,6 +205,8 @@ impl fmt::Debug for Config {
             .field("spin_max", &self.spin_max)
             .field("splice_reads", &self.splice_reads)
             .field("batch_replies", &self.batch_replies)
+            .field("event_loop", &self.event_loop)
+            .field("loop_threads", &self.loop_threads)
             .finish()
     }
 }

@@ -161,6 +161,8 @@ impl Shared {
             spin_max: self.config.spin_max,
             batch_replies: self.config.batch_replies,
             activity,
+            reactor: self.reactor.clone(),
+            key: id,
         }
     }
 

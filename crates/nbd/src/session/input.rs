@@ -12,13 +12,16 @@
 //! Between requests, with nothing in flight and nothing buffered, the thread spins for a
 //! short adaptive window in non-blocking receives before it sleeps in `recv` ([`spin`]).
 
-use std::io::{self, Read};
+use std::io;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::net::RecvFlags;
 
 use super::check::Verdict;
+use super::more::MoreProbe;
+use super::reactor::VISIT_REQUESTS_MAX;
 use super::spin::{self, Spin};
 use super::{Connection, Job, Next, Scratch};
 use crate::error::{Error, Result};
@@ -32,8 +35,9 @@ const INPUT_BUFFER_BYTES: usize = 64 * 1024;
 
 /// The read side of the socket, buffered, shared by the connection's threads under a lock.
 pub(super) struct Input {
-    stream: Stream,
-    buffer: Box<[u8]>,
+    stream: Arc<Stream>,
+    /// Empty while released (a parked connection with nothing buffered holds none).
+    buffer: Vec<u8>,
     /// Unconsumed bytes are `buffer[start..end]`.
     start: usize,
     end: usize,
@@ -51,53 +55,18 @@ pub(super) struct Input {
     spin: Spin,
     /// Whether to look for more requests before sending a batch.
     more: MoreProbe,
-}
-
-/// When to try [`Input::receive_more`]: a score that found bytes raise by 2 and empty tries
-/// lower by 1, so tries go on while at least a third of them find something (a `send`
-/// saved is worth about two empty `recv`s); at 0 only every [`MORE_RETRY_EVERY`]th chance
-/// tries, to notice when the client starts sending ahead again.
-#[derive(Default)]
-struct MoreProbe {
-    score: u32,
-    skipped: u32,
-}
-
-/// Highest [`MoreProbe`] score: a client that stops sending ahead stops the tries within
-/// this many empty ones.
-const MORE_SCORE_MAX: u32 = 8;
-
-/// Chances skipped between tries while the [`MoreProbe`] score is 0.
-const MORE_RETRY_EVERY: u32 = 16;
-
-impl MoreProbe {
-    fn should_try(&mut self) -> bool {
-        if self.score > 0 {
-            return true;
-        }
-        self.skipped += 1;
-        if self.skipped < MORE_RETRY_EVERY {
-            return false;
-        }
-        self.skipped = 0;
-        true
-    }
-
-    fn record(&mut self, came: bool) {
-        self.score = if came {
-            (self.score + 2).min(MORE_SCORE_MAX)
-        } else {
-            self.score.saturating_sub(1)
-        };
-    }
+    /// Requests read in this visit of an event-loop worker (see `reactor`).
+    pub(super) visit_requests: u32,
+    /// When the last receive found nothing and the connection was parked.
+    parked_since: Option<Instant>,
 }
 
 impl Input {
     /// An input on `stream`; `spin_max` is the widest spin window (zero: never spin).
-    pub(super) fn new(stream: Stream, idle_ticks_max: u32, spin_max: Duration) -> Self {
+    pub(super) fn new(stream: Arc<Stream>, idle_ticks_max: u32, spin_max: Duration) -> Self {
         Input {
             stream,
-            buffer: vec![0u8; INPUT_BUFFER_BYTES].into_boxed_slice(),
+            buffer: vec![0u8; INPUT_BUFFER_BYTES],
             start: 0,
             end: 0,
             ended: false,
@@ -107,6 +76,50 @@ impl Input {
             requests: 0,
             spin: Spin::new(spin_max),
             more: MoreProbe::default(),
+            visit_requests: 0,
+            parked_since: None,
+        }
+    }
+
+    /// Frees the buffer if it holds nothing (a connection about to be parked).
+    pub(super) fn release_buffer(&mut self) {
+        if self.buffered() == 0 {
+            self.buffer = Vec::new();
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Allocates the buffer again after [`Input::release_buffer`].
+    fn ensure_buffer(&mut self) {
+        if self.buffer.is_empty() {
+            self.buffer = vec![0u8; INPUT_BUFFER_BYTES];
+        }
+    }
+
+    /// One non-blocking receive of whatever the client sent; true if bytes came (end of
+    /// stream and errors are met by the next read).
+    pub(super) fn try_receive(&mut self) -> bool {
+        self.ensure_buffer();
+        if self.buffered() == 0 {
+            self.start = 0;
+            self.end = 0;
+        } else if self.end == self.buffer.len() {
+            self.buffer.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        match receive(
+            &self.stream,
+            &mut self.buffer[self.end..],
+            RecvFlags::DONTWAIT,
+        ) {
+            Ok(count) if count > 0 => {
+                self.end += count;
+                self.quiet_ticks = 0;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -126,7 +139,10 @@ impl Input {
     /// peer closed with nothing buffered. A read timeout comes back as an error (see
     /// [`is_timeout`]) with what arrived so far kept, so the caller can decide to wait on.
     /// With `may_spin` and nothing buffered, the first read spins before it sleeps.
-    fn fill(&mut self, length: usize, may_spin: bool) -> io::Result<bool> {
+    /// Without `wait`, a read that would block returns `WouldBlock` at once instead (the
+    /// event loop parks the connection then, keeping what arrived).
+    fn fill(&mut self, length: usize, may_spin: bool, wait: bool) -> io::Result<bool> {
+        self.ensure_buffer();
         let spin_first = may_spin && self.spin.enabled() && self.buffered() == 0;
         assert!(length <= self.buffer.len(), "fill beyond the input buffer");
         if self.buffered() == 0 {
@@ -139,10 +155,15 @@ impl Input {
         }
         let mut first = true;
         while self.buffered() < length {
-            let result = if first && spin_first {
-                self.receive_spinning()
+            let flags = if wait {
+                RecvFlags::empty()
             } else {
-                self.stream.read(&mut self.buffer[self.end..])
+                RecvFlags::DONTWAIT
+            };
+            let result = if first && spin_first {
+                self.receive_spinning(wait)
+            } else {
+                receive(&self.stream, &mut self.buffer[self.end..], flags).map_err(io::Error::from)
             };
             first = false;
             match result {
@@ -162,7 +183,25 @@ impl Input {
     /// One read into the free part of the buffer: non-blocking receives for the spin window
     /// (if a spin slot is free), then a blocking read; adapts the window to when the bytes
     /// came (see [`spin`]). End of stream, errors and timeouts come back as from a read.
-    fn receive_spinning(&mut self) -> io::Result<usize> {
+    /// On the event loop (`wait` false) a receive that would block parks the connection:
+    /// the wait is counted from then to the next receive, which does not spin.
+    fn receive_spinning(&mut self, wait: bool) -> io::Result<usize> {
+        if let Some(since) = self.parked_since.take() {
+            let result = receive(
+                &self.stream,
+                &mut self.buffer[self.end..],
+                RecvFlags::DONTWAIT,
+            )
+            .map_err(io::Error::from);
+            match &result {
+                Ok(_) => self.spin.slept(since.elapsed()),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {
+                    self.parked_since = Some(since);
+                }
+                Err(_) => {}
+            }
+            return result;
+        }
         let start = Instant::now();
         let window = self.spin.window();
         let (stream, free) = (&self.stream, &mut self.buffer[self.end..]);
@@ -174,9 +213,18 @@ impl Input {
             }
             return result;
         }
-        let result = self.stream.read(&mut self.buffer[self.end..]);
+        let flags = if wait {
+            RecvFlags::empty()
+        } else {
+            RecvFlags::DONTWAIT
+        };
+        let result =
+            receive(&self.stream, &mut self.buffer[self.end..], flags).map_err(io::Error::from);
         match &result {
             Ok(_) => self.spin.slept(start.elapsed()),
+            Err(error) if !wait && error.kind() == io::ErrorKind::WouldBlock => {
+                self.parked_since = Some(start);
+            }
             Err(error) if is_timeout(error) => self.spin.quiet(),
             Err(_) => {}
         }
@@ -193,27 +241,7 @@ impl Input {
         if !self.more.should_try() {
             return false;
         }
-        if self.buffered() == 0 {
-            self.start = 0;
-            self.end = 0;
-        } else if self.end == self.buffer.len() {
-            self.buffer.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-        }
-        let came = match receive(
-            &self.stream,
-            &mut self.buffer[self.end..],
-            RecvFlags::DONTWAIT,
-        ) {
-            Ok(count) if count > 0 => {
-                self.end += count;
-                self.quiet_ticks = 0;
-                true
-            }
-            // End of stream and errors are met again by the next blocking read.
-            _ => false,
-        };
+        let came = self.try_receive();
         self.more.record(came);
         came
     }
@@ -240,7 +268,10 @@ impl Input {
         loop {
             let result = match target.as_deref_mut() {
                 Some(target) => target.receive(&self.stream, RecvFlags::empty()),
-                None => receive(&self.stream, &mut self.buffer, RecvFlags::empty()),
+                None => {
+                    self.ensure_buffer();
+                    receive(&self.stream, &mut self.buffer, RecvFlags::empty())
+                }
             };
             match result.map_err(io::Error::from) {
                 Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
@@ -331,12 +362,22 @@ impl Connection {
     /// tick, on which a thread other than the last leaves, and enough of them in a row end
     /// the connection. `Ok(None)` if this thread should leave, `Ok(Some(false))` on a clean
     /// hang-up.
+    /// On the event loop (see `reactor`) the header is never waited for: `Ok(None)` when it
+    /// is not all here (or the visit has read its share of requests), and the worker parks
+    /// the connection.
     fn fill_header(&self, input: &mut Input, size: usize) -> Result<Option<bool>> {
+        let on_loop = self.reactor.is_some();
         loop {
             // Spinning only while nothing is in flight, here or on another connection: the
             // other threads' requests need the CPU more than this one's next.
             let may_spin = self.in_flight.load(Ordering::SeqCst) == 0 && !spin::others_busy();
-            match input.fill(size, may_spin) {
+            if on_loop && input.buffered() < size && input.visit_requests >= VISIT_REQUESTS_MAX {
+                return Ok(None);
+            }
+            match input.fill(size, may_spin, !on_loop) {
+                Err(error) if on_loop && error.kind() == io::ErrorKind::WouldBlock => {
+                    return Ok(None)
+                }
                 Ok(open) => return Ok(Some(open)),
                 Err(error) if is_timeout(&error) => {
                     if self.in_flight.load(Ordering::SeqCst) > 0 {
@@ -381,6 +422,7 @@ impl Connection {
             return Ok(Next::End);
         }
         input.requests += 1;
+        input.visit_requests += 1;
         let payload_length = self.payload_length(&request);
         if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
             // The payload cannot be skipped safely: answer, then hang up.

@@ -10,10 +10,10 @@
 //! writes of every connection (the server offers CAN_MULTI_CONN).
 
 use std::sync::atomic::Ordering;
-use std::sync::{MutexGuard, TryLockError};
+use std::sync::{Arc, MutexGuard, TryLockError};
 
 use super::input::Input;
-use super::{Connection, STANDBY_QUIET};
+use super::{Connection, Led, Scratch, Start, STANDBY_QUIET};
 use crate::error::Error;
 use crate::sync;
 
@@ -68,6 +68,84 @@ impl Connection {
                     "a thread serving this connection panicked while reading".to_string(),
                 )));
                 Some(input)
+            }
+        }
+    }
+}
+
+impl Connection {
+    /// Starts one more thread if the limit allows; `false` if none was started.
+    pub(super) fn add_thread(self: &Arc<Self>, start: Start) -> bool {
+        let grown = self
+            .threads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
+                (threads < self.threads_max).then_some(threads + 1)
+            });
+        if grown.is_err() {
+            return false;
+        }
+        let connection = Arc::clone(self);
+        // The connection's span (its number and peer) goes with its threads.
+        let span = tracing::Span::current();
+        let spawned = std::thread::Builder::new()
+            .name(self.thread_name.clone())
+            .stack_size(self.stack_bytes)
+            .spawn(move || span.in_scope(|| connection.run_thread(start)));
+        if spawned.is_err() {
+            // Serve with the threads there are.
+            self.threads.fetch_sub(1, Ordering::SeqCst);
+            return false;
+        }
+        true
+    }
+
+    /// Gives the input up so that another thread reads on: wakes a standby, or starts a
+    /// thread if none waits.
+    /// On the event loop the connection is parked instead, so that a worker reads on (if
+    /// fewer than `threads_max` workers are in it).
+    pub(super) fn hand_off(self: &Arc<Self>, input: MutexGuard<'_, Input>) {
+        drop(input);
+        if self.reactor.is_some() {
+            if self.threads.load(Ordering::SeqCst) < self.threads_max {
+                self.park(true);
+            }
+        } else if !self.wake_standby() {
+            self.add_thread(Start::Read);
+        }
+    }
+
+    /// Wakes one standby thread, if any waits; a thread that gives the input up calls it
+    /// after unlocking the input. A standby registers before it last tries the input, so
+    /// either it sees the input free or this sees it registered.
+    pub(super) fn wake_standby(&self) -> bool {
+        self.watch.wake_standby()
+    }
+
+    /// Lets this thread leave if it is not the last one; the others still read.
+    pub(super) fn leave_if_not_last(&self) -> bool {
+        self.threads
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |threads| {
+                (threads > 1).then(|| threads - 1)
+            })
+            .is_ok()
+    }
+
+    /// One thread's life: wait for the input, read and serve requests while holding it
+    /// ([`Connection::lead`]), and again, until the session ends or the thread is not needed.
+    pub(super) fn run_thread(self: Arc<Self>, start: Start) {
+        let mut scratch = Scratch::default();
+        // Only a thread started for a hand-off takes the input regardless of a reading
+        // thread in an export call; otherwise two threads would take it from each other
+        // at every call.
+        let mut take_now = start == Start::Read;
+        loop {
+            let Some(input) = self.wait_for_input(take_now) else {
+                return;
+            };
+            take_now = false;
+            match self.lead(input, &mut scratch) {
+                Led::GaveUp => {}
+                Led::Left => return,
             }
         }
     }

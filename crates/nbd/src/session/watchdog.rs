@@ -43,6 +43,11 @@ pub(super) struct Watch {
     seen: AtomicU64,
     /// Handed to the watchdog already.
     registered: AtomicBool,
+    /// On the event loop: what a stall does instead of waking a standby (it parks the
+    /// connection, so that another worker reads on); called once per stuck call.
+    pub(super) on_stall: OnceLock<Box<dyn Fn() + Send + Sync>>,
+    /// The view (`seen`, plus one) of the last stall reported to `on_stall`.
+    stall_reported: AtomicU64,
 }
 
 impl Watch {
@@ -77,7 +82,16 @@ impl Watch {
         let now = calls.wrapping_mul(2) | u64::from(in_call);
         let before = self.seen.swap(now, Ordering::Relaxed);
         if in_call && before == now {
-            self.wake_standby();
+            match self.on_stall.get() {
+                Some(stalled) => {
+                    if self.stall_reported.swap(now + 1, Ordering::SeqCst) != now + 1 {
+                        stalled();
+                    }
+                }
+                None => {
+                    self.wake_standby();
+                }
+            }
         }
         in_call || before != now
     }
