@@ -75,19 +75,28 @@ pub fn create_device_pool(
     block_size_bytes: u64,
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
-    dir.create_private()?;
+    let made = dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
-    let pool = Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
-        .with_context(|| {
-            format!(
-                "cannot create a pool on {} and {}",
-                devices.metadata_device.display(),
-                devices.data_device.display()
-            )
-        })?;
-    stored.store(dir)?;
+    let created =
+        Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
+            .with_context(|| {
+                format!(
+                    "cannot create a pool on {} and {}",
+                    devices.metadata_device.display(),
+                    devices.data_device.display()
+                )
+            })
+            .and_then(|pool| stored.store(dir).map(|()| pool));
+    // A refused create leaves the directory as it was (removed, if it made it).
+    let pool = match created {
+        Ok(pool) => pool,
+        Err(error) => {
+            made.undo();
+            return Err(error);
+        }
+    };
     for event in pool.events() {
         eprintln!("thinpool: {event}");
     }

@@ -6,7 +6,7 @@ use anyhow::{bail, Context};
 use std::process::ExitCode;
 
 use crate::control::{self, Outcome, Request, VolumeRecord};
-use crate::pool_dir::{format_size, parse_size, PoolArg};
+use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg};
 
 /// Volume subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -16,7 +16,7 @@ pub enum Command {
         /// Volume name (also its NBD export name).
         name: String,
         /// Virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         #[command(flatten)]
         common: Common,
@@ -50,7 +50,7 @@ pub enum Command {
         /// Volume name.
         name: String,
         /// New virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         /// Let a shrink unmap (drop) the mapped data beyond the new end.
         #[arg(long = "force")]
@@ -113,7 +113,7 @@ Example:
         /// The name to give it (also its NBD export name).
         name: String,
         /// Its virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         /// The served volume it is a snapshot of.
         #[arg(long = "origin", value_name = "NAME")]
@@ -179,7 +179,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
 fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
     Ok(match command {
         Command::Create { name, size, common } => {
-            let size_bytes = parse_size(&size)?;
+            let size_bytes = parse_size_nonzero(&size).context("--size")?;
             let what = format!("cannot create volume {name:?}");
             (Request::CreateVolume { name, size_bytes }, common, what)
         }
@@ -252,7 +252,7 @@ fn catalog_request(command: Command) -> anyhow::Result<(Request, Common, String)
             origin,
             common,
         } => {
-            let size_bytes = parse_size(&size)?;
+            let size_bytes = parse_size_nonzero(&size).context("--size")?;
             let what = format!("cannot adopt thin id {id} as {name:?}");
             let request = Request::AdoptVolume {
                 id,
@@ -277,7 +277,7 @@ fn resize_request(
     force: bool,
     common: Common,
 ) -> anyhow::Result<(Request, Common, String)> {
-    let size_bytes = parse_size(size)?;
+    let size_bytes = parse_size_nonzero(size).context("--size")?;
     let what = format!("cannot resize volume {name:?}");
     let request = Request::ResizeVolume {
         name,
