@@ -52,6 +52,8 @@ enum Command {
     Trim(commands::trim::Args),
     /// List the blocks in which two volumes differ (like thin_delta).
     Diff(commands::diff::Args),
+    /// Grow the pool's data or metadata (online while served; `create --grow` for data).
+    Grow(commands::grow::Args),
 }
 
 /// `thinpool serve`: the daemon (`thinpool_daemon::serve`), with the binary's log installed.
@@ -81,6 +83,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Trim(args) => commands::trim::run(args),
         Command::Diff(args) => commands::diff::run(args),
+        Command::Grow(args) => commands::grow::run(args),
     };
     match result {
         Ok(code) => code,

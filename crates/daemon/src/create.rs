@@ -38,6 +38,7 @@ pub fn create_pool(
         pool,
         options: stored,
         reserved_names: Vec::new(),
+        served: None,
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

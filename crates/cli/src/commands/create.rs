@@ -6,12 +6,11 @@
 //! the directory names (`create_devices`); `--grow` without a size then grows to the data
 //! device's size.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::Context;
 use std::process::ExitCode;
 use thin_pool::CreateOptions;
 
-use crate::control::{self, Outcome, Request};
-use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg, PoolDir, StoredOptions};
+use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg, StoredOptions};
 use thinpool_daemon::create::{create_pool, DATA_SIZE_DEFAULT};
 
 /// Arguments.
@@ -51,7 +50,8 @@ pub struct Args {
     #[command(flatten)]
     space: thinpool_daemon::space::SpaceArgs,
     /// Grow an existing pool's data device to --data-size instead of creating a pool
-    /// (a pool on block devices: to the data device's size when no --data-size is given).
+    /// (a pool on block devices: to the data device's size when no --data-size is given);
+    /// the same as `thinpool grow`, which grows the metadata too.
     #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
     grow: bool,
     /// Print the result as JSON.
@@ -69,7 +69,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Some(size) => parse_size_nonzero(size).context("--data-size")?,
             None => super::create_devices::grow_size(&dir, &args.devices)?,
         };
-        return grow(&dir, data_size_bytes, args.json);
+        return super::grow::grow_data(&dir, data_size_bytes, args.json);
     }
     let data_size_bytes =
         parse_size_nonzero(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))
@@ -144,34 +144,4 @@ fn on_off(value: bool) -> &'static str {
     } else {
         "off"
     }
-}
-
-fn grow(dir: &PoolDir, data_size_bytes: u64, json: bool) -> anyhow::Result<ExitCode> {
-    let request = Request::GrowData {
-        size_bytes: data_size_bytes,
-    };
-    let status = match control::perform(dir, &request)? {
-        Ok(Outcome::Status(status)) => status,
-        Ok(other) => bail!("unexpected answer: {other:?}"),
-        Err(error) => {
-            return Err(anyhow!(error)).with_context(|| {
-                format!(
-                    "cannot grow the data of {} to {}",
-                    dir.path.display(),
-                    format_size(data_size_bytes)
-                )
-            })
-        }
-    };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
-    } else {
-        println!(
-            "grew pool {} data to {} ({} blocks)",
-            dir.path.display(),
-            format_size(status.data_total_blocks * status.block_size_bytes),
-            status.data_total_blocks
-        );
-    }
-    Ok(ExitCode::SUCCESS)
 }

@@ -54,10 +54,16 @@ pub fn grow_size(dir: &PoolDir, devices: &DeviceArgs) -> anyhow::Result<u64> {
     if devices.metadata_device.is_some() || devices.data_device.is_some() {
         bail!("--grow takes the devices from the pool directory: do not name them");
     }
+    data_device_size(dir)
+}
+
+/// The size of the data device of the pool in `dir`, for a grow to it (refused for a pool
+/// whose data is a file: it needs a size).
+pub fn data_device_size(dir: &PoolDir) -> anyhow::Result<u64> {
     dir.require_pool()?;
     let Some(paths) = DevicePaths::load(&dir.path)? else {
         bail!(
-            "--grow needs --data-size for the pool in {}: its data is a file",
+            "growing the pool in {} needs --data-size: its data is a file",
             dir.path.display()
         );
     };
@@ -104,6 +110,7 @@ pub fn create_device_pool(
         pool,
         options: stored,
         reserved_names: Vec::new(),
+        served: None,
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

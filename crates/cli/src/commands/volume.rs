@@ -169,6 +169,17 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
             } else {
                 println!("{}", describe(&request, &volume));
             }
+            if matches!(
+                request,
+                Request::CreateVolume { .. } | Request::ResizeVolume { .. }
+            ) {
+                // A warning, not a refusal: thin provisioning allows it (as LVM does).
+                if let Ok(status) =
+                    control::ask(&dir, &Request::Status).and_then(Outcome::into_status)
+                {
+                    super::status::warn_if_overprovisioned(&status);
+                }
+            }
         }
         (_, other) => bail!("unexpected answer: {other:?}"),
     }

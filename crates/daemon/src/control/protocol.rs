@@ -87,6 +87,13 @@ pub enum Request {
         /// New data size.
         size_bytes: u64,
     },
+    /// Grow the metadata to `size_bytes` (a metadata file is extended), or, without it, to
+    /// the metadata device's size (after `lvextend`, `losetup -c`, ...). Answers the status.
+    GrowMetadata {
+        /// New metadata size.
+        #[serde(default)]
+        size_bytes: Option<u64>,
+    },
     /// List volumes.
     List,
     /// Hold a metadata snapshot, for thin_ls -m, thin_delta -m, thin_dump -m on a live pool
@@ -228,6 +235,29 @@ pub struct StatusRecord {
     /// Catalog entries whose thin id is not in the metadata: not served.
     #[serde(default)]
     pub orphaned: Vec<OrphanedRecord>,
+    /// Who serves the pool (`status` only; null when no server holds it).
+    #[serde(default)]
+    pub served: Option<ServedRecord>,
+    /// The volumes' virtual sizes added up (`status` only).
+    #[serde(default)]
+    pub volumes_size_bytes: u64,
+    /// The volumes' sizes add up to more than the data device: writes can run out of
+    /// space before any volume is full (LVM warns of this "over-provisioning").
+    #[serde(default)]
+    pub overprovisioned: bool,
+}
+
+/// The server holding a pool, as it reports itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServedRecord {
+    /// The serving process.
+    pub pid: u32,
+    /// NBD connections open on the Unix socket(s), in handshake or transmission.
+    pub nbd_unix_connections: u64,
+    /// NBD connections open over TCP (0 without `--tcp`).
+    pub nbd_tcp_connections: u64,
+    /// vhost-user-blk sockets served (`--vhost-user-blk`).
+    pub vhost_user_blk_sockets: u64,
 }
 
 /// A thin id only the metadata holds (`thinpool volume adopt` names it).
@@ -307,7 +337,18 @@ impl StatusRecord {
                     size_bytes: volume.size_bytes,
                 })
                 .collect(),
+            served: None,
+            volumes_size_bytes: 0,
+            overprovisioned: false,
         }
+    }
+
+    /// Sets the provisioned size (the volumes' sizes added up) and whether it exceeds the
+    /// data device.
+    pub fn set_provisioned(&mut self, volumes: &[VolumeInfo]) {
+        self.volumes_size_bytes = volumes.iter().map(|v| v.size_bytes).sum();
+        self.overprovisioned =
+            self.volumes_size_bytes > self.data_total_blocks * self.block_size_bytes;
     }
 }
 

@@ -2,7 +2,7 @@
 
 use thin_pool::{Pool, Shrink};
 
-use super::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
+use super::{OpError, Outcome, Request, ServedRecord, StatusRecord, VolumeRecord};
 use crate::pool_dir::{format_size, StoredOptions};
 
 /// A pool and what the binary knows about it: the options it was opened with and the names
@@ -14,7 +14,13 @@ pub struct Target {
     pub options: StoredOptions,
     /// Names volumes may not take (raw exports).
     pub reserved_names: Vec<String>,
+    /// The server holding the pool, if one does: `status` reports who serves it and its
+    /// connections ([`ServedRecord`]).
+    pub served: Option<ServedProbe>,
 }
+
+/// What `status` asks a server about itself.
+pub type ServedProbe = std::sync::Arc<dyn Fn() -> ServedRecord + Send + Sync>;
 
 impl Target {
     /// Carries out one request; a change (anything but list, status and diff) is logged with
@@ -89,6 +95,10 @@ impl Target {
                 self.adopt_or_forget(request)
             }
             Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
+            Request::GrowMetadata { size_bytes } => {
+                pool.grow_metadata(*size_bytes)?;
+                Ok(self.status_outcome())
+            }
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
                 pool.reserve_metadata_snap()?;
@@ -99,11 +109,16 @@ impl Target {
                 Ok(self.status_outcome())
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
-            Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
-                &pool.status(),
-                &self.options,
-                &pool.disagreements(),
-            ))),
+            Request::Status => {
+                let mut status = StatusRecord::with_disagreements(
+                    &pool.status(),
+                    &self.options,
+                    &pool.disagreements(),
+                );
+                status.served = self.served.as_ref().map(|probe| probe());
+                status.set_provisioned(&pool.list());
+                Ok(Outcome::Status(status))
+            }
             Request::Diff {
                 base,
                 target,

@@ -50,8 +50,12 @@ pub(crate) struct SpaceWatch {
     /// A write found no data block (whatever the usage says: free blocks may all be in
     /// their grace period): grow even below the threshold.
     starved: AtomicBool,
-    /// Bytes of freed data blocks given back to the data device (passdown and trim).
+    /// Bytes of freed data blocks given back to the data device (passdown and trim), each
+    /// block counted once per free.
     passed_down_bytes: AtomicU64,
+    /// The data blocks given back since they were last freed (one bit each): a trim
+    /// discards every free block again but counts only those not given back yet.
+    given_back: Mutex<Vec<u64>>,
     /// The directory whose file system holds the pool's files (for its free space).
     host_dir: OnceLock<PathBuf>,
     state: Mutex<WatchState>,
@@ -83,6 +87,7 @@ impl SpaceWatch {
             metadata_blocked: AtomicBool::new(false),
             starved: AtomicBool::new(false),
             passed_down_bytes: AtomicU64::new(0),
+            given_back: Mutex::new(Vec::new()),
             host_dir: OnceLock::new(),
             state: Mutex::new(WatchState::default()),
             wake: Condvar::new(),
@@ -113,6 +118,37 @@ impl SpaceWatch {
     /// Count bytes given back to the data device.
     pub(crate) fn passed_down(&self, bytes: u64) {
         self.passed_down_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// These data blocks were freed (released from their grace period): whatever was
+    /// given back of them before is not any more.
+    pub(crate) fn freed(&self, blocks: impl Iterator<Item = u64>) {
+        let mut given = self.given_back.lock().unwrap_or_else(|e| e.into_inner());
+        for block in blocks {
+            if let Some(word) = given.get_mut((block / 64) as usize) {
+                *word &= !(1u64 << (block % 64));
+            }
+        }
+    }
+
+    /// Blocks `first..first + count` were given back to the data device; returns how many
+    /// of them had not been since they were last freed (what the counters count).
+    pub(crate) fn given_back(&self, first: u64, count: u64) -> u64 {
+        let mut given = self.given_back.lock().unwrap_or_else(|e| e.into_inner());
+        let end = first + count;
+        let words = end.div_ceil(64) as usize;
+        if given.len() < words {
+            given.resize(words, 0);
+        }
+        let mut new = 0;
+        for block in first..end {
+            let (word, bit) = ((block / 64) as usize, 1u64 << (block % 64));
+            if given[word] & bit == 0 {
+                given[word] |= bit;
+                new += 1;
+            }
+        }
+        new
     }
 
     pub(crate) fn passed_down_bytes(&self) -> u64 {
