@@ -68,6 +68,21 @@ struct WatchState {
     last_failure: Option<Instant>,
 }
 
+/// A byte count for the log: the bytes and the size for people, `1048576 bytes (1.00 MiB)`.
+pub(crate) fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let (mut value, mut unit) = (bytes as f64, 0);
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{bytes} bytes ({value:.2} {})", UNITS[unit])
+    }
+}
+
 /// Whether `used` of `total` reaches `percent`.
 pub(crate) fn at_least(used: u64, total: u64, percent: u32) -> bool {
     u128::from(used) * 100 >= u128::from(total) * u128::from(percent)
@@ -291,13 +306,19 @@ impl SpaceWatch {
         (wanted != now && mark.swap(wanted, Ordering::AcqRel) != wanted).then_some(wanted)
     }
 
+    /// Logged once (here, not again by `Health`). While autoextend is on and working the
+    /// mark is crossed on every growth step: those crossings are debug lines, the growth
+    /// itself is what the log says; without autoextend, or once it stopped, a warning.
     fn log_low_water(&self, reached: bool, message: String) {
-        if reached {
+        let autoextending = self.autoextend.is_some() && !self.is_exhausted();
+        if autoextending {
+            tracing::debug!(target: "thinpool::space", "{message}");
+        } else if reached {
             tracing::warn!(target: "thinpool::space", "{message}");
         } else {
             tracing::info!(target: "thinpool::space", "{message}");
         }
-        self.health.log(message);
+        self.health.record(message);
     }
 
     /// The pool cannot grow: say why once. The caller wakes the writes waiting for space,
@@ -306,7 +327,7 @@ impl SpaceWatch {
         self.lock_state().last_failure = Some(Instant::now());
         if !self.exhausted.swap(true, Ordering::AcqRel) {
             tracing::error!(target: "thinpool::space", "autoextend: {why}; writes that need space now follow the no-space policy");
-            self.health.log(format!(
+            self.health.record(format!(
                 "autoextend stopped: {why}; writes that need space follow the no-space policy"
             ));
         }
@@ -331,7 +352,7 @@ impl SpaceWatch {
         if !self.metadata_blocked.swap(true, Ordering::AcqRel) {
             tracing::error!(target: "thinpool::space", "autoextend: metadata not grown: {why}");
             self.health
-                .log(format!("autoextend: metadata not grown: {why}"));
+                .record(format!("autoextend: metadata not grown: {why}"));
         }
     }
 }
@@ -339,6 +360,12 @@ impl SpaceWatch {
 #[cfg(test)]
 mod tests {
     use super::at_least;
+
+    #[test]
+    fn log_sizes_have_a_human_form() {
+        assert_eq!(super::human_bytes(512), "512 bytes");
+        assert_eq!(super::human_bytes(3 << 29), "1610612736 bytes (1.50 GiB)");
+    }
 
     #[test]
     fn thresholds_compare_without_rounding() {
