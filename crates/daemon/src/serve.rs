@@ -258,12 +258,7 @@ impl Serving {
         // With metrics on, the servers look exports up through a registry that counts requests.
         let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
         let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
-        let target = Arc::new(Target {
-            pool: pool.clone(),
-            options,
-            reserved_names: registry.raw_names(),
-            served: Some(served_probe(&servers, args.vhost_user_blk.len())),
-        });
+        let target = control_target(&pool, options, &registry, &servers, args);
         let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
         let metrics_listener = match (metrics_address, metrics) {
             (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
@@ -441,6 +436,23 @@ fn plan_tcp(args: &Args, activated: &systemd::Activated) -> anyhow::Result<TcpPl
         address,
         exposure,
         exports: (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone()),
+    })
+}
+
+/// The control socket's target: the pool, its options, the raw exports' names, and what
+/// `status` says of this server.
+fn control_target(
+    pool: &Pool,
+    options: StoredOptions,
+    registry: &PoolRegistry,
+    servers: &[nbd::Server],
+    args: &Args,
+) -> Arc<Target> {
+    Arc::new(Target {
+        pool: pool.clone(),
+        options,
+        reserved_names: registry.raw_names(),
+        served: Some(served_probe(servers, args.vhost_user_blk.len())),
     })
 }
 

@@ -6,8 +6,9 @@
 //! catalog of the metadata's transaction id naming each thin device `thin-ID`. dm-thin's
 //! metadata holds no volume sizes (LVM keeps them in its own metadata), so `--volume
 //! ID:NAME:SIZE` gives a volume its name and size; a volume without one is sized to its
-//! highest mapped block, and the command says so. The metadata itself is not changed by
-//! the import, so the pool can go back to the kernel (`docs/lvm.md`).
+//! highest mapped block, and the command says so. The import's open rewrites metadata
+//! blocks (same content) but changes no mapping, so the pool can go back to the kernel
+//! (`docs/lvm.md`).
 
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;

@@ -95,10 +95,7 @@ impl Target {
                 self.adopt_or_forget(request)
             }
             Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
-            Request::GrowMetadata { size_bytes } => {
-                pool.grow_metadata(*size_bytes)?;
-                Ok(self.status_outcome())
-            }
+            Request::GrowMetadata { size_bytes } => self.grow_metadata(*size_bytes),
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
                 pool.reserve_metadata_snap()?;
@@ -109,22 +106,30 @@ impl Target {
                 Ok(self.status_outcome())
             }
             Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
-            Request::Status => {
-                let mut status = StatusRecord::with_disagreements(
-                    &pool.status(),
-                    &self.options,
-                    &pool.disagreements(),
-                );
-                status.served = self.served.as_ref().map(|probe| probe());
-                status.set_provisioned(&pool.list());
-                Ok(Outcome::Status(status))
-            }
+            Request::Status => Ok(self.full_status()),
             Request::Diff {
                 base,
                 target,
                 list_same,
             } => super::diff::execute(pool, base, target, *list_same),
         }
+    }
+
+    /// `status`: the pool's, with the catalog's disagreements, who serves it and the
+    /// volumes' sizes against the data.
+    fn full_status(&self) -> Outcome {
+        let pool = &self.pool;
+        let mut status =
+            StatusRecord::with_disagreements(&pool.status(), &self.options, &pool.disagreements());
+        status.served = self.served.as_ref().map(|probe| probe());
+        status.set_provisioned(&pool.list());
+        Outcome::Status(status)
+    }
+
+    /// Grows the metadata (to the device's size without `size_bytes`); answers the status.
+    fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<Outcome, OpError> {
+        self.pool.grow_metadata(size_bytes)?;
+        Ok(self.status_outcome())
     }
 
     /// The pool's status as an answer (without the catalog's disagreements).
