@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-/// What [`PoolDir::create_private`] found, to undo a refused create or import: the
+/// What [`PoolDir::create_private`](super::PoolDir::create_private) found, to undo a refused create or import: the
 /// directory it made (the topmost one, if it made parents too), or the entries of the
 /// directory that was there before.
 #[derive(Debug)]
