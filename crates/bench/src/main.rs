@@ -215,6 +215,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         scale::probe_activation(pool_dir)?;
         return Ok(ExitCode::SUCCESS);
     }
+    if let Some(only) = &args.only {
+        check_only(only)?;
+    }
     let mut dir = BenchDir::create(args.dir.as_deref())?;
     if let (Some(metadata), Some(data)) = (&args.metadata_device, &args.data_device) {
         dir.devices = Some(thin_pool::block_device::DevicePaths::new(
@@ -251,6 +254,21 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     drop(dir);
     Ok(ExitCode::SUCCESS)
+}
+
+/// The sections, in the order they run (`--only` names one of them, or a prefix).
+const SECTIONS: [&str; 6] = ["reads", "writes", "cow", "mappings", "diff", "scale"];
+
+/// Refuses an `--only` that selects no section (it would print an empty table and
+/// succeed), naming the sections there are.
+fn check_only(only: &str) -> anyhow::Result<()> {
+    if only.is_empty() || !SECTIONS.iter().any(|section| section.starts_with(only)) {
+        anyhow::bail!(
+            "--only {only:?} names no section; the sections are: {}",
+            SECTIONS.join(", ")
+        );
+    }
+    Ok(())
 }
 
 /// The sections `--only` selects (all but scale by default; only the reads on block

@@ -86,6 +86,8 @@ enum Command {
     Send(commands::send::Args),
     /// Make a stream of `send` a volume of this pool.
     Receive(commands::receive::Args),
+    /// Grow the pool's data or metadata (online while served; `create --grow` for data).
+    Grow(commands::grow::Args),
 }
 
 /// The command line's definition: [`Cli`]'s, with a hidden `--pool` that refuses any value
@@ -202,6 +204,7 @@ fn main() -> ExitCode {
         Command::ManPages(args) => man::run(args),
         Command::Send(args) => commands::send::run(args),
         Command::Receive(args) => commands::receive::run(args),
+        Command::Grow(args) => commands::grow::run(args),
     };
     match result {
         Ok(code) => code,

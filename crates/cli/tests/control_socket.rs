@@ -38,7 +38,19 @@ fn run_sequence(pool: &Path) -> Vec<String> {
         .map(|command| {
             let mut args: Vec<&str> = command.to_vec();
             args.extend(["--pool", pool.to_str().unwrap()]);
-            thinpool_ok(&args).replace(pool.to_str().unwrap(), "POOL")
+            // Who serves the pool is the one figure that differs by design.
+            let mut out = thinpool_ok(&args);
+            if let Ok(mut value) = serde_json::from_str::<serde_json::Value>(&out) {
+                if let Some(served) = value.get_mut("served") {
+                    *served = serde_json::Value::Null;
+                    out = serde_json::to_string_pretty(&value).unwrap();
+                }
+            }
+            out.replace(pool.to_str().unwrap(), "POOL")
+                .lines()
+                .filter(|line| !line.starts_with("served:"))
+                .map(|line| format!("{line}\n"))
+                .collect::<String>()
         })
         .collect()
 }

@@ -151,7 +151,8 @@ fn list_space_matches_thin_ls_served_and_closed() {
             "EXCLUSIVE",
             "SHARED",
             "ORIGIN",
-            "READ-ONLY"
+            "READ-ONLY",
+            "OPEN"
         ]
     );
     let row: Vec<&str> = table

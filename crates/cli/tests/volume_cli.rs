@@ -58,10 +58,10 @@ fn volume_lifecycle_offline_with_text_and_json_output() {
 
     let list = thinpool_ok(&["list", "--pool", p]);
     let expected = "\
-NAME   ID      SIZE  MAPPED%  MAPPED  EXCLUSIVE  SHARED  ORIGIN  READ-ONLY
-clone   2  64.00MiB     0.00      0B         0B      0B  vm      no
-snap    1  64.00MiB     0.00      0B         0B      0B  vm      yes
-vm      0   1.00GiB     0.00      0B         0B      0B  -       no
+NAME   ID      SIZE  MAPPED%  MAPPED  EXCLUSIVE  SHARED  ORIGIN  READ-ONLY  OPEN
+clone   2  64.00MiB     0.00      0B         0B      0B  vm      no            0
+snap    1  64.00MiB     0.00      0B         0B      0B  vm      yes           0
+vm      0   1.00GiB     0.00      0B         0B      0B  -       no            0
 ";
     assert_eq!(list, expected);
 

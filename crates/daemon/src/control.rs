@@ -19,6 +19,7 @@
 //!   -> {"op":"adopt_volume","id":5,"name":"snap2","size_bytes":4194304,"origin":"vm1"}
 //!   -> {"op":"forget_volume","name":"gone"}              (answers {"ok":true})
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
+//!   -> {"op":"grow_metadata"}                            (to the device's size; or "size_bytes")
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
 //!   -> {"op":"status"}                                   (answers {"ok":true,"status":{...}})
 //!   -> {"op":"reserve_metadata_snap"}                    (answers with the status)
@@ -78,16 +79,18 @@ mod listing;
 mod log;
 mod protocol;
 mod server;
+mod status_record;
 pub mod stream;
 mod target;
 #[cfg(test)]
 mod tests;
 
 pub use protocol::{
-    OpError, OrphanedRecord, Outcome, Request, StatusRecord, UnadoptedRecord, VolumeRecord,
+    OpError, OrphanedRecord, Outcome, Request, ServedRecord, StatusRecord, UnadoptedRecord,
+    VolumeRecord,
 };
 pub use server::ControlServer;
-pub use target::Target;
+pub use target::{ServedProbe, Target};
 
 use protocol::{read_line, Line, Response};
 
@@ -104,6 +107,7 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
                 pool,
                 options,
                 reserved_names: Vec::new(),
+                served: None,
             };
             let result = target.execute(request);
             target

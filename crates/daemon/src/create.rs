@@ -19,17 +19,26 @@ pub fn create_pool(
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
     // The directory first: made 0700 if missing, refused if others could change it.
-    dir.create_private()?;
+    let made = dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
-    let pool = Pool::create(&dir.path, create, stored.pool_options())
-        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))?;
-    stored.store(dir)?;
+    // A refused create leaves the directory as it was (removed, if it made it).
+    let created = Pool::create(&dir.path, create, stored.pool_options())
+        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))
+        .and_then(|pool| stored.store(dir).map(|()| pool));
+    let pool = match created {
+        Ok(pool) => pool,
+        Err(error) => {
+            made.undo();
+            return Err(error);
+        }
+    };
     let target = control::Target {
         pool,
         options: stored,
         reserved_names: Vec::new(),
+        served: None,
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

@@ -10,10 +10,12 @@
 //! the banner, TCP, TLS, systemd, shutdown and the metrics endpoint); `export.rs`
 //! (`VolumeExport`, and `PoolRegistry` with any fixed exports a caller adds; `export/` the
 //! diff metadata context); `metrics.rs` (counting in `metrics/counted.rs`); `pool_dir.rs`
-//! (layout, stored options, checks); `text.rs` (sizes, tables); `create.rs`, `restored.rs`,
+//! (layout, stored options, checks; `pool_dir/missing.rs` why a directory holds no pool,
+//! `pool_dir/made.rs` undoing a refused create); `text.rs` (sizes, tables); `create.rs`, `restored.rs`,
 //! `space.rs`; `logging.rs` (the subscriber the binary installs; the library never calls it);
 //! and the control socket: `control.rs` (`perform`: the pool directly, or its server),
-//! `control/protocol.rs` (requests, answers, `OpError`, strict parsing), `control/target.rs`
+//! `control/protocol.rs` (requests, answers, `OpError`, strict parsing; the `status` record in
+//! `control/status_record.rs`), `control/target.rs`
 //! (the operations on an open pool), `control/log.rs` (each management operation logged once,
 //! with its result), `control/listing.rs` (the `list` answer with each volume's space),
 //! `control/diff.rs` (the `diff` request and its record) and `control/server.rs` (accept

@@ -33,7 +33,11 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsE
 use std::path::{Path, PathBuf};
 use thin_pool::PoolOptions;
 
-pub use crate::text::{format_size, parse_size, percent, table};
+pub use crate::text::{format_size, parse_size, parse_size_nonzero, percent, table};
+pub use made::Made;
+
+mod made;
+mod missing;
 
 /// Environment variable naming the pool directory when `--pool` is not given.
 pub const POOL_VARIABLE: &str = "THINPOOL_POOL";
@@ -109,16 +113,14 @@ impl PoolDir {
         self.path.join(NBD_SOCKET_FILE)
     }
 
-    /// Fails with a hint unless the directory holds a pool; then checks that the directory
-    /// and the pool's files are safe to use ([`PoolDir::check_safe`],
-    /// [`PoolDir::check_files`]).
+    /// Fails with a hint unless the directory holds a pool, saying which of these it is: no
+    /// pool named at all (neither `--pool` nor `$THINPOOL_POOL`, and no `./thinpool-pool`),
+    /// no such directory, not a directory, permission denied, or a directory without a pool
+    /// ([`PoolDir::explain_missing_pool`]); then checks that the directory and the pool's
+    /// files are safe to use ([`PoolDir::check_safe`], [`PoolDir::check_files`]).
     pub fn require_pool(&self) -> anyhow::Result<()> {
         if !thin_pool::Pool::exists(&self.path) {
-            bail!(
-                "no pool in {} (create one with `thinpool create --pool {}`)",
-                self.path.display(),
-                self.path.display()
-            );
+            self.explain_missing_pool()?;
         }
         self.check_safe()?;
         self.check_files()
@@ -126,15 +128,27 @@ impl PoolDir {
 
     /// Creates the directory (and missing parents) with mode 0700 unless it exists, then
     /// checks it as [`PoolDir::check_safe`] does: a directory someone else made in its place
-    /// first is refused, not used.
-    pub fn create_private(&self) -> anyhow::Result<()> {
-        std::fs::DirBuilder::new()
+    /// first is refused, not used. The answer undoes it ([`Made::undo`]) for a create or an
+    /// import that is refused later.
+    pub fn create_private(&self) -> anyhow::Result<Made> {
+        let made = Made::before(&self.path);
+        let created = std::fs::DirBuilder::new()
             .recursive(true)
             .mode(DIR_MODE)
             .create(&self.path)
-            .with_context(|| format!("cannot create {}", self.path.display()))?;
-        self.check_safe()?;
-        self.check_files()
+            .with_context(|| format!("cannot create {}", self.path.display()));
+        let checked = created
+            .and_then(|()| self.check_safe())
+            .and_then(|()| self.check_files());
+        if let Err(error) = checked {
+            // Only what this call made: a directory refused as unsafe is not ours to empty.
+            if let Some(top) = &made.created {
+                let _ = std::fs::remove_dir(&self.path);
+                made::remove_empty_parents(&self.path, top);
+            }
+            return Err(error);
+        }
+        Ok(made)
     }
 
     /// Refuses a directory that other users could change: not owned by the caller, writable

@@ -254,15 +254,11 @@ impl Serving {
         remove_stale_socket(&control_socket)?;
 
         let registry = Arc::new(PoolRegistry::new(pool.clone(), fixed)?);
-        let target = Arc::new(Target {
-            pool: pool.clone(),
-            options,
-            reserved_names: registry.raw_names(),
-        });
         let mut config = nbd_config(args, tls);
         // With metrics on, the servers look exports up through a registry that counts requests.
         let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
         let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
+        let target = control_target(&pool, options, &registry, &servers, args);
         let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
         let metrics_listener = match (metrics_address, metrics) {
             (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
@@ -440,6 +436,43 @@ fn plan_tcp(args: &Args, activated: &systemd::Activated) -> anyhow::Result<TcpPl
         address,
         exposure,
         exports: (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone()),
+    })
+}
+
+/// The control socket's target: the pool, its options, the raw exports' names, and what
+/// `status` says of this server.
+fn control_target(
+    pool: &Pool,
+    options: StoredOptions,
+    registry: &PoolRegistry,
+    servers: &[nbd::Server],
+    args: &Args,
+) -> Arc<Target> {
+    Arc::new(Target {
+        pool: pool.clone(),
+        options,
+        reserved_names: registry.raw_names(),
+        served: Some(served_probe(servers, args.vhost_user_blk.len())),
+    })
+}
+
+/// What `status` reports of this server: its pid and its connections per front end (the
+/// first NBD server is the Unix socket's, a second one TCP's).
+fn served_probe(servers: &[nbd::Server], vhost_sockets: usize) -> crate::control::ServedProbe {
+    let handles: Vec<nbd::ShutdownHandle> =
+        servers.iter().map(nbd::Server::shutdown_handle).collect();
+    Arc::new(move || {
+        let count = |index: usize| {
+            handles
+                .get(index)
+                .map_or(0, |h| h.connection_count() as u64)
+        };
+        crate::control::ServedRecord {
+            pid: std::process::id(),
+            nbd_unix_connections: count(0),
+            nbd_tcp_connections: count(1),
+            vhost_user_blk_sockets: vhost_sockets as u64,
+        }
     })
 }
 

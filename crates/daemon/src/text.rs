@@ -6,9 +6,17 @@ use anyhow::{bail, Context};
 
 /// Parses a size: a number of bytes, optionally with a binary suffix `K`, `M`, `G` or `T`
 /// (also `KiB`, `KB`, lower case), e.g. `512`, `64K`, `1.5G`. Fractions are allowed with a
-/// suffix; the result must be a whole number of bytes.
+/// suffix; the result must be a whole number of bytes. Each way to get it wrong has its
+/// own message: a negative size, no number, an unknown suffix, a bad fraction, a size too
+/// large for 64 bits.
 pub fn parse_size(text: &str) -> anyhow::Result<u64> {
     let trimmed = text.trim();
+    if let Some(rest) = trimmed.strip_prefix('-') {
+        bail!("size {text:?} is negative: give a size in bytes, e.g. {rest}");
+    }
+    if let Some(rest) = trimmed.strip_prefix('+') {
+        bail!("size {text:?}: give the size without a sign, e.g. {rest}");
+    }
     let split = trimmed
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(trimmed.len());
@@ -19,7 +27,9 @@ pub fn parse_size(text: &str) -> anyhow::Result<u64> {
         "m" | "mb" | "mib" => 20,
         "g" | "gb" | "gib" => 30,
         "t" | "tb" | "tib" => 40,
-        _ => bail!("size {text:?}: unknown suffix {suffix:?} (use K, M, G or T)"),
+        _ => {
+            bail!("size {text:?}: unknown suffix {suffix:?} (use K, M, G or T, or none for bytes)")
+        }
     };
     if number.is_empty() {
         bail!("size {text:?} has no number");
@@ -52,7 +62,16 @@ pub fn parse_size(text: &str) -> anyhow::Result<u64> {
                 .and_then(|w| w.checked_add((numerator / denominator) as u64))
         }
     };
-    bytes.with_context(|| format!("size {text:?} is too large"))
+    bytes.with_context(|| format!("size {text:?} is too large (more than 2^64 bytes)"))
+}
+
+/// [`parse_size`] for a size that must not be zero (a volume's, a pool's, a block's).
+pub fn parse_size_nonzero(text: &str) -> anyhow::Result<u64> {
+    let bytes = parse_size(text)?;
+    if bytes == 0 {
+        bail!("size {text:?} is zero: give a size greater than 0, e.g. 1G");
+    }
+    Ok(bytes)
 }
 
 /// A size for people: `512B`, `64.00KiB`, `1.50GiB`.
@@ -135,6 +154,20 @@ mod tests {
         for bad in ["", "G", "12X", "1.5", "0.3K", "99999999999T", "1..2G", "-1"] {
             assert!(parse_size(bad).is_err(), "{bad:?} was accepted");
         }
+    }
+
+    #[test]
+    fn each_bad_size_says_what_is_wrong() {
+        let message = |text: &str| format!("{:#}", parse_size_nonzero(text).unwrap_err());
+        assert!(message("-5G").contains("negative"), "{}", message("-5G"));
+        assert!(message("+5G").contains("without a sign"));
+        assert!(message("0").contains("zero"));
+        assert!(message("0G").contains("zero"));
+        assert!(message("5X").contains("unknown suffix"));
+        assert!(message("99999999999T").contains("too large"));
+        assert!(message("184467440737095516160").contains("too large"));
+        assert_eq!(parse_size_nonzero("5G").unwrap(), 5 << 30);
+        assert_eq!(parse_size("0").unwrap(), 0);
     }
 
     #[test]

@@ -97,6 +97,11 @@ impl ShutdownHandle {
     pub fn request(&self) {
         self.shared.request_shutdown();
     }
+
+    /// Connections the server has open now (in handshake or transmission).
+    pub fn connection_count(&self) -> usize {
+        sync::lock(&self.shared.connections).len()
+    }
 }
 
 impl Server {

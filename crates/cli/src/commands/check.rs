@@ -84,6 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let repair = args.auto_repair || args.clear_needs_check_flag;
+    refuse_directory(&args.input)?;
     let device = FileDevice::open(&args.input, false)
         .with_context(|| format!("cannot open {}", args.input.display()))?;
     let device: Arc<dyn BlockDevice> = Arc::new(device);
@@ -119,6 +120,31 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// A directory is not metadata (reading it fails with a bare "i/o error"): say so, and for
+/// a pool directory name the metadata to check instead.
+fn refuse_directory(input: &std::path::Path) -> anyhow::Result<()> {
+    if !input.is_dir() {
+        return Ok(());
+    }
+    let shown = input.display();
+    let metadata = input.join(thin_pool::METADATA_FILE);
+    if metadata.is_file() {
+        anyhow::bail!(
+            "{shown} is a pool directory; check takes the metadata file or device: \
+             `thinpool check {}`",
+            metadata.display()
+        );
+    }
+    if let Ok(Some(devices)) = thin_pool::block_device::DevicePaths::load(input) {
+        anyhow::bail!(
+            "{shown} is the directory of a pool on block devices; check takes the metadata \
+             device: `thinpool check {}`",
+            devices.metadata_device.display()
+        );
+    }
+    anyhow::bail!("{shown} is a directory; check takes a metadata file or device (like thin_check)")
 }
 
 fn has_leaks(report: &Report) -> bool {

@@ -6,12 +6,11 @@
 //! the directory names (`create_devices`); `--grow` without a size then grows to the data
 //! device's size.
 
-use anyhow::{anyhow, bail, Context};
+use anyhow::Context;
 use std::process::ExitCode;
 use thin_pool::CreateOptions;
 
-use crate::control::{self, Outcome, Request};
-use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions};
+use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg, StoredOptions};
 use thinpool_daemon::create::{create_pool, DATA_SIZE_DEFAULT};
 
 /// Arguments.
@@ -21,13 +20,22 @@ pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
     /// Data device size (K, M, G, T suffixes) [default: 16G; the file is sparse].
-    #[arg(long = "data-size", value_name = "SIZE")]
+    #[arg(long = "data-size", value_name = "SIZE", allow_hyphen_values = true)]
     data_size: Option<String>,
     /// Data block size, 64K to 1G in multiples of 64K.
-    #[arg(long = "block-size", value_name = "SIZE", default_value = "64K")]
+    #[arg(
+        long = "block-size",
+        value_name = "SIZE",
+        default_value = "64K",
+        allow_hyphen_values = true
+    )]
     block_size: String,
     /// Metadata device size [default: estimated from the data size].
-    #[arg(long = "metadata-size", value_name = "SIZE")]
+    #[arg(
+        long = "metadata-size",
+        value_name = "SIZE",
+        allow_hyphen_values = true
+    )]
     metadata_size: Option<String>,
     /// Don't zero the unwritten part of newly provisioned blocks.
     #[arg(long = "no-zero")]
@@ -42,7 +50,8 @@ pub struct Args {
     #[command(flatten)]
     space: thinpool_daemon::space::SpaceArgs,
     /// Grow an existing pool's data device to --data-size instead of creating a pool
-    /// (a pool on block devices: to the data device's size when no --data-size is given).
+    /// (a pool on block devices: to the data device's size when no --data-size is given);
+    /// the same as `thinpool grow`, which grows the metadata too.
     #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
     grow: bool,
     /// Print the result as JSON.
@@ -57,12 +66,14 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
     if args.grow {
         let data_size_bytes = match args.data_size.as_deref() {
-            Some(size) => parse_size(size)?,
+            Some(size) => parse_size_nonzero(size).context("--data-size")?,
             None => super::create_devices::grow_size(&dir, &args.devices)?,
         };
-        return grow(&dir, data_size_bytes, args.json);
+        return super::grow::grow_data(&dir, data_size_bytes, args.json);
     }
-    let data_size_bytes = parse_size(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))?;
+    let data_size_bytes =
+        parse_size_nonzero(args.data_size.as_deref().unwrap_or(DATA_SIZE_DEFAULT))
+            .context("--data-size")?;
     let mut stored = StoredOptions {
         zero_new_blocks: !args.no_zero,
         error_if_no_space: args.error_if_no_space,
@@ -72,8 +83,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     stored.space.discard_passdown = !args.no_discard_passdown;
     let create = CreateOptions {
         data_size_bytes,
-        block_size_bytes: parse_size(&args.block_size)?,
-        metadata_size_bytes: args.metadata_size.as_deref().map(parse_size).transpose()?,
+        block_size_bytes: parse_size_nonzero(&args.block_size).context("--block-size")?,
+        metadata_size_bytes: args
+            .metadata_size
+            .as_deref()
+            .map(parse_size_nonzero)
+            .transpose()
+            .context("--metadata-size")?,
     };
     let status = if let Some(devices) = args.devices.paths(&args.data_size, &args.metadata_size)? {
         super::create_devices::create_device_pool(&dir, &devices, create.block_size_bytes, stored)?
@@ -128,34 +144,4 @@ fn on_off(value: bool) -> &'static str {
     } else {
         "off"
     }
-}
-
-fn grow(dir: &PoolDir, data_size_bytes: u64, json: bool) -> anyhow::Result<ExitCode> {
-    let request = Request::GrowData {
-        size_bytes: data_size_bytes,
-    };
-    let status = match control::perform(dir, &request)? {
-        Ok(Outcome::Status(status)) => status,
-        Ok(other) => bail!("unexpected answer: {other:?}"),
-        Err(error) => {
-            return Err(anyhow!(error)).with_context(|| {
-                format!(
-                    "cannot grow the data of {} to {}",
-                    dir.path.display(),
-                    format_size(data_size_bytes)
-                )
-            })
-        }
-    };
-    if json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
-    } else {
-        println!(
-            "grew pool {} data to {} ({} blocks)",
-            dir.path.display(),
-            format_size(status.data_total_blocks * status.block_size_bytes),
-            status.data_total_blocks
-        );
-    }
-    Ok(ExitCode::SUCCESS)
 }

@@ -54,10 +54,16 @@ pub fn grow_size(dir: &PoolDir, devices: &DeviceArgs) -> anyhow::Result<u64> {
     if devices.metadata_device.is_some() || devices.data_device.is_some() {
         bail!("--grow takes the devices from the pool directory: do not name them");
     }
+    data_device_size(dir)
+}
+
+/// The size of the data device of the pool in `dir`, for a grow to it (refused for a pool
+/// whose data is a file: it needs a size).
+pub fn data_device_size(dir: &PoolDir) -> anyhow::Result<u64> {
     dir.require_pool()?;
     let Some(paths) = DevicePaths::load(&dir.path)? else {
         bail!(
-            "--grow needs --data-size for the pool in {}: its data is a file",
+            "growing the pool in {} needs --data-size: its data is a file",
             dir.path.display()
         );
     };
@@ -75,19 +81,28 @@ pub fn create_device_pool(
     block_size_bytes: u64,
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
-    dir.create_private()?;
+    let made = dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
-    let pool = Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
-        .with_context(|| {
-            format!(
-                "cannot create a pool on {} and {}",
-                devices.metadata_device.display(),
-                devices.data_device.display()
-            )
-        })?;
-    stored.store(dir)?;
+    let created =
+        Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
+            .with_context(|| {
+                format!(
+                    "cannot create a pool on {} and {}",
+                    devices.metadata_device.display(),
+                    devices.data_device.display()
+                )
+            })
+            .and_then(|pool| stored.store(dir).map(|()| pool));
+    // A refused create leaves the directory as it was (removed, if it made it).
+    let pool = match created {
+        Ok(pool) => pool,
+        Err(error) => {
+            made.undo();
+            return Err(error);
+        }
+    };
     for event in pool.events() {
         eprintln!("thinpool: {event}");
     }
@@ -95,6 +110,7 @@ pub fn create_device_pool(
         pool,
         options: stored,
         reserved_names: Vec::new(),
+        served: None,
     };
     let status = match target.execute(&Request::Status) {
         Ok(Outcome::Status(status)) => status,

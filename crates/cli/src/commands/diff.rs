@@ -128,6 +128,7 @@ fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
                 pool,
                 options,
                 reserved_names: Vec::new(),
+                served: None,
             };
             target.execute(request)
         }

@@ -6,8 +6,9 @@
 //! catalog of the metadata's transaction id naming each thin device `thin-ID`. dm-thin's
 //! metadata holds no volume sizes (LVM keeps them in its own metadata), so `--volume
 //! ID:NAME:SIZE` gives a volume its name and size; a volume without one is sized to its
-//! highest mapped block, and the command says so. The metadata itself is not changed by
-//! the import, so the pool can go back to the kernel (`docs/lvm.md`).
+//! highest mapped block, and the command says so. The import's open rewrites metadata
+//! blocks (same content) but changes no mapping, so the pool can go back to the kernel
+//! (`docs/lvm.md`).
 
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
@@ -15,14 +16,14 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use thin_pool::block_device::{
-    holds_pool_metadata, open_metadata_device, BlockDataDevice, DevicePaths, DEVICES_FILE,
+    holds_pool_metadata, open_metadata_device, BlockDataDevice, DevicePaths,
 };
 use thin_pool::catalog::{validate_name, Catalog, CatalogStore, CatalogVolume, DirCatalog};
 use thin_pool::data_device::DataDevice;
 use thin_pool::VolumeId;
 use thin_pool::{Pool, PoolMetadata};
 
-use crate::pool_dir::{format_size, parse_size, PoolArg, PoolDir, StoredOptions, OPTIONS_FILE};
+use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg, PoolDir, StoredOptions};
 
 /// Problems of a failed check shown in the refusal (`thinpool check` gives them all).
 const PROBLEMS_SHOWN: usize = 5;
@@ -69,7 +70,7 @@ fn parse_volume(text: &str) -> anyhow::Result<(u32, VolumeSpec)> {
         .parse()
         .with_context(|| format!("--volume {text:?}: {id:?} is not a thin device id"))?;
     validate_name(name).with_context(|| format!("--volume {text:?}"))?;
-    let size_bytes = parse_size(size).with_context(|| format!("--volume {text:?}"))?;
+    let size_bytes = parse_size_nonzero(size).with_context(|| format!("--volume {text:?}"))?;
     if size_bytes == 0 || !size_bytes.is_multiple_of(512) {
         bail!("--volume {text:?}: the size must be a positive multiple of 512 bytes");
     }
@@ -95,23 +96,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             bail!("--volume: thin device {id} is named twice");
         }
     }
-    dir.create_private()?;
+    let made = dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
     let devices = DevicePaths::new(&args.metadata_device, &args.data_device, args.direct_io);
-    let catalog = read_pool(&devices, &specs)?;
-    let written = write_directory(&dir, &devices, &catalog);
-    // The pool must open (its catalog against its metadata, the check again) or the
-    // directory is left as it was.
-    let opened = written.and_then(|()| {
+    // The metadata must pass its check, the directory be written and the pool open (its
+    // catalog against its metadata, the check again), or the directory is left as it was
+    // (removed, if this made it).
+    let opened = read_pool(&devices, &specs).and_then(|catalog| {
+        write_directory(&dir, &devices, &catalog)?;
         Pool::open(&dir.path, StoredOptions::default().pool_options())
             .context("the imported pool does not open")
     });
     let pool = match opened {
         Ok(pool) => pool,
         Err(error) => {
-            undo(&dir);
+            made.undo();
             return Err(error);
         }
     };
@@ -271,21 +272,6 @@ fn write_directory(dir: &PoolDir, devices: &DevicePaths, catalog: &Catalog) -> a
     devices
         .store(&dir.path)
         .with_context(|| format!("cannot name the devices in {}", dir.path.display()))
-}
-
-/// Removes what an import that failed wrote in the directory.
-fn undo(dir: &PoolDir) {
-    let _ = std::fs::remove_file(dir.path.join(DEVICES_FILE));
-    let _ = std::fs::remove_file(dir.path.join(OPTIONS_FILE));
-    if let Ok(entries) = std::fs::read_dir(&dir.path) {
-        for entry in entries.flatten() {
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if name.starts_with("catalog-") && name.ends_with(".json") {
-                let _ = std::fs::remove_file(entry.path());
-            }
-        }
-    }
 }
 
 #[cfg(test)]

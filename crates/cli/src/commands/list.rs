@@ -8,8 +8,10 @@
 //!
 //! MAPPED, EXCLUSIVE and SHARED have thin_ls's meaning (`-o MAPPED_BYTES,EXCLUSIVE_BYTES,
 //! SHARED_BYTES`): EXCLUSIVE is what deleting the volume would free, SHARED what it shares
-//! with its snapshots, origin or itself. They are those of the last commit (at most a
-//! commit interval behind the writes); `-` when the pool's metadata cannot be read.
+//! with its snapshots, origin or itself. Every figure of a row (MAPPED% and MAPPED too) is
+//! from one view, the last commit (at most a commit interval behind the writes); a volume
+//! made since then shows its live mapped count and `-` for the bytes, as does a pool whose
+//! metadata cannot be read. OPEN is the number of clients that have the volume open now.
 
 use anyhow::Context;
 use std::process::ExitCode;
@@ -21,7 +23,8 @@ use crate::pool_dir::{format_size, table, PoolArg};
 #[derive(clap::Args, Debug)]
 #[command(after_help = "\
 Examples:
-  thinpool list                 # NAME ID SIZE MAPPED% MAPPED EXCLUSIVE SHARED ORIGIN READ-ONLY
+  thinpool list                 # NAME ID SIZE MAPPED% MAPPED EXCLUSIVE SHARED ORIGIN READ-ONLY OPEN
+Figures are those of the last commit (at most a commit interval behind the writes).
   thinpool list --ids           # thin id of each name, for thin_ls -m / thin_delta -m
   thinpool list --json | jq '.volumes[] | {name, exclusive_bytes}'")]
 pub struct Args {
@@ -133,6 +136,7 @@ pub fn render(volumes: &[VolumeRecord]) -> String {
                 size_or_dash(volume.shared_bytes),
                 volume.origin.clone().unwrap_or_else(|| "-".into()),
                 if volume.read_only { "yes" } else { "no" }.into(),
+                volume.open_count.to_string(),
             ]
         })
         .collect();
@@ -147,9 +151,10 @@ pub fn render(volumes: &[VolumeRecord]) -> String {
             "SHARED",
             "ORIGIN",
             "READ-ONLY",
+            "OPEN",
         ],
         &rows,
-        &[1, 2, 3, 4, 5, 6],
+        &[1, 2, 3, 4, 5, 6, 9],
     )
 }
 

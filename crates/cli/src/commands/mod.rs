@@ -6,6 +6,7 @@ pub mod create;
 pub mod create_devices;
 pub mod diff;
 pub mod dump;
+pub mod grow;
 pub mod import;
 pub mod list;
 pub mod metadata_size;

@@ -32,6 +32,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status));
+        print!("{}", render_served(&status));
         print!("{}", super::list::render_disagreements(&status));
         if let Some(devices) = thin_pool::block_device::DevicePaths::load(&dir.path)? {
             println!(
@@ -69,6 +70,54 @@ pub fn render(status: &StatusRecord) -> String {
         .chain(policy_lines(status))
         .map(|(label, value)| format!("{:<19}{value}\n", format!("{label}:")))
         .collect()
+}
+
+/// Who serves the pool and the volumes' sizes against the data: `served` (by which pid,
+/// with its connections per front end, or no) and `provisioned` (with the over-provisioning
+/// warning).
+pub fn render_served(status: &StatusRecord) -> String {
+    let served = match &status.served {
+        Some(served) => format!(
+            "yes, by pid {}: NBD connections {} on the Unix socket, {} over TCP; \
+             vhost-user-blk sockets {}",
+            served.pid,
+            served.nbd_unix_connections,
+            served.nbd_tcp_connections,
+            served.vhost_user_blk_sockets
+        ),
+        None => "no (no server holds the pool)".to_string(),
+    };
+    let data_bytes = status.data_total_blocks * status.block_size_bytes;
+    let mut provisioned = format!(
+        "{} in volumes, {:.0}% of the {} data",
+        format_size(status.volumes_size_bytes),
+        crate::pool_dir::percent(status.volumes_size_bytes, data_bytes),
+        format_size(data_bytes)
+    );
+    if status.overprovisioned {
+        provisioned.push_str(
+            " (over-provisioned: writes can run out of space before the volumes are full)",
+        );
+    }
+    format!(
+        "{:<19}{served}\n{:<19}{provisioned}\n",
+        "served:", "provisioned:"
+    )
+}
+
+/// Warns on stderr when the volumes' sizes add up to more than the pool's data (after a
+/// `volume create` or `resize`), as `lvcreate` does.
+pub fn warn_if_overprovisioned(status: &StatusRecord) {
+    if status.overprovisioned {
+        let data_bytes = status.data_total_blocks * status.block_size_bytes;
+        eprintln!(
+            "thinpool: warning: the volumes' sizes add up to {}, more than the pool's {} of data \
+             (over-provisioned): writes fail or wait for space once the data is full; grow it \
+             with `thinpool grow` or turn autoextend on",
+            format_size(status.volumes_size_bytes),
+            format_size(data_bytes)
+        );
+    }
 }
 
 /// The lines about space and state: data, metadata, transaction, mode, volumes.

@@ -7,7 +7,7 @@ use anyhow::{bail, Context};
 use std::process::ExitCode;
 
 use crate::control::{self, Outcome, Request, VolumeRecord};
-use crate::pool_dir::{format_size, parse_size, PoolArg};
+use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg};
 
 /// Volume subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -28,7 +28,7 @@ Examples:
         /// Volume name (also its NBD export name).
         name: String,
         /// Virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         #[command(flatten)]
         common: Common,
@@ -73,7 +73,7 @@ Examples:
         /// Volume name.
         name: String,
         /// New virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         /// Let a shrink unmap (drop) the mapped data beyond the new end.
         #[arg(long = "force")]
@@ -136,7 +136,7 @@ Example:
         /// The name to give it (also its NBD export name).
         name: String,
         /// Its virtual size (K, M, G, T suffixes).
-        #[arg(long = "size", value_name = "SIZE")]
+        #[arg(long = "size", value_name = "SIZE", allow_hyphen_values = true)]
         size: String,
         /// The served volume it is a snapshot of.
         #[arg(long = "origin", value_name = "NAME")]
@@ -202,6 +202,17 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
             } else {
                 println!("{}", describe(&request, &volume));
             }
+            if matches!(
+                request,
+                Request::CreateVolume { .. } | Request::ResizeVolume { .. }
+            ) {
+                // A warning, not a refusal: thin provisioning allows it (as LVM does).
+                if let Ok(status) =
+                    control::ask(&dir, &Request::Status).and_then(Outcome::into_status)
+                {
+                    super::status::warn_if_overprovisioned(&status);
+                }
+            }
         }
         (_, other) => bail!("unexpected answer: {other:?}"),
     }
@@ -212,7 +223,7 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
 fn request(command: Command) -> anyhow::Result<(Request, Common, String)> {
     Ok(match command {
         Command::Create { name, size, common } => {
-            let size_bytes = parse_size(&size)?;
+            let size_bytes = parse_size_nonzero(&size).context("--size")?;
             let what = format!("cannot create volume {name:?}");
             (Request::CreateVolume { name, size_bytes }, common, what)
         }
@@ -286,7 +297,7 @@ fn catalog_request(command: Command) -> anyhow::Result<(Request, Common, String)
             origin,
             common,
         } => {
-            let size_bytes = parse_size(&size)?;
+            let size_bytes = parse_size_nonzero(&size).context("--size")?;
             let what = format!("cannot adopt thin id {id} as {name:?}");
             let request = Request::AdoptVolume {
                 id,
@@ -311,7 +322,7 @@ fn resize_request(
     force: bool,
     common: Common,
 ) -> anyhow::Result<(Request, Common, String)> {
-    let size_bytes = parse_size(size)?;
+    let size_bytes = parse_size_nonzero(size).context("--size")?;
     let what = format!("cannot resize volume {name:?}");
     let request = Request::ResizeVolume {
         name,

@@ -2,7 +2,7 @@
 
 use thin_pool::{Pool, Shrink};
 
-use super::{OpError, Outcome, Request, StatusRecord, VolumeRecord};
+use super::{OpError, Outcome, Request, ServedRecord, StatusRecord, VolumeRecord};
 use crate::pool_dir::{format_size, StoredOptions};
 
 /// A pool and what the binary knows about it: the options it was opened with and the names
@@ -14,7 +14,13 @@ pub struct Target {
     pub options: StoredOptions,
     /// Names volumes may not take (raw exports).
     pub reserved_names: Vec<String>,
+    /// The server holding the pool, if one does: `status` reports who serves it and its
+    /// connections ([`ServedRecord`]).
+    pub served: Option<ServedProbe>,
 }
+
+/// What `status` asks a server about itself.
+pub type ServedProbe = std::sync::Arc<dyn Fn() -> ServedRecord + Send + Sync>;
 
 impl Target {
     /// Carries out one request; a change (anything but list, status and diff) is logged with
@@ -89,6 +95,7 @@ impl Target {
                 self.adopt_or_forget(request)
             }
             Request::GrowData { size_bytes } => self.grow_data(*size_bytes),
+            Request::GrowMetadata { size_bytes } => self.grow_metadata(*size_bytes),
             Request::List => Ok(Outcome::Volumes(super::listing::volumes(pool))),
             Request::ReserveMetadataSnap => {
                 pool.reserve_metadata_snap()?;
@@ -103,17 +110,30 @@ impl Target {
                 libc::EINVAL,
                 "a stream request is carried out on its own connection (control/stream.rs)",
             )),
-            Request::Status => Ok(Outcome::Status(StatusRecord::with_disagreements(
-                &pool.status(),
-                &self.options,
-                &pool.disagreements(),
-            ))),
+            Request::Status => Ok(self.full_status()),
             Request::Diff {
                 base,
                 target,
                 list_same,
             } => super::diff::execute(pool, base, target, *list_same),
         }
+    }
+
+    /// `status`: the pool's, with the catalog's disagreements, who serves it and the
+    /// volumes' sizes against the data.
+    fn full_status(&self) -> Outcome {
+        let pool = &self.pool;
+        let mut status =
+            StatusRecord::with_disagreements(&pool.status(), &self.options, &pool.disagreements());
+        status.served = self.served.as_ref().map(|probe| probe());
+        status.set_provisioned(&pool.list());
+        Outcome::Status(status)
+    }
+
+    /// Grows the metadata (to the device's size without `size_bytes`); answers the status.
+    fn grow_metadata(&self, size_bytes: Option<u64>) -> Result<Outcome, OpError> {
+        self.pool.grow_metadata(size_bytes)?;
+        Ok(self.status_outcome())
     }
 
     /// The pool's status as an answer (without the catalog's disagreements).

@@ -19,7 +19,7 @@ use crate::engine::grow::{grow_data, grow_metadata};
 use crate::engine::health::Health;
 use crate::engine::meta::Meta;
 use crate::engine::options::{Autoextend, ExtendBy, PoolMode, PoolOptions};
-use crate::engine::space::{at_least, host_free_bytes, SpaceWatch};
+use crate::engine::space::{at_least, host_free_bytes, human_bytes, SpaceWatch};
 use crate::error::{Error, Result};
 use crate::format::metadata::Usage;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
@@ -126,10 +126,6 @@ impl Look<'_> {
         self.meta.notify_space();
     }
 
-    fn log(&self, event: String) {
-        self.grower.health.log(event);
-    }
-
     /// One look at the usage: grow what crossed the threshold.
     fn grow_if_needed(&self) {
         let watch = &*self.grower.watch;
@@ -206,11 +202,14 @@ impl Look<'_> {
         }
         match grow_data(self.meta, &*self.grower.data, &self.grower.health, target) {
             Ok(blocks) if blocks * block > current => {
-                tracing::info!(target: "thinpool::space", "autoextend: data grew from {current} to {} bytes", blocks * block);
-                self.log(format!(
-                    "autoextend: data grew from {current} to {} bytes",
-                    blocks * block
-                ));
+                let message = format!(
+                    "autoextend: data grew from {} to {}",
+                    human_bytes(current),
+                    human_bytes(blocks * block)
+                );
+                // Logged once, under the space target; kept for `Pool::events`.
+                tracing::info!(target: "thinpool::space", "{message}");
+                self.grower.health.record(message);
                 self.grew();
             }
             Ok(_) => self.exhausted(
@@ -246,11 +245,14 @@ impl Look<'_> {
         match grow_metadata(self.meta, Some(target)) {
             Ok(blocks) => {
                 self.grower.watch.metadata_grew();
-                tracing::info!(target: "thinpool::space", "autoextend: metadata grew from {} to {blocks} blocks", usage.metadata_total_blocks);
-                self.log(format!(
-                    "autoextend: metadata grew from {} to {blocks} blocks",
-                    usage.metadata_total_blocks
-                ));
+                let message = format!(
+                    "autoextend: metadata grew from {} to {blocks} blocks ({} to {})",
+                    usage.metadata_total_blocks,
+                    human_bytes(usage.metadata_total_blocks * 4096),
+                    human_bytes(blocks * 4096)
+                );
+                tracing::info!(target: "thinpool::space", "{message}");
+                self.grower.health.record(message);
             }
             Err(e) => self
                 .grower

@@ -406,10 +406,13 @@ impl MetaState {
         pass_down.sort_unstable();
         let block_size = parts.block_size_bytes;
         let mut bytes = 0;
+        parts
+            .watch
+            .freed(released.iter().map(|held| held.block.get()));
         for (first, count) in block_runs(&pass_down) {
             let (offset, len) = (first * block_size, count * block_size);
             if parts.data.discard(offset, len).is_ok() {
-                bytes += len;
+                bytes += parts.watch.given_back(first, count) * block_size;
             }
         }
         parts.watch.passed_down(bytes);

@@ -477,8 +477,9 @@ impl Pool {
         diff::delta(&self.owners.meta, &self.owners.volumes, base, target)
     }
 
-    /// Discard every free data block on the data device. Returns the bytes discarded (free
-    /// blocks that were holes already count too).
+    /// Discard every free data block on the data device. Returns the bytes given back that
+    /// passdown or an earlier trim had not given back since they were freed (every free
+    /// block is discarded; each is counted once per free).
     pub fn trim(&self) -> Result<u64> {
         trim::trim(&self.owners.meta, &*self.owners.data, &self.owners.watch)
     }

@@ -50,8 +50,12 @@ pub(crate) struct SpaceWatch {
     /// A write found no data block (whatever the usage says: free blocks may all be in
     /// their grace period): grow even below the threshold.
     starved: AtomicBool,
-    /// Bytes of freed data blocks given back to the data device (passdown and trim).
+    /// Bytes of freed data blocks given back to the data device (passdown and trim), each
+    /// block counted once per free.
     passed_down_bytes: AtomicU64,
+    /// The data blocks given back since they were last freed (one bit each): a trim
+    /// discards every free block again but counts only those not given back yet.
+    given_back: Mutex<Vec<u64>>,
     /// The directory whose file system holds the pool's files (for its free space).
     host_dir: OnceLock<PathBuf>,
     state: Mutex<WatchState>,
@@ -62,6 +66,21 @@ pub(crate) struct SpaceWatch {
 struct WatchState {
     stop: bool,
     last_failure: Option<Instant>,
+}
+
+/// A byte count for the log: the bytes and the size for people, `1048576 bytes (1.00 MiB)`.
+pub(crate) fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let (mut value, mut unit) = (bytes as f64, 0);
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} bytes")
+    } else {
+        format!("{bytes} bytes ({value:.2} {})", UNITS[unit])
+    }
 }
 
 /// Whether `used` of `total` reaches `percent`.
@@ -83,6 +102,7 @@ impl SpaceWatch {
             metadata_blocked: AtomicBool::new(false),
             starved: AtomicBool::new(false),
             passed_down_bytes: AtomicU64::new(0),
+            given_back: Mutex::new(Vec::new()),
             host_dir: OnceLock::new(),
             state: Mutex::new(WatchState::default()),
             wake: Condvar::new(),
@@ -113,6 +133,37 @@ impl SpaceWatch {
     /// Count bytes given back to the data device.
     pub(crate) fn passed_down(&self, bytes: u64) {
         self.passed_down_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// These data blocks were freed (released from their grace period): whatever was
+    /// given back of them before is not any more.
+    pub(crate) fn freed(&self, blocks: impl Iterator<Item = u64>) {
+        let mut given = self.given_back.lock().unwrap_or_else(|e| e.into_inner());
+        for block in blocks {
+            if let Some(word) = given.get_mut((block / 64) as usize) {
+                *word &= !(1u64 << (block % 64));
+            }
+        }
+    }
+
+    /// Blocks `first..first + count` were given back to the data device; returns how many
+    /// of them had not been since they were last freed (what the counters count).
+    pub(crate) fn given_back(&self, first: u64, count: u64) -> u64 {
+        let mut given = self.given_back.lock().unwrap_or_else(|e| e.into_inner());
+        let end = first + count;
+        let words = end.div_ceil(64) as usize;
+        if given.len() < words {
+            given.resize(words, 0);
+        }
+        let mut new = 0;
+        for block in first..end {
+            let (word, bit) = ((block / 64) as usize, 1u64 << (block % 64));
+            if given[word] & bit == 0 {
+                given[word] |= bit;
+                new += 1;
+            }
+        }
+        new
     }
 
     pub(crate) fn passed_down_bytes(&self) -> u64 {
@@ -255,13 +306,19 @@ impl SpaceWatch {
         (wanted != now && mark.swap(wanted, Ordering::AcqRel) != wanted).then_some(wanted)
     }
 
+    /// Logged once (here, not again by `Health`). While autoextend is on and working the
+    /// mark is crossed on every growth step: those crossings are debug lines, the growth
+    /// itself is what the log says; without autoextend, or once it stopped, a warning.
     fn log_low_water(&self, reached: bool, message: String) {
-        if reached {
+        let autoextending = self.autoextend.is_some() && !self.is_exhausted();
+        if autoextending {
+            tracing::debug!(target: "thinpool::space", "{message}");
+        } else if reached {
             tracing::warn!(target: "thinpool::space", "{message}");
         } else {
             tracing::info!(target: "thinpool::space", "{message}");
         }
-        self.health.log(message);
+        self.health.record(message);
     }
 
     /// The pool cannot grow: say why once. The caller wakes the writes waiting for space,
@@ -270,7 +327,7 @@ impl SpaceWatch {
         self.lock_state().last_failure = Some(Instant::now());
         if !self.exhausted.swap(true, Ordering::AcqRel) {
             tracing::error!(target: "thinpool::space", "autoextend: {why}; writes that need space now follow the no-space policy");
-            self.health.log(format!(
+            self.health.record(format!(
                 "autoextend stopped: {why}; writes that need space follow the no-space policy"
             ));
         }
@@ -295,7 +352,7 @@ impl SpaceWatch {
         if !self.metadata_blocked.swap(true, Ordering::AcqRel) {
             tracing::error!(target: "thinpool::space", "autoextend: metadata not grown: {why}");
             self.health
-                .log(format!("autoextend: metadata not grown: {why}"));
+                .record(format!("autoextend: metadata not grown: {why}"));
         }
     }
 }
@@ -303,6 +360,12 @@ impl SpaceWatch {
 #[cfg(test)]
 mod tests {
     use super::at_least;
+
+    #[test]
+    fn log_sizes_have_a_human_form() {
+        assert_eq!(super::human_bytes(512), "512 bytes");
+        assert_eq!(super::human_bytes(3 << 29), "1610612736 bytes (1.50 GiB)");
+    }
 
     #[test]
     fn thresholds_compare_without_rounding() {

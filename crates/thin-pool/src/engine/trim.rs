@@ -22,8 +22,9 @@ use crate::error::{Error, Result};
 /// Data blocks looked at per hold of the metadata lock.
 const TRIM_CHUNK_BLOCKS: u64 = 4096;
 
-/// Discard every free data block on the data device. Returns the bytes discarded (free
-/// blocks that were holes already count too).
+/// Discard every free data block on the data device. Returns the bytes given back that
+/// had not been since they were freed (passdown or an earlier trim gave back the rest:
+/// they are discarded again, not counted again).
 pub(crate) fn trim(meta: &Meta, data: &dyn DataDevice, watch: &SpaceWatch) -> Result<u64> {
     // Frees queued so far become free blocks (or, in their grace period, pass down when it
     // ends).
@@ -50,7 +51,7 @@ pub(crate) fn trim(meta: &Meta, data: &dyn DataDevice, watch: &SpaceWatch) -> Re
                     what: format!("discarding data blocks {first}..{} (trim)", first + count),
                     source,
                 })?;
-                trimmed += len;
+                trimmed += watch.given_back(first, count) * block_size;
             }
             Ok(Some(end))
         })?;
