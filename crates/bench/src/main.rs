@@ -110,6 +110,10 @@ pub struct Args {
     /// Print the rows as a JSON list instead of a table.
     #[arg(long)]
     json: bool,
+    /// Pairs measured per row (default 5, 15 with --quick; a few sections take a multiple).
+    /// Fewer pairs give wider spreads: `--quick --pairs 2` only shows that every row runs.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..))]
+    pairs: Option<u16>,
     /// Run only the sections whose name starts with this (reads, writes, cow, mappings,
     /// diff, scale; the full run includes scale only when named).
     #[arg(long, value_name = "SECTION")]
@@ -227,6 +231,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         ));
     }
     let mut sizes = Sizes::new(args.quick);
+    if let Some(pairs) = args.pairs {
+        sizes.repetition_count = pairs.into();
+    }
     if let Some(text) = &args.write_size {
         let bytes = thinpool_daemon::pool_dir::parse_size(text)?;
         if bytes == 0 || !bytes.is_multiple_of(BLOCK_SIZE_BYTES) {

@@ -128,7 +128,7 @@ where
     let mut samples = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
     run_reads_on(&few, &through_engine, Some(&cpus))?;
     let repetition_count = if sizes.quick {
-        QUICK_CONVOY_REPETITIONS
+        QUICK_CONVOY_REPETITIONS.min(sizes.repetition_count)
     } else {
         sizes.repetition_count
     };

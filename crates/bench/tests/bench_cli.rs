@@ -1,4 +1,5 @@
-//! Goal: `thinpool-bench --quick --json` runs end to end, prints its rows in the documented
+//! Goal: `thinpool-bench --quick --pairs 2 --json` runs end to end (two pairs a row: this shows
+//! that every row runs, not what it measures), prints its rows in the documented
 //! JSON shape (with each row's `spread`), with a row from every section (the scale section's
 //! check comparison only with `THINPOOL_TOOLS_DIR`), and removes every pool it built.
 //! Method: run the built binary with `--dir` in a scratch directory, parse stdout, check each
@@ -13,7 +14,7 @@ use testkit::scratch::ScratchDir;
 fn quick_json_run_prints_rows_and_cleans_up() {
     let scratch = ScratchDir::new("bench-cli");
     let output = Command::new(env!("CARGO_BIN_EXE_thinpool-bench"))
-        .args(["--quick", "--json", "--dir"])
+        .args(["--quick", "--pairs", "2", "--json", "--dir"])
         .arg(scratch.path())
         .output()
         .expect("run thinpool-bench");

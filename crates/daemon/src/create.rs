@@ -18,15 +18,28 @@ pub fn create_pool(
     create: &CreateOptions,
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
-    // The directory first: made 0700 if missing, refused if others could change it.
+    let options = stored.pool_options();
+    create_pool_with(dir, stored, |path| {
+        Pool::create(path, create, options)
+            .with_context(|| format!("cannot create a pool in {}", path.display()))
+    })
+}
+
+/// What every pool creation does around `make` (which creates the pool's metadata and data
+/// in the directory it is given): the directory made 0700 if missing (refused if others
+/// could change it), refused if it already holds a pool, the options file stored, and, if
+/// anything is refused, the directory left as it was (removed, if this made it). Returns the
+/// new pool's status, after closing it.
+pub fn create_pool_with(
+    dir: &PoolDir,
+    stored: StoredOptions,
+    make: impl FnOnce(&std::path::Path) -> anyhow::Result<Pool>,
+) -> anyhow::Result<control::StatusRecord> {
     let made = dir.create_private()?;
     if Pool::exists(&dir.path) {
         bail!("{} already holds a pool", dir.path.display());
     }
-    // A refused create leaves the directory as it was (removed, if it made it).
-    let created = Pool::create(&dir.path, create, stored.pool_options())
-        .with_context(|| format!("cannot create a pool in {}", dir.path.display()))
-        .and_then(|pool| stored.store(dir).map(|()| pool));
+    let created = make(&dir.path).and_then(|pool| stored.store(dir).map(|()| pool));
     let pool = match created {
         Ok(pool) => pool,
         Err(error) => {

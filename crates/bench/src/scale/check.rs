@@ -82,7 +82,7 @@ pub(super) fn compare_checks(
             thin_check_mib: Vec::new(),
         };
         let repetition_count = if sizes.quick {
-            QUICK_CHECK_REPETITIONS
+            QUICK_CHECK_REPETITIONS.min(sizes.repetition_count)
         } else {
             sizes.repetition_count
         };

@@ -9,8 +9,9 @@ use std::path::PathBuf;
 use thin_pool::block_device::{device_size_bytes, DevicePaths};
 use thin_pool::Pool;
 
-use crate::control::{self, Outcome, Request};
+use crate::control;
 use crate::pool_dir::{PoolDir, StoredOptions};
+use thinpool_daemon::create::create_pool_with;
 
 /// The block-device arguments of `create`.
 #[derive(clap::Args, Debug)]
@@ -81,41 +82,20 @@ pub fn create_device_pool(
     block_size_bytes: u64,
     stored: StoredOptions,
 ) -> anyhow::Result<control::StatusRecord> {
-    let made = dir.create_private()?;
-    if Pool::exists(&dir.path) {
-        bail!("{} already holds a pool", dir.path.display());
-    }
-    let created =
-        Pool::create_on_devices(&dir.path, devices, block_size_bytes, stored.pool_options())
-            .with_context(|| {
+    let options = stored.pool_options();
+    create_pool_with(dir, stored, |path| {
+        let pool = Pool::create_on_devices(path, devices, block_size_bytes, options).with_context(
+            || {
                 format!(
                     "cannot create a pool on {} and {}",
                     devices.metadata_device.display(),
                     devices.data_device.display()
                 )
-            })
-            .and_then(|pool| stored.store(dir).map(|()| pool));
-    // A refused create leaves the directory as it was (removed, if it made it).
-    let pool = match created {
-        Ok(pool) => pool,
-        Err(error) => {
-            made.undo();
-            return Err(error);
+            },
+        )?;
+        for event in pool.events() {
+            eprintln!("thinpool: {event}");
         }
-    };
-    for event in pool.events() {
-        eprintln!("thinpool: {event}");
-    }
-    let target = control::Target {
-        pool,
-        options: stored,
-        reserved_names: Vec::new(),
-        served: None,
-    };
-    let status = match target.execute(&Request::Status) {
-        Ok(Outcome::Status(status)) => status,
-        other => bail!("unexpected status answer: {other:?}"),
-    };
-    target.pool.close().context("cannot close the new pool")?;
-    Ok(status)
+        Ok(pool)
+    })
 }

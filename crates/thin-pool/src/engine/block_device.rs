@@ -64,11 +64,9 @@ use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::data_device::DataDevice;
 use crate::engine::index::INDEX_DATA_BLOCK_MAX;
 use crate::engine::layout::DEVICES_FILE;
-use crate::engine::limits::{data_grow_metadata_blocks, metadata_reserve_blocks};
 use crate::engine::options::PoolOptions;
 use crate::error::{io_error, Error, Result};
 use crate::format::metadata::PoolMetadata;
-use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::{BlockDevice, FileDevice};
 use serde::{Deserialize, Serialize};
@@ -400,23 +398,7 @@ fn check_layout(block_size: u64, data_bytes: u64, metadata_blocks: u64) -> Resul
             block_size_bytes: block_size,
         });
     }
-    if metadata_blocks < 64 {
-        return Err(Error::MetadataTooSmall {
-            blocks: metadata_blocks,
-        });
-    }
-    let space_map = data_grow_metadata_blocks(0, data_blocks);
-    let reserve = metadata_reserve_blocks(metadata_blocks);
-    let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
-    if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::MetadataCannotMap {
-            metadata_blocks,
-            data_blocks,
-            space_map_blocks: space_map,
-            reserve_blocks: reserve,
-            formatted_blocks: formatted,
-        });
-    }
+    crate::engine::limits::check_metadata_room(metadata_blocks, data_blocks)?;
     Ok(data_blocks)
 }
 

@@ -192,16 +192,23 @@ mod tests {
         fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn dir_catalog_keeps_only_committed() {
-        let dir = std::env::temp_dir().join(format!("tp-catalog-{}", std::process::id()));
+    /// A store in a new scratch directory named after `tag`, holding an empty catalog of
+    /// transaction 1.
+    fn stored_empty_catalog(tag: &str) -> (std::path::PathBuf, DirCatalog, Catalog) {
+        let dir = std::env::temp_dir().join(format!("{tag}{}", std::process::id()));
         fs::create_dir_all(&dir).unwrap();
         let store = DirCatalog::new(&dir);
-        let mut c = Catalog {
+        let c = Catalog {
             transaction_id: 1,
             volumes: vec![],
         };
         store.store(&c).unwrap();
+        (dir, store, c)
+    }
+
+    #[test]
+    fn dir_catalog_keeps_only_committed() {
+        let (dir, store, mut c) = stored_empty_catalog("tp-catalog-");
         c.transaction_id = 2;
         c.volumes.push(CatalogVolume {
             name: "a".into(),
@@ -225,14 +232,7 @@ mod tests {
 
     #[test]
     fn a_store_refuses_a_catalog_changed_by_another_writer() {
-        let dir = std::env::temp_dir().join(format!("tp-catalog-foreign-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
-        let store = DirCatalog::new(&dir);
-        let mut c = Catalog {
-            transaction_id: 1,
-            volumes: vec![],
-        };
-        store.store(&c).unwrap();
+        let (dir, store, mut c) = stored_empty_catalog("tp-catalog-foreign-");
         let foreign = "{\"transaction_id\": 1, \"volumes\": []}";
         fs::write(dir.join("catalog-1.json"), foreign).unwrap();
         c.transaction_id = 2;

@@ -26,7 +26,6 @@ use crate::engine::space::{host_free_bytes, SpaceWatch};
 use crate::engine::volumes::Volumes;
 use crate::error::{io_error, Error, Limit, Result};
 use crate::format::metadata::PoolMetadata;
-use persistent_data::space_map::core::ENTRIES_PER_BITMAP;
 use persistent_data::space_map::METADATA_BLOCKS_MAX;
 use persistent_data::{BlockDevice, FileDevice};
 use std::path::Path;
@@ -122,11 +121,6 @@ pub(crate) fn check_create(dir: &Path, create: &CreateOptions) -> Result<Layout>
 
 /// A metadata size within the format that holds the data space map beside the reserve.
 fn check_metadata_size(metadata_bytes: u64, metadata_blocks: u64, data_blocks: u64) -> Result<()> {
-    if metadata_blocks < 64 {
-        return Err(Error::MetadataTooSmall {
-            blocks: metadata_blocks,
-        });
-    }
     if metadata_blocks > METADATA_BLOCKS_MAX {
         return Err(Error::SizeOverLimit {
             what: Limit::MetadataBytes,
@@ -134,20 +128,7 @@ fn check_metadata_size(metadata_bytes: u64, metadata_blocks: u64, data_blocks: u
             max: METADATA_BLOCKS_MAX * 4096,
         });
     }
-    let space_map = data_grow_metadata_blocks(0, data_blocks);
-    let reserve = metadata_reserve_blocks(metadata_blocks);
-    // The superblock, the empty trees and the metadata space map's own blocks.
-    let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
-    if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::MetadataCannotMap {
-            metadata_blocks,
-            data_blocks,
-            space_map_blocks: space_map,
-            reserve_blocks: reserve,
-            formatted_blocks: formatted,
-        });
-    }
-    Ok(())
+    crate::engine::limits::check_metadata_room(metadata_blocks, data_blocks)
 }
 
 /// The files of a checked create in `dir`: the metadata (preallocated, locked, formatted),
