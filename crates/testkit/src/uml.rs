@@ -71,10 +71,18 @@ for path in sys.argv[1:]:
 const POWER_OFF: &str =
     "import ctypes; ctypes.CDLL(None, use_errno=True).syscall(169, 0xfee1dead, 672274793, 0x4321fedc, 0)";
 
+/// The preload library `scripts/fetch-uml` builds beside the unpacked package
+/// (`crates/testkit/uml/xstate-shim.c` says why it exists).
+const XSTATE_SHIM_FILE: &str = "uml-xstate-shim.so";
+
 /// The unpacked `user-mode-linux` package: the kernel binary and its module tree.
 #[derive(Clone, Debug)]
 pub struct Uml {
     kernel: PathBuf,
+    /// `uml-xstate-shim.so` beside the package (built by `scripts/fetch-uml`), preloaded into
+    /// the kernel's process: without it this UML dies at its first context switch on hosts
+    /// whose XSAVE area is larger than its own (AVX-512, AMX). A no-op on other hosts.
+    xstate_shim: Option<PathBuf>,
     modules: PathBuf,
     /// Module name (as `modprobe` spells it, `-` and `_` the same) → (path relative to
     /// `modules`, its dependencies' names).
@@ -113,8 +121,13 @@ impl Uml {
         let text = std::fs::read_to_string(&dep_path)
             .unwrap_or_else(|e| panic!("cannot read {}: {e}", dep_path.display()));
         let dependencies = parse_modules_dep(&text);
+        let xstate_shim = dir
+            .parent()
+            .map(|tools| tools.join(XSTATE_SHIM_FILE))
+            .filter(|shim| shim.is_file());
         Uml {
             kernel,
+            xstate_shim,
             modules,
             dependencies,
         }
@@ -329,6 +342,7 @@ impl Boot {
             .env_clear()
             .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
             .env("TMPDIR", "/tmp")
+            .envs(self.uml.xstate_shim.iter().map(|shim| ("LD_PRELOAD", shim)))
             .stdin(Stdio::null())
             .stdout(console)
             .stderr(console_err)
@@ -526,12 +540,18 @@ impl Outcome {
         assert!(
             !self.timed_out && self.script_status == Some(0) && self.exit.is_some(),
             "UML run failed (timed out: {}, script status {:?}, kernel exit {:?})\n\
-             command line: {}\n--- console ---\n{}",
+             command line: {}\n--- console ---\n{}{}",
             self.timed_out,
             self.script_status,
             self.exit,
             self.command_line,
-            self.console
+            self.console,
+            if self.console.contains("ptrace set fp regs failed") {
+                "\n(the host's XSAVE area is larger than this UML's: run scripts/fetch-uml, \
+                 which builds target/tools/uml-xstate-shim.so)"
+            } else {
+                ""
+            }
         );
         self
     }

@@ -10,6 +10,7 @@ fn modules_dep_gives_dependencies_first() {
                 kernel/drivers/md/dm_bio_prison.ko:\n";
     let uml = Uml {
         kernel: PathBuf::from("/k"),
+        xstate_shim: None,
         modules: PathBuf::from("/m"),
         dependencies: parse_modules_dep(text),
     };
