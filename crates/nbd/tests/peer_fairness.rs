@@ -221,13 +221,16 @@ fn legitimate_client_is_served_past_its_peers_handshakes_and_idle_connections() 
         idle_evicted >= IDLE + 100 - 256,
         "{idle_evicted} idle connections evicted"
     );
-    // The oldest of each kind was the one closed.
+    // The oldest of each kind was the one closed: the oldest handshake ends after at most
+    // its greeting (none, if it was evicted before its session thread wrote it, as on a
+    // loaded machine).
     let mut first_handshake = hostile.remove(0);
-    let mut greeting = [0u8; 18];
-    std::io::Read::read_exact(&mut first_handshake, &mut greeting).unwrap();
-    assert_eq!(
-        std::io::Read::read(&mut first_handshake, &mut greeting).unwrap(),
-        0
+    let mut received = Vec::new();
+    std::io::Read::read_to_end(&mut first_handshake, &mut received).unwrap();
+    assert!(
+        received.len() <= 18,
+        "the oldest handshake got {} bytes, more than a greeting",
+        received.len()
     );
     assert!(
         idle[0].is_closed(),
