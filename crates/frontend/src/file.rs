@@ -133,6 +133,28 @@ impl Target for FileTarget {
         Ok(true)
     }
 
+    /// The file itself, every byte.
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        self.check(offset, length, true)?;
+        if length > 0 {
+            each(LentPiece::File {
+                file: &self.file,
+                offset,
+                length_bytes: length,
+            })?;
+            if fua {
+                self.flush()?;
+            }
+        }
+        Ok(length)
+    }
+
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {
         self.check(offset, data.len() as u64, true)?;
         self.file

@@ -180,6 +180,24 @@ pub trait Target: Send + Sync {
     /// Writes `data` at `offset`; with `fua` it is durable when this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
 
+    /// Lends the file ranges a write of `length` bytes at `offset` overwrites in place
+    /// (only [`LentPiece::File`]s, in order, each valid during its call), for the front end
+    /// to write itself from memory it could not hand over as a `&[u8]`; returns how many
+    /// bytes from `offset` were lent (the front end writes the rest with [`Target::write`],
+    /// with `fua` if it asked for it). With `fua` and every byte lent, the data is durable
+    /// when this returns. The default lends nothing (`Ok(0)`). An error from `each` stops
+    /// the walk and is returned. `each` must not call the target.
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        let _ = (offset, length, fua, each);
+        Ok(0)
+    }
+
     /// Makes `length` bytes at `offset` read as zeroes.
     fn write_zeroes(&self, offset: u64, length: u64, mode: ZeroMode) -> Result<()>;
 
@@ -270,6 +288,32 @@ impl Target for VolumeTarget {
             })
             .map_err(|e| {
                 TargetError::engine(e, format!("lent read at {offset} length {length}"))
+            })?;
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(lent),
+        }
+    }
+
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        let mut failed = None;
+        let lent = self
+            .volume
+            .write_lent(offset, length, fua, &mut |piece| match each(piece) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(error) => {
+                    failed = Some(error);
+                    ControlFlow::Break(())
+                }
+            })
+            .map_err(|e| {
+                TargetError::engine(e, format!("lent write at {offset} length {length}"))
             })?;
         match failed {
             Some(error) => Err(error),

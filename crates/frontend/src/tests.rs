@@ -77,7 +77,7 @@ fn an_attached_volume_counts_as_open() {
 }
 
 #[test]
-fn a_lent_read_gives_the_bytes_a_read_gives_and_returns_the_callers_error() {
+fn lent_reads_and_writes_give_the_bytes_reads_and_writes_give_and_return_the_callers_error() {
     let dir = std::env::temp_dir().join(format!("frontend-lent-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
@@ -120,6 +120,19 @@ fn a_lent_read_gives_the_bytes_a_read_gives_and_returns_the_callers_error() {
         assert_eq!(failed.errno(), libc::EFAULT, "{}", target.name());
         let past = target.read_lent(4 * MIB, 512, &mut |_| Ok(())).unwrap_err();
         assert_eq!(past.errno(), libc::EINVAL, "{}", target.name());
+        // A lent write over bytes written before (in place): all of it lent.
+        let lent = target
+            .write_lent(8192, 4096, true, &mut |piece| {
+                let LentPiece::File { file, offset, .. } = piece else {
+                    panic!("{}: a lent write gave {piece:?}", target.name());
+                };
+                std::os::unix::fs::FileExt::write_all_at(file, &[9u8; 4096], offset).unwrap();
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(lent, 4096, "{}", target.name());
+        target.read(8192, &mut read[..4096]).unwrap();
+        assert!(read[..4096].iter().all(|&b| b == 9), "{}", target.name());
     }
     drop(on_file);
     pool.close().unwrap();

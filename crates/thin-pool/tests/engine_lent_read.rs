@@ -6,7 +6,10 @@
 //! Method: a pool on files (its data device a file), a volume written at seeded random
 //! places (some blocks left unmapped, some discarded) and snapshotted, then overwritten in
 //! part (so its blocks are a mix of shared, own and unmapped); random ranges of both volumes
-//! lent and rebuilt, compared with a byte model and with `Volume::read`.
+//! lent and rebuilt, compared with a byte model and with `Volume::read`. Lent writes
+//! (`Volume::write_lent`): only the blocks overwritten in place (mapped, not shared) are
+//! lent, from the start up to the first that is not; written through the pieces and the rest
+//! with `Volume::write`, the volume holds the new bytes and its snapshot the old.
 
 use std::ops::ControlFlow;
 use std::os::unix::fs::FileExt;
@@ -154,4 +157,70 @@ fn a_pool_without_a_data_file_lends_nothing() {
     assert!(!lent && !called);
     drop(volume);
     pool.close().unwrap();
+}
+
+#[test]
+fn a_lent_write_lends_the_blocks_overwritten_in_place_up_to_the_first_shared_one() {
+    let dir = std::env::temp_dir().join(format!("lent-write-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let pool = dir_pool(&dir.join("pool"), 64 * MIB, deterministic_options());
+    pool.create_volume("disk", MIB).unwrap();
+    let disk = pool.volume("disk").unwrap();
+    let old: Vec<u8> = (0..4 * BLOCK).map(|i| (i / 512) as u8).collect();
+    disk.write(0, &old, false).unwrap();
+    pool.snapshot("disk", "snap", true).unwrap();
+    // Blocks 0 and 1 are the volume's own again; 2 and 3 still shared; 4 on unmapped.
+    disk.write(0, &old[..2 * BLOCK as usize], false).unwrap();
+    let new: Vec<u8> = (0..5 * BLOCK).map(|i| (i / 512) as u8 ^ 0xa5).collect();
+    let (offset, length) = (512, 5 * BLOCK - 1024);
+    let mut pieces = 0;
+    let mut at = 0usize;
+    let lent = disk
+        .write_lent(offset, length, true, &mut |piece| {
+            let LentPiece::File {
+                file,
+                offset: file_offset,
+                length_bytes,
+            } = piece
+            else {
+                panic!("a lent write gave {piece:?}");
+            };
+            let source = &new[offset as usize + at..][..length_bytes as usize];
+            file.write_all_at(source, file_offset).unwrap();
+            at += length_bytes as usize;
+            pieces += 1;
+            ControlFlow::Continue(())
+        })
+        .unwrap();
+    assert_eq!(lent, 2 * BLOCK - 512, "lent up to the first shared block");
+    assert_eq!(at as u64, lent);
+    assert!(pieces >= 1);
+    let rest = offset + lent;
+    disk.write(rest, &new[rest as usize..(offset + length) as usize], true)
+        .unwrap();
+    let mut expected = old.clone();
+    expected.resize(5 * BLOCK as usize, 0);
+    expected[offset as usize..(offset + length) as usize]
+        .copy_from_slice(&new[offset as usize..(offset + length) as usize]);
+    let mut got = vec![0u8; 5 * BLOCK as usize];
+    disk.read(0, &mut got).unwrap();
+    assert!(got == expected, "the volume holds the new bytes");
+    let snap = pool.volume("snap").unwrap();
+    let mut kept = vec![0u8; 4 * BLOCK as usize];
+    snap.read(0, &mut kept).unwrap();
+    assert!(kept == old, "the snapshot keeps the old bytes");
+    // Nothing to lend on an unmapped block, nor on a read-only volume (refused).
+    let none = disk
+        .write_lent(8 * BLOCK, BLOCK, false, &mut |_| {
+            panic!("lent an unmapped block")
+        })
+        .unwrap();
+    assert_eq!(none, 0);
+    assert!(snap
+        .write_lent(0, BLOCK, false, &mut |_| panic!("lent a read-only block"))
+        .is_err());
+    drop((disk, snap));
+    pool.close().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
 }

@@ -1,17 +1,17 @@
-//! Reads a file range straight into guest memory: `preadv` with the host addresses of the
-//! guest buffers (up to [`IOVECS_MAX`] at once), so a read's bytes reach the guest without a
-//! copy through a buffer of ours. The one module of this crate with `unsafe` (the `preadv`
-//! call; every other access to guest memory goes through vm-memory's checked, volatile
-//! accessors).
+//! Moves a file range straight between guest memory and the file: `preadv` (a read) or
+//! `pwritev` (a write) with the host addresses of the guest buffers (up to [`IOVECS_MAX`] at
+//! once), so the bytes pass no buffer of ours. The one module of this crate with `unsafe`
+//! (the two calls; every other access to guest memory goes through vm-memory's checked,
+//! volatile accessors).
 //!
 //! Why it is sound: every guest range is turned into host addresses by vm-memory
 //! (`get_slices`, which checks it lies inside a mapped region of the memory table), and the
 //! [`GuestReader`] borrows the memory snapshot those regions belong to, so they stay mapped
 //! (the snapshot keeps the old mappings alive across a SET_MEM_TABLE) until the last
-//! `preadv` has returned. The kernel writes those bytes as a device's DMA would: nothing in
-//! this process holds a Rust reference into guest memory (vm-memory hands out only volatile
-//! slices), so no reference is aliased; the guest may change the bytes at any time, which is
-//! its own business. Regions are mapped without a dirty bitmap here (`Bitmap = ()`: no
+//! call has returned. The kernel reads or writes those bytes as a device's DMA would:
+//! nothing in this process holds a Rust reference into guest memory (vm-memory hands out only
+//! volatile slices), so no reference is aliased; the guest may change the bytes at any time
+//! (a write then stores some mix of old and new, as a disk would), which is its own business. Regions are mapped without a dirty bitmap here (`Bitmap = ()`: no
 //! dirty-page logging is offered), so there is nothing to mark.
 
 #![allow(unsafe_code)]
@@ -25,8 +25,18 @@ use vm_memory::{GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 /// Most guest buffers one `preadv` fills.
 pub const IOVECS_MAX: usize = 64;
 
-/// Gathers guest buffers and fills them from consecutive bytes of a file.
-pub struct GuestReader<'a> {
+/// Which way the bytes go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Direction {
+    /// File to guest memory (`preadv`): a read request.
+    FromFile,
+    /// Guest memory to file (`pwritev`): a write request.
+    ToFile,
+}
+
+/// Gathers guest buffers and moves them to or from consecutive bytes of a file.
+pub struct GuestIo<'a> {
+    direction: Direction,
     mem: &'a GuestMemoryMmap,
     file: &'a File,
     /// File offset of the first byte of the gathered buffers.
@@ -35,10 +45,16 @@ pub struct GuestReader<'a> {
     count: usize,
 }
 
-impl<'a> GuestReader<'a> {
-    /// A reader of `file` from `offset` into guest memory `mem`.
-    pub fn new(mem: &'a GuestMemoryMmap, file: &'a File, offset: u64) -> Self {
-        GuestReader {
+impl<'a> GuestIo<'a> {
+    /// A transfer between guest memory `mem` and `file` from `offset`.
+    pub fn new(
+        direction: Direction,
+        mem: &'a GuestMemoryMmap,
+        file: &'a File,
+        offset: u64,
+    ) -> Self {
+        GuestIo {
+            direction,
             mem,
             file,
             offset,
@@ -50,18 +66,22 @@ impl<'a> GuestReader<'a> {
         }
     }
 
-    /// Adds the `len` guest bytes at `addr` as the next bytes to fill (read when the batch
-    /// is full, or at [`GuestReader::finish`]). Fails if they are not all inside `mem`.
+    /// Adds the `len` guest bytes at `addr` as the next bytes to move (moved when the batch
+    /// is full, or at [`GuestIo::finish`]). Fails if they are not all inside `mem`.
     pub fn add(&mut self, addr: GuestAddress, len: usize) -> io::Result<()> {
         for slice in self.mem.get_slices(addr, len) {
             let slice = slice.map_err(|e| {
                 io::Error::new(io::ErrorKind::InvalidInput, format!("guest memory: {e}"))
             })?;
             if self.count == IOVECS_MAX {
-                self.read()?;
+                self.transfer()?;
             }
+            let base = match self.direction {
+                Direction::FromFile => slice.ptr_guard_mut().as_ptr(),
+                Direction::ToFile => slice.ptr_guard().as_ptr().cast_mut(),
+            };
             self.iovecs[self.count] = libc::iovec {
-                iov_base: slice.ptr_guard_mut().as_ptr().cast(),
+                iov_base: base.cast(),
                 iov_len: slice.len(),
             };
             self.count += 1;
@@ -69,38 +89,43 @@ impl<'a> GuestReader<'a> {
         Ok(())
     }
 
-    /// Fills every buffer added and not yet filled.
+    /// Moves every buffer added and not yet moved.
     pub fn finish(mut self) -> io::Result<()> {
-        self.read()
+        self.transfer()
     }
 
-    /// Fills the gathered buffers, `preadv` after `preadv` until all are full; a file that
-    /// ends first is an error (`UnexpectedEof`).
-    fn read(&mut self) -> io::Result<()> {
+    /// Moves the gathered buffers, call after call until all are done; a file that ends
+    /// first (a read) or takes nothing (a write) is an error.
+    fn transfer(&mut self) -> io::Result<()> {
         let mut first = 0;
         while first < self.count {
             let offset = libc::off_t::try_from(self.offset).map_err(|_| {
                 io::Error::new(io::ErrorKind::InvalidInput, "file offset past off_t")
             })?;
             let count = (self.count - first) as libc::c_int;
-            // SAFETY: `iovecs[first..count]` are initialized iovecs, each the host address
-            // and length of a volatile slice that vm-memory checked lies inside a region of
-            // `self.mem`, whose mappings live at least as long as the borrow `self` holds
-            // (see the module docs); the regions are mapped writable. The kernel only writes
-            // through them; no Rust reference points into guest memory.
-            let done = unsafe {
-                libc::preadv(
-                    self.file.as_raw_fd(),
-                    self.iovecs[first..].as_ptr(),
-                    count,
-                    offset,
-                )
+            let fd = self.file.as_raw_fd();
+            let iovecs = self.iovecs[first..].as_ptr();
+            let done = match self.direction {
+                // SAFETY: `iovecs[first..first + count]` are initialized iovecs, each the host
+                // address and length of a volatile slice that vm-memory checked lies inside a
+                // region of `self.mem`, whose mappings live at least as long as the borrow
+                // `self` holds (see the module docs); the regions are mapped writable. The
+                // kernel only writes through them; no Rust reference points into guest memory.
+                Direction::FromFile => unsafe { libc::preadv(fd, iovecs, count, offset) },
+                // SAFETY: as above; the kernel only reads through them.
+                Direction::ToFile => unsafe { libc::pwritev(fd, iovecs, count, offset) },
             };
             let mut done = match usize::try_from(done) {
-                Ok(0) => {
+                Ok(0) if self.direction == Direction::FromFile => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
                         format!("file ended at {}", self.offset),
+                    ))
+                }
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::WriteZero,
+                        format!("the file took no bytes at {}", self.offset),
                     ))
                 }
                 Ok(done) => done,

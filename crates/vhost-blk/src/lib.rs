@@ -27,14 +27,16 @@
 //! message (vhost 0.18's backend request channel has no sender for CONFIG_CHANGE_MSG: a grown
 //! volume shows its new capacity when the driver next reads the config space).
 //!
-//! One module has `unsafe`: `guest_io`, the `preadv` of a lent read straight into guest
-//! memory (its soundness argued there; every block has a `// SAFETY:` comment, which clippy
-//! is told to require). Reads of a target that lends ([`thinpool_frontend::Target::read_lent`]:
-//! a thin volume on a file, a plain file) so cost no copy of ours; the rust-vmm crates hold
-//! the mapping of guest memory and every other access (checked, volatile). Writes, and reads
-//! of a target that cannot lend, still pass through a worker's buffer (the engine takes
-//! `&[u8]`, which guest memory cannot safely be). Nothing else is allocated per request: a
-//! worker's segment lists and buffer are reused.
+//! One module has `unsafe`: `guest_io`, the `preadv` / `pwritev` of a lent request straight
+//! between the file and guest memory (its soundness argued there; every block has a
+//! `// SAFETY:` comment, which clippy is told to require). Reads of a target that lends
+//! ([`thinpool_frontend::Target::read_lent`]: a thin volume on a file, a plain file), and
+//! the in-place part of its writes ([`thinpool_frontend::Target::write_lent`]), so cost no
+//! copy of ours; the rust-vmm crates hold the mapping of guest memory and every other access
+//! (checked, volatile). The rest (blocks a write provisions or copies, a target that cannot
+//! lend) passes through a worker's buffer (the engine takes `&[u8]`, which guest memory
+//! cannot safely be). Nothing else is allocated per request: a worker's segment lists and
+//! buffer are reused.
 
 #![deny(unsafe_code)]
 #![deny(clippy::undocumented_unsafe_blocks)]

@@ -16,7 +16,9 @@
 //! Reads go straight into guest memory when the target lends them ([`Target::read_lent`]: a
 //! thin volume on a file, a plain file): the data device's file ranges are `preadv`ed into
 //! the chain's writable buffers (`guest_io`) and unmapped runs zeroed there, no buffer of
-//! ours in between. Otherwise (a target that cannot lend, and every write: the engine takes
+//! ours in between. Writes likewise `pwritev` from guest memory what the target lends
+//! ([`Target::write_lent`]: the blocks overwritten in place). Otherwise (a target that
+//! cannot lend, and the part of a write that provisions or copies blocks: the engine takes
 //! `&[u8]`, which guest memory, changed by the guest at any time, cannot safely be) data
 //! passes through the worker's own buffer, at most [`CHUNK_BYTES`] at a time.
 
@@ -32,7 +34,7 @@ use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap};
 
 use crate::config::{zero_sectors_max, DISCARD_SEG_MAX, ID_BYTES};
-use crate::guest_io::GuestReader;
+use crate::guest_io::{Direction, GuestIo};
 
 /// Bytes of data moved through the worker's buffer at once.
 pub const CHUNK_BYTES: usize = 1 << 20;
@@ -130,9 +132,23 @@ impl Segments {
         offset: u64,
         count: usize,
     ) -> std::io::Result<()> {
-        let mut reader = GuestReader::new(mem, file, offset);
-        self.visit(count, |addr, range| reader.add(addr, range.len()))?;
-        reader.finish()
+        let mut io = GuestIo::new(Direction::FromFile, mem, file, offset);
+        self.visit(count, |addr, range| io.add(addr, range.len()))?;
+        io.finish()
+    }
+
+    /// Writes the next `count` bytes of the run to `file` at `offset`, straight from guest
+    /// memory (`pwritev`).
+    fn write_to(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        file: &File,
+        offset: u64,
+        count: usize,
+    ) -> std::io::Result<()> {
+        let mut io = GuestIo::new(Direction::ToFile, mem, file, offset);
+        self.visit(count, |addr, range| io.add(addr, range.len()))?;
+        io.finish()
     }
 
     /// Writes `count` zeroes as the next bytes of the run into guest memory.
@@ -322,7 +338,30 @@ impl Worker {
         let length = self.readable.left();
         let mut offset = byte_range(target, sector, length as u64)?;
         let fua = !self.write_back;
-        let mut left = length;
+        let readable = &mut self.readable;
+        let lent = target.write_lent(offset, length as u64, fua, &mut |piece| {
+            // The pieces add up to at most `length`, a usize.
+            let count = piece.length_bytes() as usize;
+            match piece {
+                LentPiece::File { file, offset, .. } => {
+                    readable.write_to(mem, file, offset, count).map_err(|e| {
+                        TargetError::new(
+                            e.raw_os_error().unwrap_or(libc::EIO),
+                            format!("writing {count} bytes at {offset} from guest memory: {e}"),
+                        )
+                    })
+                }
+                LentPiece::Zeroes { .. } => Err(TargetError::new(
+                    libc::EIO,
+                    "a lent write gave a run of zeroes".to_string(),
+                )),
+            }
+        })?;
+        // What was not lent (blocks to provision or copy, or all of it: a target that cannot
+        // lend) goes through the buffer.
+        assert!(lent <= length as u64, "lent {lent} of {length} bytes");
+        offset += lent;
+        let mut left = length - lent as usize;
         while left > 0 {
             let piece = left.min(CHUNK_BYTES);
             let buffer = grown(&mut self.buffer, piece);

@@ -152,7 +152,7 @@ fn a_good_read_and_get_id_land_in_their_buffers() {
 /// A read into 96 buffers of 2 KiB, alternately in region one and region two (more buffers
 /// than one `preadv` takes), over two mapped blocks and an unmapped one: the bytes a read of
 /// the volume gives, on a pool that lends (on files: `preadv` into guest memory) and on one
-/// that does not (memory: through the worker's buffer).
+/// that does not (memory: through the worker's buffer); then a write from the same buffers.
 #[test]
 fn a_read_into_many_buffers_in_both_regions_gets_the_volumes_bytes() {
     let dir = std::env::temp_dir().join(format!("vhost-request-lent-{}", std::process::id()));
@@ -190,6 +190,27 @@ fn a_read_into_many_buffers_in_both_regions_gets_the_volumes_bytes() {
             let at = i as usize * 2048;
             assert!(got == expected[at..at + 2048], "buffer {i}");
         }
+        // The same buffers written back with new bytes, at sector 1: in place where the
+        // blocks are mapped (lent on files: `pwritev` from guest memory), the rest provisioned.
+        let h = prepare(&rig, VIRTIO_BLK_T_OUT, 1);
+        let new: Vec<u8> = (0..buffers * 2048)
+            .map(|i| (i / 512 * 5 + 7) as u8)
+            .collect();
+        for i in 0..buffers {
+            let at = i as usize * 2048;
+            rig.mem
+                .write_slice(&new[at..at + 2048], GuestAddress(addr(i)))
+                .unwrap();
+        }
+        descs[0] = h;
+        for (i, d) in descs[1..=buffers as usize].iter_mut().enumerate() {
+            *d = desc(addr(i as u64), 2048, 0);
+        }
+        let (used, status) = serve(&rig, &descs, true);
+        assert_eq!((used, status), (1, OK));
+        let mut back = vec![0u8; new.len()];
+        rig.target.volume().read(512, &mut back).unwrap();
+        assert!(back == new, "written bytes read back");
         drop(rig.target);
         rig.pool.close().unwrap();
     }

@@ -14,12 +14,19 @@
 //! Consecutive mapped blocks that are consecutive on the data device come out as one piece
 //! (one `preadv` for a sequentially written volume), consecutive unmapped ones as one run of
 //! zeroes.
+//!
+//! Lent writes ([`Volume::write_lent`]) are the in-place overwrite handed out the same way:
+//! inside the volume's write gate (so no snapshot can make a block shared meanwhile) and
+//! pinned, the ranges of the blocks that are mapped and not shared, from the start of the
+//! write up to the first block that needs provisioning, a copy or zeroing; the caller
+//! writes them itself and the rest with [`Volume::write`].
 
 use std::fs::File;
 use std::ops::ControlFlow;
 
 use super::{data_io, Volume};
 use crate::engine::options::PoolMode;
+use crate::engine::volumes::Lookup;
 use crate::error::{Error, Result};
 
 /// One piece of a lent read ([`Volume::read_lent`]), in the order of the read.
@@ -159,6 +166,83 @@ impl Volume {
         }
         assert_eq!(lent, length, "the pieces cover the read");
         Ok(true)
+    }
+}
+
+impl Volume {
+    /// Lends the data-file ranges a write of `length` bytes at `offset` overwrites in place:
+    /// calls `each` with them (only [`LentPiece::File`]s, in order) for the blocks from
+    /// `offset` on that are mapped and not shared, up to the first that is not (or the end),
+    /// and returns how many bytes from `offset` were lent: the caller writes those into the
+    /// pieces and the rest with [`Volume::write`]. Zero, calling nothing, when the data
+    /// device has no file. Inside the write gate and pinned, as an in-place write is; with
+    /// `fua`, and every byte lent, the data is durable when this returns (a partial lend
+    /// leaves the flush to the caller's [`Volume::write`] of the rest). A `Break` from `each`
+    /// stops the walk and returns the bytes lent before that piece; the broken piece's bytes
+    /// may be written or not, like a failed write's.
+    pub fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> ControlFlow<()>,
+    ) -> Result<u64> {
+        self.check_range(offset, length)?;
+        self.check_writable()?;
+        let data = self.pool.data();
+        let Some(file) = data.file() else {
+            return Ok(0);
+        };
+        let lent = {
+            let _pass = self.volume.gate().enter();
+            self.check_range(offset, length)?;
+            let _pin = self.pool.pin();
+            self.lend_in_place(file, offset, length, each)?
+        };
+        data.counters()
+            .written_bytes
+            .fetch_add(lent, std::sync::atomic::Ordering::Relaxed);
+        if fua && lent == length && length > 0 {
+            self.flush()?;
+        }
+        Ok(lent)
+    }
+}
+
+impl Volume {
+    /// The walk of [`Volume::write_lent`], inside the gate and pinned: the bytes lent.
+    fn lend_in_place(
+        &self,
+        file: &File,
+        offset: u64,
+        length: u64,
+        each: &mut dyn FnMut(LentPiece<'_>) -> ControlFlow<()>,
+    ) -> Result<u64> {
+        let device_bytes = self.pool.data().size_bytes();
+        let mut pending = Pending::None;
+        let mut lent = 0u64;
+        for (block, in_block, n) in self.pieces(offset, length) {
+            let Lookup::Exclusive(data_block) = self.lookup(block) else {
+                break;
+            };
+            let at = self.data_offset(data_block, in_block);
+            if at.checked_add(n).is_none_or(|end| end > device_bytes) {
+                return Err(beyond_device(at, n, device_bytes));
+            }
+            if let Some(piece) = pending.push(Some(at), n).piece(file) {
+                if each(piece).is_break() {
+                    return Ok(lent);
+                }
+                lent += piece.length_bytes();
+            }
+        }
+        if let Some(piece) = pending.piece(file) {
+            if each(piece).is_break() {
+                return Ok(lent);
+            }
+            lent += piece.length_bytes();
+        }
+        Ok(lent)
     }
 }
 
