@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{fallocate, FallocateFlags, SeekFrom};
 
-use crate::{Extent, Geometry, Result, Target, TargetError, ZeroMode, SECTOR_BYTES};
+use crate::{Extent, Geometry, LentPiece, Result, Target, TargetError, ZeroMode, SECTOR_BYTES};
 
 /// The block size a [`FileTarget`] reports (page-sized: what avoids read-modify-write in
 /// the page cache).
@@ -113,6 +113,46 @@ impl Target for FileTarget {
         self.file
             .read_exact_at(buffer, offset)
             .map_err(|e| self.io(format!("read at {offset} length {}", buffer.len()), e))
+    }
+
+    /// The file itself: a plain file's bytes never come to hold other data.
+    fn read_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<bool> {
+        self.check(offset, length, false)?;
+        if length > 0 {
+            each(LentPiece::File {
+                file: &self.file,
+                offset,
+                length_bytes: length,
+            })?;
+        }
+        Ok(true)
+    }
+
+    /// The file itself, every byte.
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        self.check(offset, length, true)?;
+        if length > 0 {
+            each(LentPiece::File {
+                file: &self.file,
+                offset,
+                length_bytes: length,
+            })?;
+            if fua {
+                self.flush()?;
+            }
+        }
+        Ok(length)
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {

@@ -23,8 +23,12 @@
 #![forbid(unsafe_code)]
 
 use std::fmt;
+use std::ops::ControlFlow;
 
 use thin_pool::Volume;
+
+/// One piece of a lent read ([`Target::read_lent`]): a file range, or a run of zeroes.
+pub use thin_pool::LentPiece;
 
 mod file;
 pub use file::{FileTarget, FILE_BLOCK_BYTES};
@@ -156,8 +160,43 @@ pub trait Target: Send + Sync {
     /// Fills all of `buffer` with the bytes at `offset`.
     fn read(&self, offset: u64, buffer: &mut [u8]) -> Result<()>;
 
+    /// Lends where the `length` bytes at `offset` lie instead of copying them: calls `each`
+    /// with consecutive pieces covering the range in order (file ranges the front end reads
+    /// itself, straight into memory it could not hand over as a `&mut [u8]`, and runs of
+    /// zeroes), each valid only during its call; the target keeps the ranges from being
+    /// reused for other data until the call returns. `Ok(false)`, calling nothing: this
+    /// target cannot lend (use [`Target::read`]); the default. An error from `each` stops
+    /// the walk and is returned. `each` must not call the target.
+    fn read_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<bool> {
+        let _ = (offset, length, each);
+        Ok(false)
+    }
+
     /// Writes `data` at `offset`; with `fua` it is durable when this returns.
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()>;
+
+    /// Lends the file ranges a write of `length` bytes at `offset` overwrites in place
+    /// (only [`LentPiece::File`]s, in order, each valid during its call), for the front end
+    /// to write itself from memory it could not hand over as a `&[u8]`; returns how many
+    /// bytes from `offset` were lent (the front end writes the rest with [`Target::write`],
+    /// with `fua` if it asked for it). With `fua` and every byte lent, the data is durable
+    /// when this returns. The default lends nothing (`Ok(0)`). An error from `each` stops
+    /// the walk and is returned. `each` must not call the target.
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        let _ = (offset, length, fua, each);
+        Ok(0)
+    }
 
     /// Makes `length` bytes at `offset` read as zeroes.
     fn write_zeroes(&self, offset: u64, length: u64, mode: ZeroMode) -> Result<()>;
@@ -229,6 +268,57 @@ impl Target for VolumeTarget {
         self.volume.read(offset, buffer).map_err(|e| {
             TargetError::engine(e, format!("read at {offset} length {}", buffer.len()))
         })
+    }
+
+    fn read_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<bool> {
+        let mut failed = None;
+        let lent = self
+            .volume
+            .read_lent(offset, length, &mut |piece| match each(piece) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(error) => {
+                    failed = Some(error);
+                    ControlFlow::Break(())
+                }
+            })
+            .map_err(|e| {
+                TargetError::engine(e, format!("lent read at {offset} length {length}"))
+            })?;
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(lent),
+        }
+    }
+
+    fn write_lent(
+        &self,
+        offset: u64,
+        length: u64,
+        fua: bool,
+        each: &mut dyn FnMut(LentPiece<'_>) -> Result<()>,
+    ) -> Result<u64> {
+        let mut failed = None;
+        let lent = self
+            .volume
+            .write_lent(offset, length, fua, &mut |piece| match each(piece) {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(error) => {
+                    failed = Some(error);
+                    ControlFlow::Break(())
+                }
+            })
+            .map_err(|e| {
+                TargetError::engine(e, format!("lent write at {offset} length {length}"))
+            })?;
+        match failed {
+            Some(error) => Err(error),
+            None => Ok(lent),
+        }
     }
 
     fn write(&self, offset: u64, data: &[u8], fua: bool) -> Result<()> {

@@ -75,3 +75,72 @@ fn an_attached_volume_counts_as_open() {
     pool.delete_volume("v").unwrap();
     pool.close().unwrap();
 }
+
+#[test]
+fn lent_reads_and_writes_give_the_bytes_reads_and_writes_give_and_return_the_callers_error() {
+    let dir = std::env::temp_dir().join(format!("frontend-lent-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let pool = thin_pool::testing::dir_pool(
+        &dir.join("pool"),
+        16 * MIB,
+        thin_pool::testing::deterministic_options(),
+    );
+    pool.create_volume("v", 4 * MIB).unwrap();
+    let on_file = VolumeTarget::new(pool.volume("v").unwrap());
+    std::fs::write(dir.join("img"), vec![0u8; MIB as usize]).unwrap();
+    let file = FileTarget::open("raw", &dir.join("img"), false).unwrap();
+    for target in [&on_file as &dyn Target, &file] {
+        target.write(8192, &[7u8; 8192], false).unwrap();
+        let mut lent = Vec::new();
+        let done = target
+            .read_lent(4096, 16384, &mut |piece| {
+                let at = lent.len();
+                lent.resize(at + piece.length_bytes() as usize, 0);
+                if let LentPiece::File { file, offset, .. } = piece {
+                    std::os::unix::fs::FileExt::read_exact_at(file, &mut lent[at..], offset)
+                        .unwrap();
+                }
+                Ok(())
+            })
+            .unwrap();
+        assert!(done, "{}: lends", target.name());
+        let mut read = vec![0u8; 16384];
+        target.read(4096, &mut read).unwrap();
+        assert!(
+            lent == read,
+            "{}: lent bytes differ from a read",
+            target.name()
+        );
+        let failed = target
+            .read_lent(0, 4096, &mut |_| {
+                Err(TargetError::new(libc::EFAULT, "guest"))
+            })
+            .unwrap_err();
+        assert_eq!(failed.errno(), libc::EFAULT, "{}", target.name());
+        let past = target.read_lent(4 * MIB, 512, &mut |_| Ok(())).unwrap_err();
+        assert_eq!(past.errno(), libc::EINVAL, "{}", target.name());
+        // A lent write over bytes written before (in place): all of it lent.
+        let lent = target
+            .write_lent(8192, 4096, true, &mut |piece| {
+                let LentPiece::File { file, offset, .. } = piece else {
+                    panic!("{}: a lent write gave {piece:?}", target.name());
+                };
+                std::os::unix::fs::FileExt::write_all_at(file, &[9u8; 4096], offset).unwrap();
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(lent, 4096, "{}", target.name());
+        target.read(8192, &mut read[..4096]).unwrap();
+        assert!(read[..4096].iter().all(|&b| b == 9), "{}", target.name());
+    }
+    drop(on_file);
+    pool.close().unwrap();
+
+    // A volume on a memory pool has no file to lend.
+    let (pool, target) = target(MIB);
+    assert!(!target.read_lent(0, 4096, &mut |_| Ok(())).unwrap());
+    drop(target);
+    pool.close().unwrap();
+    std::fs::remove_dir_all(dir).unwrap();
+}

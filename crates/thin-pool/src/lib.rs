@@ -38,7 +38,7 @@ pub use engine::pool::Pool;
 pub use engine::receive::{ReceiveSpec, VolumeReceiver};
 pub use engine::space::host_free_bytes;
 pub use engine::usage::VolumeSpace;
-pub use engine::volume::{Extent, Volume, SECTOR_SIZE};
+pub use engine::volume::{Extent, LentPiece, Volume, SECTOR_SIZE};
 pub use engine::volumes::VolumeGeneration;
 pub use error::{CatalogRefusal, Error, ErrorKind, Limit, Report, Result};
 pub use format::metadata::{Mapping, PoolMetadata};

@@ -9,8 +9,15 @@
 //! shares with it; each batch takes one snapshot of it (`memory()`), so a table that changes
 //! under I/O replaces the regions for the next batch while the current one keeps the old
 //! mappings alive. Nothing keeps a pointer into guest memory across batches.
+//!
+//! After every table change each queue thread looks at its ring again (a rescan event of
+//! its own, registered with its epoll loop, written by [`VhostUserBackend::update_memory`]):
+//! a kick is asynchronous to the socket, so a front end that posts into new memory and kicks
+//! without waiting for SET_MEM_TABLE's reply may have its kick served against the old table
+//! (nothing new there), and no other kick would come.
 
 use std::io;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,7 +25,7 @@ use std::time::{Duration, Instant};
 use thinpool_frontend::Target;
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::Backend;
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -52,6 +59,9 @@ struct Inner {
     workers: Vec<Mutex<Worker>>,
     /// Per queue thread, the event that makes it exit (written at shutdown).
     exits: Vec<(Mutex<Option<EventConsumer>>, EventNotifier)>,
+    /// Per queue thread, the event that makes it look at its ring again (written after a
+    /// memory table change).
+    rescans: Vec<(EventConsumer, EventNotifier)>,
     /// The backend-request channel the front end gave us, held open while connected:
     /// nothing is sent on it yet, but `virtio_uml` breaks the device when it closes.
     backend_req: Mutex<Option<Backend>>,
@@ -71,9 +81,11 @@ impl BlkBackend {
             "{queues} queues"
         );
         let mut exits = Vec::new();
+        let mut rescans = Vec::new();
         for _ in 0..queues {
             let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK)?;
             exits.push((Mutex::new(Some(consumer)), notifier));
+            rescans.push(new_event_consumer_and_notifier(EventFlag::NONBLOCK)?);
         }
         Ok(BlkBackend {
             inner: Arc::new(Inner {
@@ -86,9 +98,64 @@ impl BlkBackend {
                     .map(|_| Mutex::new(Worker::new(false)))
                     .collect(),
                 exits,
+                rescans,
                 backend_req: Mutex::new(None),
             }),
         })
+    }
+
+    /// The epoll data of the rescan event: past the range vhost-user-backend reserves for a
+    /// thread's rings and its exit event (0 to the thread's ring count, here 1).
+    fn rescan_event(&self) -> u16 {
+        self.inner.queues + 1
+    }
+
+    /// Registers each queue thread's rescan event with its epoll loop (`daemon`'s handlers,
+    /// one per thread in the order of [`VhostUserBackend::queues_per_thread`]).
+    pub fn register_rescans(&self, daemon: &VhostUserDaemon<BlkBackend>) -> io::Result<()> {
+        let handlers = daemon.get_epoll_handlers();
+        assert_eq!(
+            handlers.len(),
+            self.inner.rescans.len(),
+            "one handler per thread"
+        );
+        for (handler, (consumer, _)) in handlers.iter().zip(&self.inner.rescans) {
+            handler.register_listener(
+                consumer.as_raw_fd(),
+                EventSet::IN,
+                u64::from(self.rescan_event()),
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Serves what is available on the queues of thread `thread_id` after a rescan event.
+    fn rescan(&self, vrings: &[VringRwLock], thread_id: usize) -> io::Result<()> {
+        let (consumer, _) = self
+            .inner
+            .rescans
+            .get(thread_id)
+            .ok_or_else(|| io::Error::other(format!("no rescan event {thread_id}")))?;
+        match consumer.consume() {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        let mut worker = self.inner.workers[thread_id]
+            .lock()
+            .map_err(|_| io::Error::other("a worker panicked"))?;
+        // This thread's rings (vhost-user-backend passes only those), each served as a kick
+        // would be: only when enabled and ready.
+        for vring in vrings {
+            let live = {
+                let state = vring.get_ref();
+                state.is_enabled() && state.get_queue().ready()
+            };
+            if live {
+                self.serve_queue(vring, &mut worker)?;
+            }
+        }
+        Ok(())
     }
 
     /// Tells every queue thread to exit.
@@ -217,7 +284,11 @@ impl VhostUserBackend for BlkBackend {
     }
 
     fn update_memory(&self, _mem: Memory) -> io::Result<()> {
-        // The handler replaced the table in the GuestMemoryAtomic we share with it.
+        // The handler replaced the table in the GuestMemoryAtomic we share with it; every
+        // queue thread looks at its ring again (see the module docs).
+        for (_, notifier) in &self.inner.rescans {
+            notifier.notify()?;
+        }
         Ok(())
     }
 
@@ -240,6 +311,9 @@ impl VhostUserBackend for BlkBackend {
     ) -> io::Result<()> {
         if evset != EventSet::IN {
             return Err(io::Error::other(format!("unexpected event set {evset:?}")));
+        }
+        if device_event == self.rescan_event() {
+            return self.rescan(vrings, thread_id);
         }
         let vring = vrings
             .get(usize::from(device_event))

@@ -13,11 +13,18 @@
 //! is bounded by virtio-queue (a chain visits at most a queue's worth of descriptors, so a
 //! loop ends).
 //!
-//! The one copy: the engine reads into and writes from `&[u8]` slices, and guest memory
-//! (shared with a guest that may change it at any time) cannot be one without `unsafe`, so
-//! data passes through the worker's own buffer, at most [`CHUNK_BYTES`] at a time.
+//! Reads go straight into guest memory when the target lends them ([`Target::read_lent`]: a
+//! thin volume on a file, a plain file): the data device's file ranges are `preadv`ed into
+//! the chain's writable buffers (`guest_io`) and unmapped runs zeroed there, no buffer of
+//! ours in between. Writes likewise `pwritev` from guest memory what the target lends
+//! ([`Target::write_lent`]: the blocks overwritten in place). Otherwise (a target that
+//! cannot lend, and the part of a write that provisions or copies blocks: the engine takes
+//! `&[u8]`, which guest memory, changed by the guest at any time, cannot safely be) data
+//! passes through the worker's own buffer, at most [`CHUNK_BYTES`] at a time.
 
-use thinpool_frontend::{Target, TargetError, ZeroMode, SECTOR_BYTES};
+use std::fs::File;
+
+use thinpool_frontend::{LentPiece, Target, TargetError, ZeroMode, SECTOR_BYTES};
 use virtio_bindings::virtio_blk::{
     VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP, VIRTIO_BLK_T_DISCARD,
     VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -27,9 +34,13 @@ use virtio_queue::DescriptorChain;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError, GuestMemoryMmap};
 
 use crate::config::{zero_sectors_max, DISCARD_SEG_MAX, ID_BYTES};
+use crate::guest_io::{Direction, GuestIo};
 
 /// Bytes of data moved through the worker's buffer at once.
 pub const CHUNK_BYTES: usize = 1 << 20;
+
+/// Zeroes written into guest memory for an unmapped run of a lent read.
+static ZEROES: [u8; 64 << 10] = [0; 64 << 10];
 
 /// Bytes of a request header (type, reserved, sector) and of one discard/write-zeroes
 /// segment (sector, num_sectors, flags).
@@ -109,6 +120,51 @@ impl Segments {
     ) -> std::result::Result<(), GuestMemoryError> {
         self.visit(buffer.len(), |addr, range| {
             mem.read_slice(&mut buffer[range], addr)
+        })
+    }
+
+    /// Fills the next `count` bytes of the run from `file` at `offset`, straight into guest
+    /// memory (`preadv`).
+    fn read_from(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        file: &File,
+        offset: u64,
+        count: usize,
+    ) -> std::io::Result<()> {
+        let mut io = GuestIo::new(Direction::FromFile, mem, file, offset);
+        self.visit(count, |addr, range| io.add(addr, range.len()))?;
+        io.finish()
+    }
+
+    /// Writes the next `count` bytes of the run to `file` at `offset`, straight from guest
+    /// memory (`pwritev`).
+    fn write_to(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        file: &File,
+        offset: u64,
+        count: usize,
+    ) -> std::io::Result<()> {
+        let mut io = GuestIo::new(Direction::ToFile, mem, file, offset);
+        self.visit(count, |addr, range| io.add(addr, range.len()))?;
+        io.finish()
+    }
+
+    /// Writes `count` zeroes as the next bytes of the run into guest memory.
+    fn zero(
+        &mut self,
+        mem: &GuestMemoryMmap,
+        count: usize,
+    ) -> std::result::Result<(), GuestMemoryError> {
+        self.visit(count, |addr, range| {
+            let mut done = 0;
+            while done < range.len() {
+                let n = (range.len() - done).min(ZEROES.len());
+                mem.write_slice(&ZEROES[..n], GuestAddress(addr.0 + done as u64))?;
+                done += n;
+            }
+            Ok(())
         })
     }
 
@@ -242,6 +298,28 @@ impl Worker {
     fn read(&mut self, target: &dyn Target, mem: &GuestMemoryMmap, sector: u64) -> Result {
         let length = self.writable.left();
         let mut offset = byte_range(target, sector, length as u64)?;
+        let writable = &mut self.writable;
+        let lent = target.read_lent(offset, length as u64, &mut |piece| {
+            // The pieces add up to `length`, a usize.
+            let count = piece.length_bytes() as usize;
+            match piece {
+                LentPiece::Zeroes { .. } => writable
+                    .zero(mem, count)
+                    .map_err(|e| invalid(format!("writing guest memory: {e}"))),
+                LentPiece::File { file, offset, .. } => {
+                    writable.read_from(mem, file, offset, count).map_err(|e| {
+                        TargetError::new(
+                            e.raw_os_error().unwrap_or(libc::EIO),
+                            format!("reading {count} bytes at {offset} into guest memory: {e}"),
+                        )
+                    })
+                }
+            }
+        })?;
+        if lent {
+            debug_assert_eq!(self.writable.left(), 0, "a lent read fills the chain");
+            return Ok(());
+        }
         let mut left = length;
         while left > 0 {
             let piece = left.min(CHUNK_BYTES);
@@ -260,7 +338,30 @@ impl Worker {
         let length = self.readable.left();
         let mut offset = byte_range(target, sector, length as u64)?;
         let fua = !self.write_back;
-        let mut left = length;
+        let readable = &mut self.readable;
+        let lent = target.write_lent(offset, length as u64, fua, &mut |piece| {
+            // The pieces add up to at most `length`, a usize.
+            let count = piece.length_bytes() as usize;
+            match piece {
+                LentPiece::File { file, offset, .. } => {
+                    readable.write_to(mem, file, offset, count).map_err(|e| {
+                        TargetError::new(
+                            e.raw_os_error().unwrap_or(libc::EIO),
+                            format!("writing {count} bytes at {offset} from guest memory: {e}"),
+                        )
+                    })
+                }
+                LentPiece::Zeroes { .. } => Err(TargetError::new(
+                    libc::EIO,
+                    "a lent write gave a run of zeroes".to_string(),
+                )),
+            }
+        })?;
+        // What was not lent (blocks to provision or copy, or all of it: a target that cannot
+        // lend) goes through the buffer.
+        assert!(lent <= length as u64, "lent {lent} of {length} bytes");
+        offset += lent;
+        let mut left = length - lent as usize;
         while left > 0 {
             let piece = left.min(CHUNK_BYTES);
             let buffer = grown(&mut self.buffer, piece);

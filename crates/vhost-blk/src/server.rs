@@ -253,6 +253,11 @@ fn serve_one(
     )?;
     let mut daemon = VhostUserDaemon::new(name.to_string(), backend.clone(), mem)
         .map_err(|e| io::Error::other(e.to_string()))?;
+    if let Err(error) = backend.register_rescans(&daemon) {
+        daemon.request_shutdown();
+        backend.exit_all();
+        return Err(error);
+    }
     let relay = connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours));
     let relay = match relay {
         Ok(relay) => relay,

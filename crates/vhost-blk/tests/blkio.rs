@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use common::{Client, Model, Op, Rng, SLOT, SLOTS};
-use thin_pool::testing::memory_pool;
+use thin_pool::testing::{deterministic_options, dir_pool, memory_pool};
 use thinpool_frontend::VolumeTarget;
 use thinpool_vhost::VhostBlkServer;
 
@@ -65,12 +65,30 @@ fn random_op(rng: &mut Rng, region: u64) -> Op {
     }
 }
 
+/// On a memory pool (reads through the worker's buffer).
 #[test]
 fn every_request_type_on_two_queues_at_once_matches_a_byte_model() {
-    let pool = memory_pool();
+    every_request_type_against_a_model(memory_pool(), "model");
+}
+
+/// On a pool on files: reads are lent, `preadv`ed straight into the client's memory.
+#[test]
+fn lent_reads_on_a_pool_on_files_match_the_byte_model() {
+    let dir = std::env::temp_dir().join(format!("vhost-blk-pool-on-files-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let pool = dir_pool(&dir.join("pool"), 2 * SIZE, deterministic_options());
+    assert!(pool.create_volume("probe", MIB).is_ok());
+    assert!(pool.volume("probe").unwrap().can_lend());
+    pool.delete_volume("probe").unwrap();
+    every_request_type_against_a_model(pool, "files");
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+fn every_request_type_against_a_model(pool: thin_pool::Pool, name: &str) {
     pool.create_volume("disk", SIZE).unwrap();
     let target = Arc::new(VolumeTarget::new(pool.volume("disk").unwrap()));
-    let (path, dir) = socket("model");
+    let (path, dir) = socket(name);
     let server = VhostBlkServer::start(target, &path, 2).unwrap();
     let mut client = Client::connect(&path, 2).unwrap();
     assert_eq!(client.capacity(), SIZE);

@@ -57,6 +57,12 @@ pub trait DataDevice: Send + Sync {
     fn flush(&self) -> io::Result<()>;
     /// What reached the device.
     fn counters(&self) -> &DataCounters;
+    /// The file holding the device's bytes at the same offsets, opened for reading without
+    /// `O_DIRECT`, for a front end that reads lent ranges itself (`Volume::read_lent`);
+    /// `None` (the default) when there is none, as for a memory device.
+    fn file(&self) -> Option<&File> {
+        None
+    }
     /// Re-read the size after the device grew. Returns the new size.
     fn refresh_size(&self) -> io::Result<u64> {
         Ok(self.size_bytes())
@@ -226,6 +232,10 @@ fn unsupported(e: &io::Error) -> bool {
 impl DataDevice for FileDataDevice {
     fn size_bytes(&self) -> u64 {
         self.size_bytes.load(Ordering::Acquire)
+    }
+
+    fn file(&self) -> Option<&File> {
+        Some(&self.file)
     }
 
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> io::Result<()> {

@@ -41,6 +41,9 @@ use crate::error::{Error, Result};
 use crate::ids::{DataBlock, VirtualBlock, VolumeId};
 use std::sync::Arc;
 
+mod lend;
+pub use lend::LentPiece;
+
 /// Sector size: offsets and lengths are multiples of it.
 pub const SECTOR_SIZE: u64 = 512;
 

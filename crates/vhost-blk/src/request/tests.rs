@@ -33,7 +33,11 @@ struct Rig {
 }
 
 fn rig(read_only: bool) -> Rig {
-    let pool = memory_pool();
+    rig_on(memory_pool(), read_only)
+}
+
+/// A rig whose pool is `pool` (a pool on files lends its reads).
+fn rig_on(pool: Pool, read_only: bool) -> Rig {
     pool.create_volume("guest-disk", 4 * MIB).unwrap();
     let volume = pool.volume("guest-disk").unwrap();
     volume.write(0, &[0x42; 8192], false).unwrap();
@@ -68,7 +72,7 @@ fn header(kind: u32, sector: u64) -> [u8; 16] {
 /// used length and the status byte. Fails if any byte outside the writable descriptors'
 /// ranges (in guest memory) changed.
 fn serve(rig: &Rig, descs: &[RawDescriptor], linked: bool) -> (u32, u8) {
-    let vq = MockSplitQueue::new(&rig.mem, 16);
+    let vq = MockSplitQueue::new(&rig.mem, 256);
     let mut queue: Queue = vq.create_queue().unwrap();
     if linked {
         vq.build_desc_chain(descs).unwrap();
@@ -143,6 +147,74 @@ fn a_good_read_and_get_id_land_in_their_buffers() {
     assert!(id[10..].iter().all(|&b| b == 0));
     drop(rig.target);
     rig.pool.close().unwrap();
+}
+
+/// A read into 96 buffers of 2 KiB, alternately in region one and region two (more buffers
+/// than one `preadv` takes), over two mapped blocks and an unmapped one: the bytes a read of
+/// the volume gives, on a pool that lends (on files: `preadv` into guest memory) and on one
+/// that does not (memory: through the worker's buffer); then a write from the same buffers.
+#[test]
+fn a_read_into_many_buffers_in_both_regions_gets_the_volumes_bytes() {
+    let dir = std::env::temp_dir().join(format!("vhost-request-lent-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let on_files = thin_pool::testing::dir_pool(
+        &dir.join("pool"),
+        16 * MIB,
+        thin_pool::testing::deterministic_options(),
+    );
+    for (rig, lends) in [(rig_on(on_files, false), true), (rig(false), false)] {
+        assert_eq!(rig.target.volume().can_lend(), lends);
+        let stamp: Vec<u8> = (0..65536u32).map(|i| (i / 512 * 3 + 1) as u8).collect();
+        rig.target.volume().write(65536, &stamp, false).unwrap();
+        let buffers = 96u64;
+        let h = prepare(&rig, VIRTIO_BLK_T_IN, 0);
+        let mut descs = vec![h];
+        let addr = |i: u64| {
+            if i.is_multiple_of(2) {
+                DATA + i * 2048
+            } else {
+                REGION_TWO + i * 2048
+            }
+        };
+        descs.extend((0..buffers).map(|i| desc(addr(i), 2048, W)));
+        descs.push(desc(STATUS, 1, W));
+        let (used, status) = serve(&rig, &descs, true);
+        assert_eq!((used, status), (buffers as u32 * 2048 + 1, OK));
+        let mut expected = vec![0u8; buffers as usize * 2048];
+        rig.target.volume().read(0, &mut expected).unwrap();
+        assert!(expected[65536..131072] == stamp[..] && expected[..4096] == [0x42; 4096]);
+        for i in 0..buffers {
+            let mut got = vec![0u8; 2048];
+            rig.mem.read_slice(&mut got, GuestAddress(addr(i))).unwrap();
+            let at = i as usize * 2048;
+            assert!(got == expected[at..at + 2048], "buffer {i}");
+        }
+        // The same buffers written back with new bytes, at sector 1: in place where the
+        // blocks are mapped (lent on files: `pwritev` from guest memory), the rest provisioned.
+        let h = prepare(&rig, VIRTIO_BLK_T_OUT, 1);
+        let new: Vec<u8> = (0..buffers * 2048)
+            .map(|i| (i / 512 * 5 + 7) as u8)
+            .collect();
+        for i in 0..buffers {
+            let at = i as usize * 2048;
+            rig.mem
+                .write_slice(&new[at..at + 2048], GuestAddress(addr(i)))
+                .unwrap();
+        }
+        descs[0] = h;
+        for (i, d) in descs[1..=buffers as usize].iter_mut().enumerate() {
+            *d = desc(addr(i as u64), 2048, 0);
+        }
+        let (used, status) = serve(&rig, &descs, true);
+        assert_eq!((used, status), (1, OK));
+        let mut back = vec![0u8; new.len()];
+        rig.target.volume().read(512, &mut back).unwrap();
+        assert!(back == new, "written bytes read back");
+        drop(rig.target);
+        rig.pool.close().unwrap();
+    }
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 #[test]
