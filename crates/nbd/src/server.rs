@@ -1,7 +1,7 @@
 //! Listeners, accept loops, a thread per connection, and graceful shutdown.
 //!
 //! Owns the listening sockets, the table of live connections and (with
-//! `Config::event_loop`, opt-in) the event loop that serves sessions. Each accepted
+//! `Config::event_loop`, the default) the event loop that serves sessions. Each accepted
 //! connection runs the handshake on its own thread (stack `thread_stack_bytes`), which
 //! must finish within `handshake_timeout` of the accept in total; then the session is
 //! handed to the event loop (`session`'s `reactor`: a few workers for all connections, an

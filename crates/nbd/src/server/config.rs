@@ -131,9 +131,9 @@ pub struct Config {
     pub batch_replies: bool,
     /// Serve connections in transmission on an event loop: `loop_threads` workers wait for
     /// any connection's requests in one `epoll`, so an idle connection costs no thread and
-    /// many busy ones share a few (see the `session` module's `reactor`). `false` gives
-    /// each connection its own threads, as before (the default until the loop's known
-    /// ordering difference in `tests/spin.rs` is resolved).
+    /// many busy ones share a few (see the `session` module's `reactor`); the default.
+    /// `false` gives each connection its own threads, the older core (`thinpool serve
+    /// --threads-per-connection`).
     pub event_loop: bool,
     /// Workers of the event loop that are not blocked (more are started while some are
     /// stuck in an export call or a write); 0 is one per available CPU.
@@ -175,7 +175,7 @@ impl Default for Config {
             splice_reads: SpliceReads::default(),
             spin_max: Duration::from_micros(50),
             batch_replies: true,
-            event_loop: false,
+            event_loop: true,
             loop_threads: 0,
         }
     }
