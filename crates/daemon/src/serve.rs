@@ -159,6 +159,10 @@ pub struct Args {
     /// small ones in batches (`nbd::Config::batch_replies`; for measuring both).
     #[arg(long = "no-batch-replies", hide = true)]
     no_batch_replies: bool,
+    /// Give each NBD connection its own threads (the old core) instead of the event loop's
+    /// few workers for all (where an idle connection costs no thread; `nbd::Config::event_loop`).
+    #[arg(long = "threads-per-connection")]
+    threads_per_connection: bool,
     #[command(flatten)]
     tls: TlsArgs,
     /// Space alerts, autoextend and the no-space timeout for this run (over `pool.json`).
@@ -491,6 +495,7 @@ fn nbd_config(args: &Args, tls: Option<nbd::Tls>) -> nbd::Config {
         idle_timeout: Duration::from_secs(args.idle_timeout_seconds),
         spin_max: Duration::from_micros(args.spin_us),
         batch_replies: !args.no_batch_replies,
+        event_loop: !args.threads_per_connection,
         tls,
         ..nbd::Config::default()
     }

@@ -160,6 +160,16 @@ pub(crate) fn negotiate<S: Transport>(
     stream
         .write_all(&protocol::encode_greeting())
         .map_err(|error| Error::io("send greeting", error))?;
+    negotiate_after_greeting(stream, registry, shutting_down, tls)
+}
+
+/// [`negotiate`] once the greeting is out (the event loop's accept loop sends it).
+pub(crate) fn negotiate_after_greeting<S: Transport>(
+    stream: &mut S,
+    registry: &dyn ExportRegistry,
+    shutting_down: &AtomicBool,
+    tls: Option<&Tls>,
+) -> Result<Outcome> {
     let mut flags = [0u8; 4];
     if !read_exact_or_eof(stream, &mut flags).map_err(|e| Error::io("read client flags", e))? {
         return Ok(Outcome::Closed);
@@ -560,7 +570,6 @@ fn preferred_block_size(export: &dyn Export) -> u32 {
 }
 
 mod contexts;
-
 use contexts::{listed_contexts, selected_contexts};
 
 #[cfg(test)]

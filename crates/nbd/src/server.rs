@@ -1,13 +1,16 @@
 //! Listeners, accept loops, a thread per connection, and graceful shutdown.
 //!
 //! Owns the listening sockets, the table of live connections and (with
-//! `Config::event_loop`, opt-in) the event loop that serves sessions. Each accepted
-//! connection runs the handshake on its own thread (stack `thread_stack_bytes`), which
-//! must finish within `handshake_timeout` of the accept in total; then the session is
-//! handed to the event loop (`session`'s `reactor`: a few workers for all connections, an
-//! idle one costs no thread) or, without it, runs on that thread, adding threads only while
-//! requests queue up. Either way the session closes after `idle_timeout` without a request,
-//! and the connection cap can be in the thousands.
+//! `Config::event_loop`, the default) the event loop that serves connections. The
+//! handshake must finish within `handshake_timeout` of the accept in total. On the event
+//! loop (`session`'s `reactor`: a few workers for all connections) the accept loop sends
+//! the greeting and parks the connection, a worker runs the handshake once the client
+//! answers and then parks the session, so a connection waiting for its client, in the
+//! handshake or idle after it, costs no thread (see `connection`). Without the loop each
+//! accepted connection runs the handshake on its own thread (stack `thread_stack_bytes`),
+//! then the session on that thread, adding threads only while requests queue up. Either
+//! way the session closes after `idle_timeout` without a request, and the connection cap
+//! can be in the thousands.
 //!
 //! Invariants: at most `connections_max` connections are served at once, and at most
 //! `connections_per_peer_max` from one peer (a uid on a Unix socket, an IPv4 address or an
@@ -218,7 +221,8 @@ fn new_reactor(config: &Config) -> Option<Arc<Reactor>> {
         0 => std::thread::available_parallelism().map_or(1, usize::from),
         threads => threads,
     };
-    match Reactor::new(threads, config.idle_timeout, config.thread_stack_bytes) {
+    let deadline_min = config.idle_timeout.min(config.handshake_timeout);
+    match Reactor::new(threads, deadline_min, config.thread_stack_bytes) {
         Ok(reactor) => Some(Arc::new(reactor)),
         Err(error) => {
             tracing::warn!(%error, "no NBD event loop: each connection gets its own threads");

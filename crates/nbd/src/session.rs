@@ -106,7 +106,7 @@ use batch::{Batch, BATCH_REQUEST_BYTES_MAX};
 pub(crate) use budget::Budget;
 use input::Input;
 use payload::Payload;
-pub(crate) use reactor::Reactor;
+pub(crate) use reactor::{Guest, Reactor};
 
 /// Longest socket read timeout of a session (it is a quarter of the idle timeout up to
 /// this): how long a surplus thread may stay blocked on a quiet connection before it leaves,
@@ -220,7 +220,7 @@ enum Next {
 
 /// A thread's buffers, reused between requests.
 #[derive(Default)]
-struct Scratch {
+pub(crate) struct Scratch {
     /// READ data (larger than a batch takes) and WRITE payloads.
     payload: Payload,
     /// The pipe spliced READ replies go through.

@@ -3,8 +3,8 @@
 //!
 //! The defaults ([`Config::default`]): 4096 connections, 256 per peer, of them at most 32 in
 //! the handshake, which must finish within 30 s of the accept; an idle timeout of 10 minutes
-//! after GO (no request in flight, nothing received); up to 4 threads per connection with
-//! 512 KiB stacks; 64 requests and 32 MiB of payload in flight per connection, and a
+//! after GO (no request in flight, nothing received); the event loop, one worker per CPU
+//! (else up to 4 threads per connection), 512 KiB stacks; 64 requests and 32 MiB of payload in flight per connection, and a
 //! server-wide 512 MiB for payloads over 256 KiB (a connection's fair share of it is 1/64);
 //! reply writes time out after 60 s; a shutdown waits 10 s before it closes the sockets. Each
 //! refusal and eviction is an [`Event`] and a `warn` line naming the peer and the reason (at
@@ -129,11 +129,12 @@ pub struct Config {
     /// hand-off model it replaced: QD64 over one connection 1.26× the IOPS at 0.53 of the
     /// server CPU per read, QD32 over two connections 1.40× at 0.54.
     pub batch_replies: bool,
-    /// Serve connections in transmission on an event loop: `loop_threads` workers wait for
-    /// any connection's requests in one `epoll`, so an idle connection costs no thread and
-    /// many busy ones share a few (see the `session` module's `reactor`). `false` gives
-    /// each connection its own threads, as before (the default until the loop's known
-    /// ordering difference in `tests/spin.rs` is resolved).
+    /// Serve connections on an event loop: `loop_threads` workers wait for any
+    /// connection's bytes in one `epoll`, so a connection waiting for its client (in the
+    /// handshake or idle after it) costs no thread and many busy ones share a few (see the
+    /// `session` module's `reactor`); the default.
+    /// `false` gives each connection its own threads, the older core (`thinpool serve
+    /// --threads-per-connection`).
     pub event_loop: bool,
     /// Workers of the event loop that are not blocked (more are started while some are
     /// stuck in an export call or a write); 0 is one per available CPU.
@@ -175,7 +176,7 @@ impl Default for Config {
             splice_reads: SpliceReads::default(),
             spin_max: Duration::from_micros(50),
             batch_replies: true,
-            event_loop: false,
+            event_loop: true,
             loop_threads: 0,
         }
     }

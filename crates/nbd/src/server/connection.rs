@@ -1,16 +1,27 @@
 //! One connection's life on the server side: admission to the table, its thread, the
 //! handshake within its deadline, the session, and its removal from the table (by a drop
 //! guard, however the connection ends).
+//!
+//! On the event loop a connection in the handshake costs no thread while it waits for the
+//! client ([`Handshaking`]): the accept loop sends the greeting (18 bytes, which a new
+//! socket's buffer takes at once) and parks the connection in the reactor; a worker runs the
+//! handshake when the client's first bytes arrive, within the same deadline from the accept,
+//! and the reactor's sweep ends a parked one past that deadline. A client that stalls in the
+//! middle of its options holds the worker (the reactor replaces it) until the deadline, as a
+//! connection thread would be held.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
+
+use rustix::net::SendFlags;
 
 use super::table::{Eviction, Peer, Refusal};
 use super::{Event, Shared, SpliceReads};
 use crate::error::{Error, Result};
 use crate::handshake::{self, Outcome};
-use crate::session::{self, Activity, Limits};
+use crate::protocol;
+use crate::session::{self, Activity, Guest, Limits, Reactor, Scratch};
 use crate::stream::{Deadline, Stream};
 use crate::sync;
 use crate::tls::{PumpSettings, ServerTransport, TlsFailure};
@@ -45,6 +56,10 @@ impl Shared {
             shared: Arc::clone(self),
             id,
         };
+        let deadline = Instant::now() + self.config.handshake_timeout;
+        if let Some(reactor) = &self.reactor {
+            return self.park_handshake(reactor, id, stream, guard, activity, name, deadline);
+        }
         let spawned = std::thread::Builder::new()
             .name(format!("nbd-conn-{id}"))
             .stack_size(self.config.thread_stack_bytes)
@@ -58,7 +73,7 @@ impl Shared {
                     connection: id,
                     peer: name,
                 });
-                shared.run_connection(id, stream, guard, activity);
+                shared.run_connection(id, stream, guard, activity, deadline, false);
             });
         // If the thread could not start, the closure (and its guard) was dropped already.
         drop(spawned);
@@ -91,14 +106,82 @@ impl Shared {
         });
     }
 
-    /// Runs the handshake, then the session; the guard (and the Disconnected event) goes
-    /// with the connection's last thread.
+    /// On the event loop: sends the greeting and parks the connection until the client
+    /// answers it (see the module doc).
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "one connection's parts, moved in once"
+    )]
+    fn park_handshake(
+        self: &Arc<Self>,
+        reactor: &Arc<Reactor>,
+        id: u64,
+        stream: Stream,
+        guard: ConnectionGuard,
+        activity: Arc<Activity>,
+        name: String,
+        deadline: Instant,
+    ) {
+        let span = tracing::info_span!("conn", conn = id, peer = %name);
+        let entered = span.enter();
+        tracing::info!("connection opened");
+        self.emit(Event::Connected {
+            connection: id,
+            peer: name,
+        });
+        let greeting = protocol::encode_greeting();
+        let sent = if self.shutting_down.load(Ordering::SeqCst) {
+            Ok(None)
+        } else {
+            match rustix::net::send(
+                &stream,
+                &greeting,
+                SendFlags::DONTWAIT | SendFlags::NOSIGNAL,
+            ) {
+                Ok(count) if count == greeting.len() => Ok(Some(())),
+                Ok(count) => Err(Error::io(
+                    format!("send greeting: the socket took {count} of its bytes"),
+                    std::io::ErrorKind::WouldBlock.into(),
+                )),
+                Err(error) => Err(Error::io("send greeting", error.into())),
+            }
+        };
+        match sent {
+            Ok(Some(())) => {}
+            ended => {
+                let result = ended.map(|_| ());
+                log_end(None, 0, &result);
+                self.emit(Event::Disconnected {
+                    connection: id,
+                    error: result.err().map(|error| error.to_string()),
+                });
+                return drop(guard);
+            }
+        }
+        drop(entered);
+        let handshaking = Arc::new(Handshaking {
+            shared: Arc::clone(self),
+            id,
+            stream,
+            deadline,
+            span,
+            rest: Mutex::new(Some((guard, activity))),
+        });
+        let guest: Arc<dyn Guest> = Arc::clone(&handshaking) as Arc<dyn Guest>;
+        reactor.park(id, &handshaking.stream, guest, false);
+    }
+
+    /// Runs the handshake (its greeting sent already if `greeted`), within `deadline`,
+    /// then the session; the guard (and the Disconnected event) goes with the connection's
+    /// last thread.
     fn run_connection(
         self: &Arc<Self>,
         id: u64,
         stream: Stream,
         guard: ConnectionGuard,
         activity: Arc<Activity>,
+        deadline: Instant,
+        greeted: bool,
     ) {
         let splice_reads = self.config.tls.is_none()
             && match self.config.splice_reads {
@@ -121,11 +204,12 @@ impl Shared {
                 drop(guard);
             }
         };
-        let (negotiated, reader, tls_failure) = match self.negotiate(id, stream, keep_alive) {
-            Ok(Some(transmission)) => transmission,
-            Ok(None) => return end(Ok(()), 0),
-            Err(error) => return end(Err(error), 0),
-        };
+        let (negotiated, reader, tls_failure) =
+            match self.negotiate(id, stream, keep_alive, deadline, greeted) {
+                Ok(Some(transmission)) => transmission,
+                Ok(None) => return end(Ok(()), 0),
+                Err(error) => return end(Err(error), 0),
+            };
         let export = handshake::quoted(&negotiated.requested_name);
         tracing::info!(export = %export, read_only = negotiated.export.capabilities().read_only, "serving export");
         sync::lock(&self.connections).serving(id, export);
@@ -166,19 +250,21 @@ impl Shared {
         }
     }
 
-    /// The handshake, within `handshake_timeout` of now; `None` if the client left.
-    /// After STARTTLS, `stream` becomes the session's end of the TLS pump's socketpair, and
-    /// a failure of the pump during the handshake is what the handshake returns.
+    /// The handshake, within `deadline` (`handshake_timeout` after the accept); `None` if
+    /// the client left. After STARTTLS, `stream` becomes the session's end of the TLS
+    /// pump's socketpair, and a failure of the pump during the handshake is what the
+    /// handshake returns.
     fn negotiate(
         &self,
         id: u64,
         mut stream: Stream,
         keep_alive: Arc<ConnectionGuard>,
+        deadline: Instant,
+        greeted: bool,
     ) -> Result<Option<(handshake::Negotiated, Stream, TlsFailure)>> {
         if self.shutting_down.load(Ordering::SeqCst) {
             return Ok(None);
         }
-        let deadline = Instant::now() + self.config.handshake_timeout;
         let mut transport = ServerTransport::new(
             Deadline::new(&mut stream, deadline, self.config.write_timeout),
             PumpSettings {
@@ -188,7 +274,12 @@ impl Shared {
                 keep_alive,
             },
         );
-        let negotiated = handshake::negotiate(
+        let negotiate = if greeted {
+            handshake::negotiate_after_greeting
+        } else {
+            handshake::negotiate
+        };
+        let negotiated = negotiate(
             &mut transport,
             self.registry.as_ref(),
             &self.shutting_down,
@@ -221,6 +312,54 @@ impl Shared {
                 Ok(Some((negotiated, stream, failure_slot)))
             }
         }
+    }
+}
+
+/// A connection in the handshake, parked on the event loop until its client's bytes come.
+struct Handshaking {
+    shared: Arc<Shared>,
+    id: u64,
+    /// The socket, watched while parked; the visit runs the handshake on a clone of it.
+    stream: Stream,
+    /// `handshake_timeout` after the accept.
+    deadline: Instant,
+    /// The connection's `conn` span, entered by the visit.
+    span: tracing::Span,
+    /// Taken by the one visit.
+    rest: Mutex<Option<(ConnectionGuard, Arc<Activity>)>>,
+}
+
+impl Guest for Handshaking {
+    /// Runs the handshake, then the session, on the visiting worker; past the deadline the
+    /// handshake's first read fails and the connection ends with the timeout error.
+    fn visit(self: Arc<Self>, _scratch: &mut Scratch, _expired: bool) {
+        let Some((guard, activity)) = sync::lock(&self.rest).take() else {
+            return;
+        };
+        let _entered = self.span.enter();
+        let shared = &self.shared;
+        if let Some(reactor) = &shared.reactor {
+            // The session parks the clone; this socket's watch ends with it.
+            reactor.forget(&self.stream);
+        }
+        match self.stream.try_clone() {
+            Ok(stream) => {
+                shared.run_connection(self.id, stream, guard, activity, self.deadline, true);
+            }
+            Err(error) => {
+                let result = Err(Error::io("clone connection", error));
+                log_end(None, 0, &result);
+                shared.emit(Event::Disconnected {
+                    connection: self.id,
+                    error: result.err().map(|error| error.to_string()),
+                });
+                drop(guard);
+            }
+        }
+    }
+
+    fn expired(&self, _since: Instant) -> bool {
+        Instant::now() >= self.deadline
     }
 }
 

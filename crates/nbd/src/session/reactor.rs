@@ -24,9 +24,13 @@
 //! and never the connections parked behind it. The request header itself is never waited
 //! for: a partial header stays in the input buffer and the connection is parked.
 //!
-//! Idle timeout: every quarter of it (at most 30 s) one worker sweeps the parked
-//! connections; one parked that long with nothing in flight, idle that long, and nothing
-//! readable is closed with the same error as a connection thread gives.
+//! What is parked is a [`Guest`]: a session, or a connection in the handshake (the server
+//! parks it after sending the greeting; its visit runs the handshake and then parks the
+//! session under the same key). Deadlines: every quarter of the shorter of the idle timeout
+//! and the handshake timeout (at most 30 s) one worker sweeps the parked guests and visits
+//! as expired those past theirs: a session parked that long with nothing in flight, idle
+//! that long, and nothing readable is closed with the same error as a connection thread
+//! gives; a handshake past its deadline ends with the handshake's timeout error.
 //!
 //! Invariants: a connection is in the table at most once, and only a thread that has just
 //! let go of its input (after its last receive found nothing) or the watchdog parks it;
@@ -84,15 +88,35 @@ struct Inner {
     /// Workers kept unblocked.
     target: usize,
     stack_bytes: usize,
-    idle_timeout: Duration,
-    /// How often parked connections are checked against the idle timeout.
+    /// How often parked guests are checked against their deadlines.
     sweep_tick: Duration,
     last_sweep: Mutex<Instant>,
 }
 
 struct Parked {
-    connection: Arc<Connection>,
+    guest: Arc<dyn Guest>,
     since: Instant,
+}
+
+/// What the reactor parks and visits: a session in transmission (`Connection`) or a
+/// connection in the handshake (the server's).
+pub(crate) trait Guest: Send + Sync {
+    /// A worker's visit, with the worker's scratch buffers; `expired`: the sweep found
+    /// [`Guest::expired`] true, and the guest ends unless something came meanwhile.
+    fn visit(self: Arc<Self>, scratch: &mut Scratch, expired: bool);
+    /// Whether the guest, parked since `since`, is past its deadline (a sweep then visits
+    /// it with `expired`).
+    fn expired(&self, since: Instant) -> bool;
+}
+
+impl Guest for Connection {
+    fn visit(self: Arc<Self>, scratch: &mut Scratch, expired: bool) {
+        Connection::visit(self, scratch, expired);
+    }
+
+    fn expired(&self, since: Instant) -> bool {
+        since.elapsed() >= self.idle_timeout && self.idle_for() >= self.idle_timeout
+    }
 }
 
 #[derive(Default)]
@@ -116,11 +140,11 @@ struct Slot {
 }
 
 impl Reactor {
-    /// A reactor with `threads` workers (at least 1) whose parked connections close after
-    /// `idle_timeout`.
+    /// A reactor with `threads` workers (at least 1) whose parked guests are checked
+    /// against their deadlines every quarter of `deadline_min` (at most 30 s).
     pub(crate) fn new(
         threads: usize,
-        idle_timeout: Duration,
+        deadline_min: Duration,
         stack_bytes: usize,
     ) -> std::io::Result<Reactor> {
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
@@ -146,8 +170,7 @@ impl Reactor {
             stopping: AtomicBool::new(false),
             target: threads.max(1),
             stack_bytes,
-            idle_timeout,
-            sweep_tick: (idle_timeout / 4).clamp(Duration::from_millis(1), Duration::from_secs(30)),
+            sweep_tick: (deadline_min / 4).clamp(Duration::from_millis(1), Duration::from_secs(30)),
             last_sweep: Mutex::new(Instant::now()),
         });
         {
@@ -164,15 +187,15 @@ impl Reactor {
         Ok(Reactor { inner })
     }
 
-    /// Parks `connection` (key `key`, socket `socket`): a worker visits it once the socket
-    /// is readable (or closed), or at once if `now` (it may hold requests received already).
-    pub(super) fn park(&self, key: u64, socket: impl AsFd, connection: Arc<Connection>, now: bool) {
+    /// Parks `guest` (key `key`, socket `socket`): a worker visits it once the socket is
+    /// readable (or closed), or at once if `now` (it may hold requests received already).
+    pub(crate) fn park(&self, key: u64, socket: impl AsFd, guest: Arc<dyn Guest>, now: bool) {
         assert!(
             key != WAKE_KEY && key != READY_KEY,
             "connection key {key} is the reactor's own"
         );
         let since = Instant::now();
-        sync::lock(&self.inner.parked).insert(key, Parked { connection, since });
+        sync::lock(&self.inner.parked).insert(key, Parked { guest, since });
         if now {
             let mut ready = sync::lock(&self.inner.ready);
             ready.push_back(key);
@@ -197,14 +220,14 @@ impl Reactor {
         }
     }
 
-    /// Takes the connection `key` out of the table if it is parked: its session has
-    /// ended (a worker parked it while the one stuck in an export call read on).
-    pub(super) fn unpark(&self, key: u64) -> Option<Arc<Connection>> {
-        self.inner.take(key).map(|parked| parked.connection)
+    /// Takes the guest `key` out of the table if it is parked: its session has ended (a
+    /// worker parked it while the one stuck in an export call read on).
+    pub(super) fn unpark(&self, key: u64) -> Option<Arc<dyn Guest>> {
+        self.inner.take(key).map(|parked| parked.guest)
     }
 
     /// Stops watching `socket` (its connection has ended).
-    pub(super) fn forget(&self, socket: impl AsFd) {
+    pub(crate) fn forget(&self, socket: impl AsFd) {
         let _ = epoll::delete(&self.inner.epoll, &socket);
     }
 
@@ -239,7 +262,7 @@ impl Drop for Reactor {
 
 impl Parked {
     fn visit(self, scratch: &mut Scratch, expired: bool) {
-        self.connection.visit(scratch, expired);
+        self.guest.visit(scratch, expired);
     }
 }
 
@@ -371,8 +394,9 @@ impl Inner {
         self.workers_changed.notify_all();
     }
 
-    /// Closes the connections parked for longer than the idle timeout with nothing in
-    /// flight (at most once per sweep tick, by one worker).
+    /// Visits, as expired, the guests parked past their deadlines (sessions parked and
+    /// idle for the idle timeout, handshakes past theirs), at most once per sweep tick, by
+    /// one worker.
     fn sweep(&self, slot: &Slot, scratch: &mut Scratch) {
         {
             let Ok(mut last) = self.last_sweep.try_lock() else {
@@ -387,10 +411,7 @@ impl Inner {
             let mut parked = sync::lock(&self.parked);
             let keys: Vec<u64> = parked
                 .iter()
-                .filter(|(_, entry)| {
-                    entry.since.elapsed() >= self.idle_timeout
-                        && entry.connection.idle_for() >= self.idle_timeout
-                })
+                .filter(|(_, entry)| entry.guest.expired(entry.since))
                 .map(|(key, _)| *key)
                 .collect();
             keys.iter().filter_map(|key| parked.remove(key)).collect()

@@ -13,7 +13,7 @@ use std::sync::{Arc, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use super::input::Input;
-use super::{Connection, Led, Scratch};
+use super::{Connection, Guest, Led, Scratch};
 use crate::error::Error;
 
 impl Connection {
@@ -34,7 +34,12 @@ impl Connection {
     /// visited at once if `now` (its input may hold requests received already).
     pub(super) fn park(self: &Arc<Self>, now: bool) {
         let reactor = self.reactor.as_ref().expect("parked off the event loop");
-        reactor.park(self.key, &*self.socket, Arc::clone(self), now);
+        reactor.park(
+            self.key,
+            &*self.socket,
+            Arc::clone(self) as Arc<dyn Guest>,
+            now,
+        );
     }
 
     /// A thread with nothing to read leaves the input: on the loop the worker parks the
