@@ -28,7 +28,7 @@ impl Target {
     pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
         if matches!(
             request,
-            Request::List | Request::Status | Request::Diff { .. }
+            Request::List | Request::Status | Request::Diff { .. } | Request::PartialReceives
         ) {
             return self.perform(request);
         }
@@ -110,6 +110,11 @@ impl Target {
                 libc::EINVAL,
                 "a stream request is carried out on its own connection (control/stream.rs)",
             )),
+            Request::PartialReceives => Ok(Outcome::Partial(super::stream::partial_records(pool)?)),
+            Request::AbortReceive { name } => {
+                pool.abort_receive(name)?;
+                Ok(Outcome::Done)
+            }
             Request::Status => Ok(self.full_status()),
             Request::Diff {
                 base,

@@ -178,6 +178,7 @@ mod tests {
         let catalog = Catalog {
             transaction_id: 5,
             volumes: vec![],
+            partial: Vec::new(),
         };
         store.store(&catalog).unwrap();
         assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
@@ -200,6 +201,7 @@ mod tests {
         let mut c = Catalog {
             transaction_id: 1,
             volumes: vec![],
+            partial: Vec::new(),
         };
         store.store(&c).unwrap();
         c.transaction_id = 2;
@@ -231,6 +233,7 @@ mod tests {
         let mut c = Catalog {
             transaction_id: 1,
             volumes: vec![],
+            partial: Vec::new(),
         };
         store.store(&c).unwrap();
         let foreign = "{\"transaction_id\": 1, \"volumes\": []}";

@@ -95,8 +95,8 @@ fn holder_of(catalog: &crate::engine::catalog::Catalog, id: &str) -> Option<Stri
 }
 
 /// The block being assembled.
-struct Pending {
-    block: u64,
+pub(super) struct Pending {
+    pub(super) block: u64,
     buf: Vec<u8>,
     /// Covered ranges inside the block (block-relative, in order, not overlapping).
     covered: Vec<(usize, usize)>,
@@ -104,25 +104,37 @@ struct Pending {
 }
 
 /// A volume being received (see the module doc). Dropped before
-/// [`VolumeReceiver::finish`]: its reserved blocks are released and nothing changed.
+/// [`VolumeReceiver::finish`]: its reserved blocks are released and nothing changed
+/// (but what [`VolumeReceiver::checkpoint`] committed, see `receive_partial`).
 pub struct VolumeReceiver {
-    meta: Arc<Meta>,
-    volumes: Arc<Volumes>,
+    pub(super) meta: Arc<Meta>,
+    pub(super) volumes: Arc<Volumes>,
     data: Arc<dyn DataDevice>,
-    spec: ReceiveSpec,
+    pub(super) spec: ReceiveSpec,
     /// The volume holding the base's content, held open (so it cannot be deleted,
     /// reverted or renamed meanwhile), for an incremental.
-    base: Option<Volume>,
-    block_size: u64,
-    pending: Option<Pending>,
+    pub(super) base: Option<Volume>,
+    pub(super) block_size: u64,
+    pub(super) pending: Option<Pending>,
     /// Extents must start at or after this byte.
-    next_offset: u64,
-    inserts: Vec<(VirtualBlock, DataBlock)>,
-    removes: Vec<VirtualBlock>,
+    pub(super) next_offset: u64,
+    /// Mappings made since the last checkpoint (their blocks reserved, not committed).
+    pub(super) inserts: Vec<(VirtualBlock, DataBlock)>,
+    pub(super) removes: Vec<VirtualBlock>,
     generation: Option<u64>,
     finished: bool,
     /// The last block's buffer, for the next one.
     spare: Vec<u8>,
+    /// What checkpoints committed: the partial receive's thin id, and where it stands.
+    pub(super) staged: Option<Staged>,
+}
+
+/// A partial receive committed by a checkpoint (the catalog's `PartialReceive`).
+pub(super) struct Staged {
+    pub(super) id: crate::ids::VolumeId,
+    /// Its offset as this receiver last committed or found it.
+    pub(super) offset: u64,
+    pub(super) blocks: u64,
 }
 
 impl VolumeReceiver {
@@ -139,6 +151,31 @@ impl VolumeReceiver {
         validate_name(&spec.name)?;
         meta.check_changes_allowed()?;
         let base_name = check_spec(&meta, &spec)?;
+        Self::start(meta, volumes, data, spec, base_name, open_base)
+    }
+
+    /// [`VolumeReceiver::begin`] for a resumed receive: the name's partial receive is
+    /// allowed (`receive_partial::resume` checked it is this stream's).
+    pub(super) fn begin_unchecked(
+        meta: Arc<Meta>,
+        volumes: Arc<Volumes>,
+        data: Arc<dyn DataDevice>,
+        spec: ReceiveSpec,
+        open_base: impl FnOnce(&str) -> Result<Volume>,
+    ) -> Result<VolumeReceiver> {
+        meta.check_changes_allowed()?;
+        let base_name = crate::engine::receive_partial::check_resumed(&meta, &spec)?;
+        Self::start(meta, volumes, data, spec, base_name, open_base)
+    }
+
+    fn start(
+        meta: Arc<Meta>,
+        volumes: Arc<Volumes>,
+        data: Arc<dyn DataDevice>,
+        spec: ReceiveSpec,
+        base_name: Option<String>,
+        open_base: impl FnOnce(&str) -> Result<Volume>,
+    ) -> Result<VolumeReceiver> {
         let base = match base_name {
             Some(name) => {
                 let base = open_base(&name)?;
@@ -168,6 +205,7 @@ impl VolumeReceiver {
             generation: None,
             finished: false,
             spare: Vec::new(),
+            staged: None,
         })
     }
 
@@ -234,7 +272,7 @@ impl VolumeReceiver {
     }
 
     /// Decide what the assembled block becomes (see the module doc).
-    fn flush_pending(&mut self) -> Result<()> {
+    pub(super) fn flush_pending(&mut self) -> Result<()> {
         let Some(mut p) = self.pending.take() else {
             return Ok(());
         };
@@ -310,7 +348,12 @@ impl VolumeReceiver {
                 "the base's content moved to another volume during the receive".to_string(),
             ));
         }
-        let id = change.catalog().free_id(&change.view().md()?.volumes())?;
+        let mut catalog = change.catalog().clone();
+        let staged = self.claim_staged(&mut catalog)?;
+        let id = match staged {
+            Some(id) => id,
+            None => catalog.free_id(&change.view().md()?.volumes())?,
+        };
         let entry = CatalogVolume {
             name: self.spec.name.clone(),
             id,
@@ -319,14 +362,14 @@ impl VolumeReceiver {
             origin: base_state.as_ref().map(|b| b.id()),
             content_id: Some(self.spec.content_id.clone()),
         };
-        let mut catalog = change.catalog().clone();
         catalog.volumes.push(entry.clone());
         let (inserts, removes) = (&self.inserts, &self.removes);
         let origin = entry.origin;
         change.commit_catalog(catalog, |md| {
-            match origin {
-                Some(origin) => md.create_snap(id, origin)?,
-                None => md.create_thin(id)?,
+            match (staged, origin) {
+                (Some(_), _) => {}
+                (None, Some(origin)) => md.create_snap(id, origin)?,
+                (None, None) => md.create_thin(id)?,
             }
             for &block in removes {
                 md.remove(id, block)?;
@@ -338,6 +381,10 @@ impl VolumeReceiver {
         })?;
         self.finished = true;
         let time = match &base_state {
+            _ if staged.is_some() => {
+                let details = change.view().md()?.details(id)?;
+                crate::engine::load::snapshot_time(&self.spec.name, &details)?
+            }
             Some(base) => {
                 let time = change.advance_time()?;
                 base.snapshotted_at(time);
@@ -367,13 +414,24 @@ impl Drop for VolumeReceiver {
 }
 
 /// [`check_spec_in`] on the current catalog.
-fn check_spec(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<String>> {
-    meta.read(|view| check_spec_in(view.catalog, spec))
+/// Refused too: a name a partial receive keeps (see `receive_partial`).
+pub(super) fn check_spec(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<String>> {
+    meta.read(|view| {
+        if let Some(kept) = view.catalog.partial.iter().find(|p| p.name == spec.name) {
+            return Err(Error::BadStream(format!(
+                "a partial receive of {:?} is kept ({} of {} bytes of stream {}): resume it \
+                 (thinpool send --resume TOKEN, the token `thinpool receive --list-partial` \
+                 shows) or drop it (thinpool receive --abort {})",
+                kept.name, kept.offset, kept.size_bytes, kept.content_id, kept.name
+            )));
+        }
+        check_spec_in(view.catalog, spec)
+    })
 }
 
 /// Refuse a name in use, a content id already held (a replay) or an absent base; answers
 /// the name of the volume holding the base's content.
-fn check_spec_in(
+pub(super) fn check_spec_in(
     catalog: &crate::engine::catalog::Catalog,
     spec: &ReceiveSpec,
 ) -> Result<Option<String>> {
