@@ -73,7 +73,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Some(path) => Box::new(
             std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?,
         ),
-        None => Box::new(std::io::stdin().lock()),
+        None => {
+            stream::widen_pipe(std::io::stdin());
+            Box::new(std::io::stdin().lock())
+        }
     };
     let bar = progress_bar("received");
     let options = args.resumable.then_some(ReceiveOptions {

@@ -73,7 +73,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None if std::io::stdout().is_terminal() => {
             bail!("the stream is binary: redirect stdout, pipe it to `thinpool receive`, or use -o FILE")
         }
-        None => Box::new(std::io::stdout().lock()),
+        None => {
+            stream::widen_pipe(std::io::stdout());
+            Box::new(std::io::stdout().lock())
+        }
     };
     let bar = progress_bar("sent");
     let bytes = stream::send_resumed(

@@ -38,8 +38,22 @@ use crate::pool_dir::{PoolDir, StoredOptions};
 /// Longest wait for one read or write of a stream.
 pub const STREAM_IO_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Buffer between the stream and the socket or file.
-const BUFFER_BYTES: usize = 4 << 20;
+/// Buffer between the stream and the socket or file: smaller than a data record, whose
+/// payload then goes between the pipe and the record's buffer without a copy through it.
+const BUFFER_BYTES: usize = 256 << 10;
+
+/// What [`widen_pipe`] asks for (Linux's default `pipe-max-size`).
+const PIPE_BYTES: usize = 1 << 20;
+
+/// If `fd` is a pipe, let it hold [`PIPE_BYTES`] (fewer, larger reads and writes of the
+/// stream: a pipe holds 64 KiB by default). Best effort: anything else is left as it is.
+pub fn widen_pipe(fd: impl std::os::fd::AsFd) {
+    let is_pipe = rustix::fs::fstat(&fd)
+        .is_ok_and(|stat| rustix::fs::FileType::from_raw_mode(stat.st_mode).is_fifo());
+    if is_pipe {
+        let _ = rustix::pipe::fcntl_setpipe_size(&fd, PIPE_BYTES);
+    }
+}
 
 /// Whether `request` is carried out by [`serve`].
 pub(super) fn is_stream(request: &Request) -> bool {

@@ -12,7 +12,10 @@
 //! A block that gets data (or, in an incremental, a block of the base partly covered by a
 //! hole) is written to a freshly reserved data block: reserved blocks are outside the
 //! committed space map, so until [`VolumeReceiver::finish`] nothing is visible and a crash
-//! or an abandoned receive (the receiver dropped) leaves the pool as it was. `finish`
+//! or an abandoned receive (the receiver dropped) leaves the pool as it was (a resumable
+//! receive's checkpoints keep a partial one: `receive_partial`). Whole blocks of a data
+//! extent are written straight from it, into blocks reserved together, one write per run
+//! of consecutive ones; only a partly covered block is assembled first. `finish`
 //! makes the volume in one transaction (`Change::commit_catalog`): `create_thin` or
 //! `create_snap` of the base (so every block the stream does not touch stays shared with
 //! the base), the new mappings, the unmapped blocks (holes over mapped base blocks) and
@@ -245,6 +248,18 @@ impl VolumeReceiver {
             let block = at / self.block_size;
             let within = (at % self.block_size) as usize;
             let n = (self.block_size - within as u64).min(end - at) as usize;
+            if let (Some(data), 0) = (data, within) {
+                if end - at >= self.block_size {
+                    // Whole blocks of data: written from the record as they are, in runs
+                    // (no assembly; a pending block is an earlier one).
+                    self.flush_pending()?;
+                    let from = (at - offset) as usize;
+                    let bytes = ((end - at) / self.block_size * self.block_size) as usize;
+                    self.write_run(block, &data[from..from + bytes])?;
+                    at += bytes as u64;
+                    continue;
+                }
+            }
             if self.pending.as_ref().is_some_and(|p| p.block != block) {
                 self.flush_pending()?;
             }
@@ -318,19 +333,75 @@ impl VolumeReceiver {
         written
     }
 
+    /// Write whole blocks `first..` (`bytes`, a multiple of the block size) into blocks
+    /// reserved together, each run of consecutive ones with one write.
+    fn write_run(&mut self, first: u64, bytes: &[u8]) -> Result<()> {
+        let size = self.block_size as usize;
+        assert!(!bytes.is_empty() && bytes.len().is_multiple_of(size));
+        let count = bytes.len() / size;
+        let Some((blocks, grant)) = self.meta.reserve_many(count)? else {
+            // Fewer free blocks than the run: one by one, up to the refusal.
+            for (i, chunk) in bytes.chunks(size).enumerate() {
+                self.write_block(VirtualBlock::new(first + i as u64), chunk)?;
+            }
+            return Ok(());
+        };
+        if *self.generation.get_or_insert(grant.generation) != grant.generation {
+            for &block in &blocks {
+                self.meta.release(block, grant.generation);
+            }
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        // Mapped (kept by a checkpoint) only once written: a failed write releases the rest.
+        let mut i = 0;
+        while i < count {
+            let start = blocks[i].get();
+            let run = blocks[i..]
+                .iter()
+                .enumerate()
+                .take_while(|&(k, b)| b.get() == start + k as u64)
+                .count();
+            let written = self
+                .data
+                .write_at(start * self.block_size, &bytes[i * size..(i + run) * size]);
+            if let Err(source) = written {
+                for &block in &blocks[i..] {
+                    self.meta.release(block, grant.generation);
+                }
+                return Err(Error::Io {
+                    what: format!(
+                        "writing received blocks {}..{}",
+                        first + i as u64,
+                        first + (i + run) as u64
+                    ),
+                    source,
+                });
+            }
+            for (k, &block) in blocks[i..i + run].iter().enumerate() {
+                let vblock = VirtualBlock::new(first + (i + k) as u64);
+                self.inserts.push((vblock, block));
+            }
+            i += run;
+        }
+        Ok(())
+    }
+
     fn write_block(&mut self, vblock: VirtualBlock, buf: &[u8]) -> Result<()> {
         let (block, grant) = self.meta.reserve()?;
         if *self.generation.get_or_insert(grant.generation) != grant.generation {
             self.meta.release(block, grant.generation);
             return Err(Error::ReadOnly { needs_check: true });
         }
-        self.inserts.push((vblock, block));
-        self.data
-            .write_at(block.get() * self.block_size, buf)
-            .map_err(|source| Error::Io {
+        // Mapped (kept by a checkpoint) only once written.
+        if let Err(source) = self.data.write_at(block.get() * self.block_size, buf) {
+            self.meta.release(block, grant.generation);
+            return Err(Error::Io {
                 what: format!("writing received block {vblock}"),
                 source,
-            })
+            });
+        }
+        self.inserts.push((vblock, block));
+        Ok(())
     }
 
     /// Make the volume, in one transaction (see the module doc). Refused, with nothing
