@@ -160,13 +160,28 @@ fn send_from<W: Write>(
         let start = offset.max(from);
         (start < offset + length).then(|| (start, offset + length - start, mapped))
     });
+    write_extents(&mut writer, &volume, extents, &mut summary, progress)?;
+    assert_eq!(writer.records(), summary.records);
+    writer.finish()?;
+    drop(base_volume);
+    Ok(summary)
+}
+
+/// Each extent as a hole, or as data records read from `volume`.
+fn write_extents<W: Write>(
+    writer: &mut StreamWriter<W>,
+    volume: &crate::Volume,
+    extents: impl Iterator<Item = (u64, u64, bool)>,
+    summary: &mut Summary,
+    progress: Progress<'_>,
+) -> Result<()> {
     let mut buf = vec![0u8; DATA_RECORD_MAX as usize];
     for (offset, length, mapped) in extents {
         if !mapped {
             writer.hole(offset, length)?;
             summary.records += 1;
             summary.hole_bytes += length;
-            progress(&summary);
+            progress(summary);
             continue;
         }
         let mut at = offset;
@@ -177,13 +192,10 @@ fn send_from<W: Write>(
             summary.records += 1;
             summary.data_bytes += n as u64;
             at += n as u64;
-            progress(&summary);
+            progress(summary);
         }
     }
-    assert_eq!(writer.records(), summary.records);
-    writer.finish()?;
-    drop(base_volume);
-    Ok(summary)
+    Ok(())
 }
 
 /// Every extent of the volume: (offset, length, mapped).
@@ -259,7 +271,7 @@ impl Default for ReceiveOptions {
 #[derive(Debug)]
 pub struct Interrupted {
     /// Why it stopped.
-    pub error: Error,
+    pub error: Box<Error>,
     /// What `send --resume` takes.
     pub token: Option<ResumeToken>,
 }
@@ -275,7 +287,7 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
+        Some(&*self.error)
     }
 }
 
@@ -295,7 +307,7 @@ pub fn receive_resumable<R: Read>(
             .iter()
             .find(|p| p.name == name)
             .and_then(|p| ResumeToken::of(p).ok()),
-        error,
+        error: Box::new(error),
     };
     let (mut reader, header) = StreamReader::open(input).map_err(kept)?;
     let spec = spec_of(name, &header);

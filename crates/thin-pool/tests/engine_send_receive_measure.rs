@@ -3,8 +3,8 @@
 //! send piped into a receive running in another process (this test binary again, its
 //! `receive_child` test), both pools in files on tmpfs (/dev/shm), beside `dd` copying
 //! 1 GiB through a pipe at the same time (the machine's single-threaded pipe copy limit),
-//! [`ROUNDS`] times each, alternating. Prints the figures (best and median) and asserts
-//! only the content.
+//! [`ROUNDS`] times each, alternating, with the CPU time of both processes. Prints the
+//! figures (best and median) and asserts only the content.
 
 use std::io::{BufReader, BufWriter};
 use std::process::{Command, Stdio};

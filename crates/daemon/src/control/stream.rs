@@ -150,7 +150,7 @@ fn receive_from<R: Read>(
         return Ok(stream::receive(pool, name, input, progress)?);
     };
     stream::receive_resumable(pool, name, input, options, progress).map_err(|interrupted| {
-        let mut error = OpError::from(interrupted.error);
+        let mut error = OpError::from(*interrupted.error);
         if let Some(token) = interrupted.token {
             error.message = format!("{} (kept: resume token {token})", error.message);
         }
@@ -177,8 +177,19 @@ pub struct PartialRecord {
     pub token: String,
 }
 
+/// `partial_receives` (the list) or `abort_receive` on `pool`.
+pub(super) fn partial(pool: &Pool, request: &Request) -> Result<Outcome, OpError> {
+    match request {
+        Request::AbortReceive { name } => {
+            pool.abort_receive(name)?;
+            Ok(Outcome::Done)
+        }
+        _ => Ok(Outcome::Partial(partial_records(pool)?)),
+    }
+}
+
 /// The partial receives of `pool`.
-pub(super) fn partial_records(pool: &Pool) -> Result<Vec<PartialRecord>, OpError> {
+fn partial_records(pool: &Pool) -> Result<Vec<PartialRecord>, OpError> {
     pool.partial_receives()
         .iter()
         .map(|p| {

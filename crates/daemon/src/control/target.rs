@@ -110,10 +110,8 @@ impl Target {
                 libc::EINVAL,
                 "a stream request is carried out on its own connection (control/stream.rs)",
             )),
-            Request::PartialReceives => Ok(Outcome::Partial(super::stream::partial_records(pool)?)),
-            Request::AbortReceive { name } => {
-                pool.abort_receive(name)?;
-                Ok(Outcome::Done)
+            Request::PartialReceives | Request::AbortReceive { .. } => {
+                super::stream::partial(pool, request)
             }
             Request::Status => Ok(self.full_status()),
             Request::Diff {

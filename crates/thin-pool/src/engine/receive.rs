@@ -158,7 +158,7 @@ impl VolumeReceiver {
     }
 
     /// [`VolumeReceiver::begin`] for a resumed receive: the name's partial receive is
-    /// allowed (`receive_partial::resume` checked it is this stream's).
+    /// allowed (the resume checked it is this stream's).
     pub(super) fn begin_unchecked(
         meta: Arc<Meta>,
         volumes: Arc<Volumes>,
@@ -167,7 +167,8 @@ impl VolumeReceiver {
         open_base: impl FnOnce(&str) -> Result<Volume>,
     ) -> Result<VolumeReceiver> {
         meta.check_changes_allowed()?;
-        let base_name = crate::engine::receive_partial::check_resumed(&meta, &spec)?;
+        // The name's partial entry is its own.
+        let base_name = meta.read(|view| check_spec_in(view.catalog, &spec))?;
         Self::start(meta, volumes, data, spec, base_name, open_base)
     }
 
@@ -502,7 +503,7 @@ pub(super) fn check_spec(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<Strin
 
 /// Refuse a name in use, a content id already held (a replay) or an absent base; answers
 /// the name of the volume holding the base's content.
-pub(super) fn check_spec_in(
+fn check_spec_in(
     catalog: &crate::engine::catalog::Catalog,
     spec: &ReceiveSpec,
 ) -> Result<Option<String>> {

@@ -19,7 +19,7 @@
 use crate::engine::catalog::{Catalog, PartialReceive};
 use crate::engine::data_device::DataDevice;
 use crate::engine::meta::Meta;
-use crate::engine::receive::{check_spec_in, ReceiveSpec, Staged, VolumeReceiver};
+use crate::engine::receive::{ReceiveSpec, Staged, VolumeReceiver};
 use crate::engine::volume::Volume;
 use crate::engine::volumes::Volumes;
 use crate::error::{Error, Result};
@@ -204,9 +204,4 @@ pub(crate) fn abort(meta: &Meta, name: &str) -> Result<PartialReceive> {
     drop(change);
     meta.notify_space();
     Ok(kept)
-}
-
-/// [`check_spec_in`] for a resumed receive (the name's partial entry is its own).
-pub(super) fn check_resumed(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<String>> {
-    meta.read(|view| check_spec_in(view.catalog, spec))
 }
