@@ -73,6 +73,7 @@ pub fn write_restored_catalog(dir: &Path) -> anyhow::Result<()> {
     let catalog = Catalog {
         transaction_id: md.transaction_id().get(),
         volumes,
+        partial: Vec::new(),
     };
     let store = DirCatalog::new(dir);
     store

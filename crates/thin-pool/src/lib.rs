@@ -48,8 +48,8 @@ pub use ids::{BlockTime, DataBlock, Time, TransactionId, VirtualBlock, VolumeId}
 /// trait a pool stores it through, on a directory or in memory.
 pub mod catalog {
     pub use crate::engine::catalog::{
-        validate_name, Catalog, CatalogStore, CatalogVolume, MemoryCatalog, NAME_LENGTH_MAX,
-        NAME_RULE,
+        validate_name, Catalog, CatalogStore, CatalogVolume, MemoryCatalog, PartialReceive,
+        NAME_LENGTH_MAX, NAME_RULE,
     };
     pub use crate::engine::catalog_dir::DirCatalog;
 }

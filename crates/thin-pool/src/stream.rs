@@ -17,16 +17,26 @@
 //! trailer has been checked (record count, checksum of the whole stream, nothing after it)
 //! does `VolumeReceiver::finish` make the volume, in one transaction. Any error before that
 //! drops the receiver: the pool is as it was.
+//!
+//! **Resumable** ([`receive_resumable`], [`send_resumed`]): a resumable receive commits
+//! what it verified at checkpoints, and once more when the stream breaks, as a partial
+//! receive (`engine/receive_partial.rs`: a hidden thin id, no volume); its
+//! [`ResumeToken`] names the stream and the offset kept, and `send_resumed` writes a
+//! stream of the rest (a header flagged resumed, records from that offset, its own
+//! trailer), which the receive applies to the partial one and finishes.
 
 pub mod format;
+pub mod resume;
 
 use crate::engine::diff::DiffKind;
 use crate::engine::options::VolumeInfo;
 use crate::engine::pool::Pool;
-use crate::engine::receive::ReceiveSpec;
+use crate::engine::receive::{ReceiveSpec, VolumeReceiver};
 use crate::error::{Error, Result};
 use format::{Header, Item, StreamReader, StreamWriter, DATA_RECORD_MAX};
 use std::io::{Read, Write};
+
+pub use resume::ResumeToken;
 
 /// What a send or receive carried.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -55,9 +65,62 @@ pub fn send<W: Write>(
     out: W,
     progress: Progress<'_>,
 ) -> Result<Summary> {
+    send_from(pool, snapshot, base, None, out, progress)
+}
+
+/// Write the rest of the stream `token` names (what a resumable receive did not keep):
+/// `snapshot` (with `base`) must be the stream's, else refused before anything is written.
+pub fn send_resumed<W: Write>(
+    pool: &Pool,
+    snapshot: &str,
+    base: Option<&str>,
+    token: &ResumeToken,
+    out: W,
+    progress: Progress<'_>,
+) -> Result<Summary> {
+    let id_of = |name: &str| -> Result<Option<uuid::Uuid>> {
+        pool.content_id(name)?
+            .as_deref()
+            .map(content_uuid)
+            .transpose()
+    };
+    if id_of(snapshot)? != Some(token.stream_id) {
+        return Err(Error::BadStream(format!(
+            "the resume token is of stream {}, which {snapshot:?} is not (a token of \
+             another stream)",
+            token.stream_id
+        )));
+    }
+    let base_id = base.map(id_of).transpose()?.flatten();
+    if base_id != token.base_id || base.is_some() != token.base_id.is_some() {
+        return Err(Error::BadStream(match token.base_id {
+            Some(id) => format!(
+                "the resume token is of an incremental stream on base content {id}: give \
+                 --base with that base"
+            ),
+            None => "the resume token is of a full stream: send it without --base".to_string(),
+        }));
+    }
+    send_from(pool, snapshot, base, Some(token.offset), out, progress)
+}
+
+/// [`send`], or with `resume` the records from that byte on (a resumed stream).
+fn send_from<W: Write>(
+    pool: &Pool,
+    snapshot: &str,
+    base: Option<&str>,
+    resume: Option<u64>,
+    out: W,
+    progress: Progress<'_>,
+) -> Result<Summary> {
     let volume = pool.volume(snapshot)?;
     let stream_id = content_uuid(&pool.assign_content_id(snapshot)?)?;
     let size = volume.size_bytes();
+    if resume.is_some_and(|offset| offset > size) {
+        return Err(Error::BadStream(format!(
+            "the resume token's offset is past the end of {snapshot:?} ({size} bytes)"
+        )));
+    }
     let (base_id, base_volume) = match base {
         Some(base) => {
             let handle = pool.volume(base)?;
@@ -82,19 +145,43 @@ pub fn send<W: Write>(
         base_id,
         name: snapshot.to_string(),
     };
-    let mut writer = StreamWriter::new(out, &header)?;
+    let mut writer = match resume {
+        Some(offset) => StreamWriter::new_resumed(out, &header, offset)?,
+        None => StreamWriter::new(out, &header)?,
+    };
     let mut summary = Summary::default();
     let extents = match base_volume {
         Some(_) => changed_extents(pool, base.expect("a base"), snapshot, size)?,
         None => mapped_extents(&volume, size)?,
     };
+    // A resumed stream: what starts before the offset is cut there.
+    let from = resume.unwrap_or(0);
+    let extents = extents.into_iter().filter_map(|(offset, length, mapped)| {
+        let start = offset.max(from);
+        (start < offset + length).then(|| (start, offset + length - start, mapped))
+    });
+    write_extents(&mut writer, &volume, extents, &mut summary, progress)?;
+    assert_eq!(writer.records(), summary.records);
+    writer.finish()?;
+    drop(base_volume);
+    Ok(summary)
+}
+
+/// Each extent as a hole, or as data records read from `volume`.
+fn write_extents<W: Write>(
+    writer: &mut StreamWriter<W>,
+    volume: &crate::Volume,
+    extents: impl Iterator<Item = (u64, u64, bool)>,
+    summary: &mut Summary,
+    progress: Progress<'_>,
+) -> Result<()> {
     let mut buf = vec![0u8; DATA_RECORD_MAX as usize];
     for (offset, length, mapped) in extents {
         if !mapped {
             writer.hole(offset, length)?;
             summary.records += 1;
             summary.hole_bytes += length;
-            progress(&summary);
+            progress(summary);
             continue;
         }
         let mut at = offset;
@@ -105,13 +192,10 @@ pub fn send<W: Write>(
             summary.records += 1;
             summary.data_bytes += n as u64;
             at += n as u64;
-            progress(&summary);
+            progress(summary);
         }
     }
-    assert_eq!(writer.records(), summary.records);
-    writer.finish()?;
-    drop(base_volume);
-    Ok(summary)
+    Ok(())
 }
 
 /// Every extent of the volume: (offset, length, mapped).
@@ -156,13 +240,121 @@ pub fn receive<R: Read>(
     progress: Progress<'_>,
 ) -> Result<(VolumeInfo, Summary)> {
     let (mut reader, header) = StreamReader::open(input)?;
-    let spec = ReceiveSpec {
+    if reader.resume_offset().is_some() {
+        return Err(Error::BadStream(
+            "a resumed stream (send --resume) is received with --resumable".to_string(),
+        ));
+    }
+    let mut receiver = pool.receive_volume(spec_of(name, &header))?;
+    let summary = receive_records(&mut reader, &mut receiver, &mut |_, _| Ok(()), progress)?;
+    receiver.finish()?;
+    Ok((pool.info(name)?, summary))
+}
+
+/// How a resumable receive keeps what it verified.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReceiveOptions {
+    /// Commit a checkpoint after this many data bytes (and when the stream breaks).
+    pub checkpoint_bytes: u64,
+}
+
+impl Default for ReceiveOptions {
+    fn default() -> ReceiveOptions {
+        ReceiveOptions {
+            checkpoint_bytes: 256 << 20,
+        }
+    }
+}
+
+/// A resumable receive that did not finish: why, and the token of what the pool keeps
+/// (None: nothing kept, the pool is as it was).
+#[derive(Debug)]
+pub struct Interrupted {
+    /// Why it stopped.
+    pub error: Box<Error>,
+    /// What `send --resume` takes.
+    pub token: Option<ResumeToken>,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.token {
+            Some(token) => write!(f, "{} (kept: resume token {token})", self.error),
+            None => write!(f, "{}", self.error),
+        }
+    }
+}
+
+impl std::error::Error for Interrupted {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.error)
+    }
+}
+
+/// [`receive`], but what was verified is kept (checkpoints, and when the stream breaks)
+/// as a partial receive of `name` that a resumed stream ([`send_resumed`]) continues; a
+/// resumed stream is applied to it. Nothing is a volume until the final trailer.
+pub fn receive_resumable<R: Read>(
+    pool: &Pool,
+    name: &str,
+    input: R,
+    options: &ReceiveOptions,
+    progress: Progress<'_>,
+) -> std::result::Result<(VolumeInfo, Summary), Interrupted> {
+    let kept = |error: Error| Interrupted {
+        token: pool
+            .partial_receives()
+            .iter()
+            .find(|p| p.name == name)
+            .and_then(|p| ResumeToken::of(p).ok()),
+        error: Box::new(error),
+    };
+    let (mut reader, header) = StreamReader::open(input).map_err(kept)?;
+    let spec = spec_of(name, &header);
+    let receiver = match reader.resume_offset() {
+        Some(offset) => pool.resume_receive(spec, offset),
+        None => pool.receive_volume(spec),
+    };
+    let mut receiver = receiver.map_err(kept)?;
+    let mut since = 0u64;
+    let mut checkpoint = |receiver: &mut VolumeReceiver, summary: &Summary| {
+        if summary.data_bytes - since >= options.checkpoint_bytes {
+            receiver.checkpoint()?;
+            since = summary.data_bytes;
+        }
+        Ok(())
+    };
+    match receive_records(&mut reader, &mut receiver, &mut checkpoint, progress) {
+        Ok(summary) => {
+            receiver.finish().map_err(kept)?;
+            Ok((pool.info(name).map_err(kept)?, summary))
+        }
+        Err(error) => {
+            if let Err(failed) = receiver.checkpoint() {
+                tracing::warn!(volume = name, error = %failed, "keeping a partial receive failed");
+            }
+            drop(receiver);
+            Err(kept(error))
+        }
+    }
+}
+
+fn spec_of(name: &str, header: &Header) -> ReceiveSpec {
+    ReceiveSpec {
         name: name.to_string(),
         size_bytes: header.size_bytes,
         base_content_id: header.base_id.map(|id| id.to_string()),
         content_id: header.stream_id.to_string(),
-    };
-    let mut receiver = pool.receive_volume(spec)?;
+    }
+}
+
+/// Feed every record to `receiver` up to the checked trailer; `after` runs after each.
+fn receive_records<R: Read>(
+    reader: &mut StreamReader<R>,
+    receiver: &mut VolumeReceiver,
+    after: &mut dyn FnMut(&mut VolumeReceiver, &Summary) -> Result<()>,
+    progress: Progress<'_>,
+) -> Result<Summary> {
     let mut summary = Summary::default();
     let mut data = Vec::with_capacity(DATA_RECORD_MAX as usize);
     loop {
@@ -181,8 +373,8 @@ pub fn receive<R: Read>(
             }
         }
         summary.records += 1;
+        after(receiver, &summary)?;
         progress(&summary);
     }
-    receiver.finish()?;
-    Ok((pool.info(name)?, summary))
+    Ok(summary)
 }

@@ -35,6 +35,7 @@ const LAYERS: &[&[&str]] = &[
     &[
         "manage", "adopt", "grow", "revert", "usage", "diff", "trim", "listing", "receive",
     ],
+    &["receive_partial"],
     &["committer", "autoextend"],
     &["open"],
     &["pool"],

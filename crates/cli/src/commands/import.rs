@@ -195,6 +195,7 @@ fn read_pool(devices: &DevicePaths, specs: &BTreeMap<u32, VolumeSpec>) -> anyhow
     Ok(Catalog {
         transaction_id: md.transaction_id().get(),
         volumes,
+        partial: Vec::new(),
     })
 }
 

@@ -2,7 +2,9 @@
 //! volume NAME, read-only: a full stream becomes a new volume, an incremental one a
 //! snapshot of the volume holding its base's content. Nothing is visible until the whole
 //! stream was read and checked; a cut-off, damaged, replayed or wrong-base stream leaves
-//! the pool as it was. Through the control socket when the pool is served.
+//! the pool as it was. With `--resumable` what was verified is kept (a partial receive,
+//! no volume) and its resume token printed; `--list-partial` and `--abort` list and drop
+//! partial receives. Through the control socket when the pool is served.
 
 use anyhow::Context;
 use std::io::Read;
@@ -10,7 +12,9 @@ use std::process::ExitCode;
 
 use super::send::progress_bar;
 use crate::control::stream;
+use crate::control::{ask, Outcome, Request};
 use crate::pool_dir::{format_size, PoolArg};
+use thin_pool::stream::ReceiveOptions;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -19,13 +23,33 @@ Examples:
   thinpool send vm0-s1 --pool /srv/pool | thinpool receive vm0-s1 --pool /srv/copy
   thinpool send vm0-s2 --base vm0-s1 | ssh backup thinpool receive vm0-s2 --pool /srv/copy
   thinpool receive vm0-s2 -i vm0-s2.stream --pool /srv/copy
-  thinpool volume snapshot vm0-s2 vm0 --pool /srv/copy     # a writable volume from it")]
+  thinpool volume snapshot vm0-s2 vm0 --pool /srv/copy     # a writable volume from it
+  thinpool send vm0-s1 | thinpool receive vm0-s1 --resumable   # cut off: prints a token
+  thinpool receive --list-partial                           # partial receives, their tokens
+  thinpool send vm0-s1 --resume TOKEN | thinpool receive vm0-s1 --resumable
+  thinpool receive --abort vm0-s1                           # drop it, free its blocks")]
 pub struct Args {
     /// The new volume's name.
-    name: String,
+    #[arg(required_unless_present = "list_partial")]
+    name: Option<String>,
     /// Read the stream from FILE instead of stdin.
     #[arg(short = 'i', long = "input", value_name = "FILE")]
     input: Option<std::path::PathBuf>,
+    /// Keep what was received and verified if the stream breaks (as `zfs receive -s`): a
+    /// partial receive, no volume, that `send --resume TOKEN` completes.
+    #[arg(short = 's', long = "resumable")]
+    resumable: bool,
+    /// With --resumable: keep what was verified after every SIZE of data (and when the
+    /// stream breaks); a kill loses at most this much.
+    #[arg(long = "checkpoint", value_name = "SIZE", default_value = "256M",
+          requires = "resumable", value_parser = parse_size)]
+    checkpoint: u64,
+    /// List the partial receives kept, with their resume tokens.
+    #[arg(long = "list-partial", conflicts_with_all = ["name", "abort", "resumable", "input"])]
+    list_partial: bool,
+    /// Drop the partial receive NAME: the blocks it holds are freed.
+    #[arg(long = "abort", conflicts_with_all = ["resumable", "input"])]
+    abort: bool,
     #[command(flatten)]
     pool: PoolArg,
     /// Print the new volume as JSON.
@@ -36,18 +60,34 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
+    if args.list_partial {
+        return list_partial(&dir, args.json);
+    }
+    let name = args.name.expect("clap requires NAME");
+    if args.abort {
+        ask(&dir, &Request::AbortReceive { name: name.clone() })?;
+        println!("dropped the partial receive {name}");
+        return Ok(ExitCode::SUCCESS);
+    }
     let mut input: Box<dyn Read> = match &args.input {
         Some(path) => Box::new(
             std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?,
         ),
-        None => Box::new(std::io::stdin().lock()),
+        None => {
+            stream::widen_pipe(std::io::stdin());
+            Box::new(std::io::stdin().lock())
+        }
     };
     let bar = progress_bar("received");
-    let volume = stream::receive(&dir, &args.name, &mut input, &mut |bytes| {
-        if let Some(bar) = &bar {
-            bar.set_position(bytes);
-        }
+    let options = args.resumable.then_some(ReceiveOptions {
+        checkpoint_bytes: args.checkpoint.max(1),
     });
+    let volume =
+        stream::receive_resumable(&dir, &name, options.as_ref(), &mut input, &mut |bytes| {
+            if let Some(bar) = &bar {
+                bar.set_position(bytes);
+            }
+        });
     if let Some(bar) = bar {
         bar.finish_and_clear();
     }
@@ -60,6 +100,34 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             volume.name,
             format_size(volume.size_bytes),
             volume.mapped_blocks
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn parse_size(text: &str) -> Result<u64, String> {
+    thinpool_daemon::text::parse_size_nonzero(text).map_err(|e| e.to_string())
+}
+
+fn list_partial(dir: &crate::pool_dir::PoolDir, json: bool) -> anyhow::Result<ExitCode> {
+    let Outcome::Partial(partial) = ask(dir, &Request::PartialReceives)? else {
+        anyhow::bail!("unexpected answer to partial_receives");
+    };
+    if json {
+        println!("{}", serde_json::to_string(&partial)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    if partial.is_empty() {
+        println!("no partial receives");
+    }
+    for p in &partial {
+        println!(
+            "{}: {} of {} received, {} blocks held, resume token {}",
+            p.name,
+            format_size(p.received_bytes),
+            format_size(p.size_bytes),
+            p.blocks,
+            p.token
         );
     }
     Ok(ExitCode::SUCCESS)

@@ -23,6 +23,8 @@ Examples:
   thinpool volume snapshot vm0 vm0-s2 --read-only --pool /srv/pool
   thinpool send vm0-s2 --base vm0-s1 --pool /srv/pool | ssh backup thinpool receive vm0-s2 --pool /srv/copy
   thinpool send vm0-s2 --base vm0-s1 -o vm0-s2.stream   # to a file
+  thinpool send vm0-s1 --resume 1-5c0d...-full-67108864-1a2b3c4d | thinpool receive vm0-s1 --resumable
+                                 # the rest of an interrupted `receive --resumable`
 
 Only read-only snapshots are sent: the stream names its base by the base's content id,
 which a snapshot gets when it is first sent or received.")]
@@ -32,6 +34,10 @@ pub struct Args {
     /// Send only what changed since this read-only snapshot (which the receiver holds).
     #[arg(long = "base", value_name = "BASE")]
     base: Option<String>,
+    /// Send only what an interrupted `receive --resumable` did not keep: TOKEN is what it
+    /// printed (or `receive --list-partial` shows).
+    #[arg(long = "resume", value_name = "TOKEN")]
+    resume: Option<String>,
     /// Write the stream to FILE instead of stdout.
     #[arg(short = 'o', long = "output", value_name = "FILE")]
     output: Option<std::path::PathBuf>,
@@ -67,13 +73,17 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         None if std::io::stdout().is_terminal() => {
             bail!("the stream is binary: redirect stdout, pipe it to `thinpool receive`, or use -o FILE")
         }
-        None => Box::new(std::io::stdout().lock()),
+        None => {
+            stream::widen_pipe(std::io::stdout());
+            Box::new(std::io::stdout().lock())
+        }
     };
     let bar = progress_bar("sent");
-    let bytes = stream::send(
+    let bytes = stream::send_resumed(
         &dir,
         &args.snapshot,
         args.base.as_deref(),
+        args.resume.as_deref(),
         &mut out,
         &mut |bytes| {
             if let Some(bar) = &bar {

@@ -9,6 +9,7 @@ use thin_pool::VolumeInfo;
 
 use super::diff::DiffRecord;
 pub use super::status_record::{OrphanedRecord, ServedRecord, StatusRecord, UnadoptedRecord};
+pub use super::stream::PartialRecord;
 
 /// One management request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -123,11 +124,27 @@ pub enum Request {
         /// For an incremental stream: its base.
         #[serde(default)]
         base: Option<String>,
+        /// Send only the rest a resumable receive did not keep (its resume token).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resume: Option<String>,
     },
     /// Receive a stream as volume `name` (`control/stream.rs`): the stream's bytes follow
     /// the request line; the answer comes once it was read and applied (or refused).
     ReceiveStream {
         /// The new volume's name.
+        name: String,
+        /// Keep what was verified if the stream breaks (a partial receive, resumable).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        resumable: bool,
+        /// With `resumable`: keep what was verified after every this many data bytes.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        checkpoint_bytes: Option<u64>,
+    },
+    /// The partial receives kept (resumable receives interrupted), with their tokens.
+    PartialReceives,
+    /// Drop a partial receive: the blocks it holds are freed.
+    AbortReceive {
+        /// The name it would have taken.
         name: String,
     },
 }
@@ -206,6 +223,8 @@ pub enum Outcome {
     Diff(Box<DiffRecord>),
     /// Free data blocks given back to the host (trim), in bytes.
     Trimmed(u64),
+    /// The partial receives kept.
+    Partial(Vec<PartialRecord>),
 }
 
 impl Outcome {
@@ -310,6 +329,8 @@ pub(super) struct Response {
     diff: Option<Box<DiffRecord>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     trimmed_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    partial_receives: Option<Vec<PartialRecord>>,
 }
 
 impl From<Result<Outcome, OpError>> for Response {
@@ -344,6 +365,11 @@ impl From<Result<Outcome, OpError>> for Response {
                 diff: Some(diff),
                 ..Response::default()
             },
+            Ok(Outcome::Partial(partial)) => Response {
+                ok: true,
+                partial_receives: Some(partial),
+                ..Response::default()
+            },
             Err(error) => Response {
                 ok: false,
                 error: Some(error),
@@ -368,6 +394,9 @@ impl Response {
         }
         if let Some(bytes) = self.trimmed_bytes {
             return Ok(Ok(Outcome::Trimmed(bytes)));
+        }
+        if let Some(partial) = self.partial_receives {
+            return Ok(Ok(Outcome::Partial(partial)));
         }
         Ok(Ok(match (self.volume, self.volumes, self.status) {
             (Some(volume), None, None) => Outcome::Volume(volume),

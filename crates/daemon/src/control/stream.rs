@@ -14,6 +14,11 @@
 //!   <- {"ok":true,"volume":{...}}        once the stream was read, checked and applied
 //! ```
 //!
+//! `"resume":TOKEN` on a send writes only the rest a resumable receive did not keep;
+//! `"resumable":true` on a receive keeps what was verified if the stream breaks (the
+//! refusal's message carries the resume token). `partial_receives` and `abort_receive`
+//! (ordinary requests) list and drop what such receives kept.
+//!
 //! Each read or write of the stream may wait [`STREAM_IO_TIMEOUT`] (a slow pipe, ssh).
 
 use std::io::{BufReader, BufWriter, Cursor, Read, Write};
@@ -21,7 +26,8 @@ use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use thin_pool::stream::{self, Summary};
+use serde::{Deserialize, Serialize};
+use thin_pool::stream::{self, ReceiveOptions, ResumeToken, Summary};
 use thin_pool::Pool;
 
 use super::protocol::{read_line, Line, Response};
@@ -32,8 +38,22 @@ use crate::pool_dir::{PoolDir, StoredOptions};
 /// Longest wait for one read or write of a stream.
 pub const STREAM_IO_TIMEOUT: Duration = Duration::from_secs(600);
 
-/// Buffer between the stream and the socket or file.
-const BUFFER_BYTES: usize = 4 << 20;
+/// Buffer between the stream and the socket or file: smaller than a data record, whose
+/// payload then goes between the pipe and the record's buffer without a copy through it.
+const BUFFER_BYTES: usize = 256 << 10;
+
+/// What [`widen_pipe`] asks for (Linux's default `pipe-max-size`).
+const PIPE_BYTES: usize = 1 << 20;
+
+/// If `fd` is a pipe, let it hold [`PIPE_BYTES`] (fewer, larger reads and writes of the
+/// stream: a pipe holds 64 KiB by default). Best effort: anything else is left as it is.
+pub fn widen_pipe(fd: impl std::os::fd::AsFd) {
+    let is_pipe = rustix::fs::fstat(&fd)
+        .is_ok_and(|stat| rustix::fs::FileType::from_raw_mode(stat.st_mode).is_fifo());
+    if is_pipe {
+        let _ = rustix::pipe::fcntl_setpipe_size(&fd, PIPE_BYTES);
+    }
+}
 
 /// Whether `request` is carried out by [`serve`].
 pub(super) fn is_stream(request: &Request) -> bool {
@@ -57,25 +77,43 @@ pub(super) fn serve(
         return;
     }
     match request {
-        Request::SendStream { snapshot, base } => {
+        Request::SendStream {
+            snapshot,
+            base,
+            resume,
+        } => {
+            let token = match resume.as_deref().map(str::parse::<ResumeToken>).transpose() {
+                Ok(token) => token,
+                Err(error) => {
+                    let _ = answer(&mut writer, Err(error.into()));
+                    return;
+                }
+            };
             if answer(&mut writer, Ok(Outcome::Done)).is_err() {
                 return;
             }
             let out = BufWriter::with_capacity(BUFFER_BYTES, &mut writer);
-            if let Err(error) =
-                stream::send(&target.pool, snapshot, base.as_deref(), out, &mut |_| {})
-            {
+            if let Err(error) = send_to(&target.pool, snapshot, base.as_deref(), token, out) {
                 tracing::warn!(snapshot = %snapshot, %error, "send cut off");
             }
         }
-        Request::ReceiveStream { name } => {
+        Request::ReceiveStream {
+            name,
+            resumable,
+            checkpoint_bytes,
+        } => {
             let RequestReader { stream, buffer } = reader;
             let input = Cursor::new(buffer).chain(BufReader::with_capacity(BUFFER_BYTES, stream));
             let result = target
                 .refuse_if_read_only()
                 .and_then(|()| target.check_name_free(name))
                 .and_then(|()| {
-                    let (info, _) = stream::receive(&target.pool, name, input, &mut |_| {})?;
+                    let options = resumable.then(|| ReceiveOptions {
+                        checkpoint_bytes: checkpoint_bytes
+                            .unwrap_or(ReceiveOptions::default().checkpoint_bytes),
+                    });
+                    let (info, _) =
+                        receive_from(&target.pool, name, options.as_ref(), input, &mut |_| {})?;
                     Ok(Outcome::Volume(VolumeRecord::from(&info)))
                 });
             super::log::management(request, &result);
@@ -83,6 +121,89 @@ pub(super) fn serve(
         }
         _ => unreachable!("is_stream chose the request"),
     }
+}
+
+/// [`stream::send`], or with `token` [`stream::send_resumed`].
+fn send_to<W: Write>(
+    pool: &Pool,
+    snapshot: &str,
+    base: Option<&str>,
+    token: Option<ResumeToken>,
+    out: W,
+) -> thin_pool::Result<Summary> {
+    match token {
+        Some(token) => stream::send_resumed(pool, snapshot, base, &token, out, &mut |_| {}),
+        None => stream::send(pool, snapshot, base, out, &mut |_| {}),
+    }
+}
+
+/// [`stream::receive`], or resumable [`stream::receive_resumable`] (whose refusal names
+/// the resume token of what was kept).
+fn receive_from<R: Read>(
+    pool: &Pool,
+    name: &str,
+    resumable: Option<&ReceiveOptions>,
+    input: R,
+    progress: &mut dyn FnMut(&Summary),
+) -> Result<(thin_pool::VolumeInfo, Summary), OpError> {
+    let Some(options) = resumable else {
+        return Ok(stream::receive(pool, name, input, progress)?);
+    };
+    stream::receive_resumable(pool, name, input, options, progress).map_err(|interrupted| {
+        let mut error = OpError::from(*interrupted.error);
+        if let Some(token) = interrupted.token {
+            error.message = format!("{} (kept: resume token {token})", error.message);
+        }
+        error
+    })
+}
+
+/// A partial receive, as `partial_receives` answers it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartialRecord {
+    /// The volume it will become.
+    pub name: String,
+    /// The volume's size.
+    pub size_bytes: u64,
+    /// Bytes of the volume received and kept (from its start).
+    pub received_bytes: u64,
+    /// Data blocks it holds (freed by `abort_receive`).
+    pub blocks: u64,
+    /// The stream's id.
+    pub stream_id: String,
+    /// For an incremental: the base's content id.
+    pub base_id: Option<String>,
+    /// What `send --resume` takes.
+    pub token: String,
+}
+
+/// `partial_receives` (the list) or `abort_receive` on `pool`.
+pub(super) fn partial(pool: &Pool, request: &Request) -> Result<Outcome, OpError> {
+    match request {
+        Request::AbortReceive { name } => {
+            pool.abort_receive(name)?;
+            Ok(Outcome::Done)
+        }
+        _ => Ok(Outcome::Partial(partial_records(pool)?)),
+    }
+}
+
+/// The partial receives of `pool`.
+fn partial_records(pool: &Pool) -> Result<Vec<PartialRecord>, OpError> {
+    pool.partial_receives()
+        .iter()
+        .map(|p| {
+            Ok(PartialRecord {
+                name: p.name.clone(),
+                size_bytes: p.size_bytes,
+                received_bytes: p.offset,
+                blocks: p.blocks,
+                stream_id: p.content_id.clone(),
+                base_id: p.base_content_id.clone(),
+                token: ResumeToken::of(p)?.to_string(),
+            })
+        })
+        .collect()
 }
 
 fn answer(writer: &mut UnixStream, result: Result<Outcome, OpError>) -> std::io::Result<()> {
@@ -142,15 +263,26 @@ pub fn send(
     out: &mut dyn Write,
     progress: &mut dyn FnMut(u64),
 ) -> anyhow::Result<u64> {
+    send_resumed(dir, snapshot, base, None, out, progress)
+}
+
+/// [`send`], with `resume` (a resume token) only the rest a resumable receive did not keep.
+pub fn send_resumed(
+    dir: &PoolDir,
+    snapshot: &str,
+    base: Option<&str>,
+    resume: Option<&str>,
+    out: &mut dyn Write,
+    progress: &mut dyn FnMut(u64),
+) -> anyhow::Result<u64> {
+    let token = resume.map(str::parse::<ResumeToken>).transpose()?;
     if let Some(pool) = open_direct(dir)? {
         let mut counted = Counted {
             inner: out,
             bytes: 0,
         };
         let mut out = BufWriter::with_capacity(BUFFER_BYTES, &mut counted);
-        let summary = stream::send(&pool, snapshot, base, &mut out, &mut |s: &Summary| {
-            progress(s.data_bytes)
-        });
+        let summary = send_to(&pool, snapshot, base, token, &mut out);
         drop(out);
         pool.close().context("cannot close the pool")?;
         summary?;
@@ -159,6 +291,7 @@ pub fn send(
     let request = Request::SendStream {
         snapshot: snapshot.to_string(),
         base: base.map(str::to_string),
+        resume: resume.map(str::to_string),
     };
     let mut reader = BufReader::with_capacity(BUFFER_BYTES, connect(dir, &request)?);
     read_answer(&mut reader)?;
@@ -186,10 +319,22 @@ pub fn receive(
     input: &mut dyn Read,
     progress: &mut dyn FnMut(u64),
 ) -> anyhow::Result<VolumeRecord> {
+    receive_resumable(dir, name, None, input, progress)
+}
+
+/// [`receive`]; `resumable`: what was verified is kept (at its checkpoints, and when the
+/// stream breaks), and the error names its resume token (`thinpool send --resume`).
+pub fn receive_resumable(
+    dir: &PoolDir,
+    name: &str,
+    resumable: Option<&ReceiveOptions>,
+    input: &mut dyn Read,
+    progress: &mut dyn FnMut(u64),
+) -> anyhow::Result<VolumeRecord> {
     crate::restored::name_restored_volumes(&dir.path)?;
     if let Some(pool) = open_direct(dir)? {
         let input = BufReader::with_capacity(BUFFER_BYTES, input);
-        let result = stream::receive(&pool, name, input, &mut |s: &Summary| {
+        let result = receive_from(&pool, name, resumable, input, &mut |s: &Summary| {
             progress(s.data_bytes)
         });
         pool.close().context("cannot close the pool")?;
@@ -198,6 +343,8 @@ pub fn receive(
     }
     let request = Request::ReceiveStream {
         name: name.to_string(),
+        resumable: resumable.is_some(),
+        checkpoint_bytes: resumable.map(|options| options.checkpoint_bytes),
     };
     let mut socket = connect(dir, &request)?;
     let mut buf = vec![0u8; 1 << 20];

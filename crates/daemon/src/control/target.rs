@@ -28,7 +28,7 @@ impl Target {
     pub fn execute(&self, request: &Request) -> Result<Outcome, OpError> {
         if matches!(
             request,
-            Request::List | Request::Status | Request::Diff { .. }
+            Request::List | Request::Status | Request::Diff { .. } | Request::PartialReceives
         ) {
             return self.perform(request);
         }
@@ -110,6 +110,9 @@ impl Target {
                 libc::EINVAL,
                 "a stream request is carried out on its own connection (control/stream.rs)",
             )),
+            Request::PartialReceives | Request::AbortReceive { .. } => {
+                super::stream::partial(pool, request)
+            }
             Request::Status => Ok(self.full_status()),
             Request::Diff {
                 base,

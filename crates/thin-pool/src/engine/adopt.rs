@@ -178,10 +178,16 @@ pub(crate) fn adopt(meta: &Meta, volumes: &Volumes, adoption: &Adoption<'_>) -> 
     };
     let mut change = meta.changes()?.begin()?;
     let catalog = change.catalog();
-    if let Some(known) = catalog.volumes.iter().find(|v| v.id == id) {
+    let partial = catalog.partial.iter().map(|p| (p.id, &p.name));
+    let known = catalog
+        .volumes
+        .iter()
+        .map(|v| (v.id, &v.name))
+        .chain(partial);
+    if let Some((_, name)) = known.into_iter().find(|&(known, _)| known == id) {
         return Err(CatalogRefusal::IdInCatalog {
             id,
-            name: known.name.clone(),
+            name: name.clone(),
         }
         .into());
     }

@@ -289,6 +289,7 @@ pub(crate) fn create_on_devices(
     catalog.store(&Catalog {
         transaction_id: md.transaction_id().get(),
         volumes: vec![],
+        partial: Vec::new(),
     })?;
     drop(md);
     // Last: the pool exists once its devices are named.

@@ -78,6 +78,37 @@ pub struct Catalog {
     pub transaction_id: u64,
     /// Volumes, in creation order.
     pub volumes: Vec<CatalogVolume>,
+    /// Resumable receives interrupted part-way (`engine/receive_partial.rs`): hidden thin
+    /// ids, not volumes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partial: Vec<PartialReceive>,
+}
+
+/// A resumable receive kept part-way (`thinpool receive --resumable`): thin id `id` of the
+/// metadata holds what was verified of the stream up to byte `offset` of the volume. It is
+/// no volume (not served, not listed as one): the receive that resumes it makes it one,
+/// `thinpool receive --abort NAME` deletes it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartialReceive {
+    /// The volume it will become.
+    pub name: String,
+    /// Its thin id in the metadata.
+    #[serde(with = "raw_volume_id")]
+    pub id: VolumeId,
+    /// The volume's size in bytes.
+    pub size_bytes: u64,
+    /// The stream's content id (the volume gets it).
+    pub content_id: String,
+    /// For an incremental: the base's content id (the thin id is a snapshot of the base).
+    #[serde(default)]
+    pub base_content_id: Option<String>,
+    /// Thin id of the base it was snapshotted from, for an incremental.
+    #[serde(default)]
+    pub origin_id: Option<u32>,
+    /// Every byte of the volume before this one is received (a block boundary here).
+    pub offset: u64,
+    /// Data blocks the receive wrote (what deleting it frees).
+    pub blocks: u64,
 }
 
 /// A catalog as stored, in this version's form or an older one's.
@@ -85,6 +116,8 @@ pub struct Catalog {
 struct CatalogFile {
     transaction_id: u64,
     volumes: Vec<CatalogVolumeFile>,
+    #[serde(default)]
+    partial: Vec<PartialReceive>,
 }
 
 #[derive(Deserialize)]
@@ -132,6 +165,7 @@ impl From<CatalogFile> for Catalog {
         Catalog {
             transaction_id: file.transaction_id,
             volumes,
+            partial: file.partial,
         }
     }
 }
@@ -176,6 +210,7 @@ impl Catalog {
             .volumes
             .iter()
             .map(|v| v.id)
+            .chain(self.partial.iter().map(|p| p.id))
             .chain(in_metadata.iter().copied())
             .collect();
         (0..=VolumeId::MAX.get())
@@ -184,13 +219,14 @@ impl Catalog {
             .ok_or(Error::IdsExhausted)
     }
 
-    /// The thin ids of `in_metadata` (the metadata's) that no entry names: unadopted, in
-    /// id order.
+    /// The thin ids of `in_metadata` (the metadata's) that no entry names (neither a
+    /// volume nor a partial receive): unadopted, in id order.
     pub fn unadopted(&self, in_metadata: &[VolumeId]) -> Vec<VolumeId> {
         let mut ids: Vec<VolumeId> = in_metadata
             .iter()
             .copied()
             .filter(|id| self.volumes.iter().all(|v| v.id != *id))
+            .filter(|id| self.partial.iter().all(|p| p.id != *id))
             .collect();
         ids.sort_unstable();
         ids
@@ -400,6 +436,7 @@ mod tests {
                 origin: None,
                 content_id: None,
             }],
+            partial: Vec::new(),
         };
         store.store(&catalog).unwrap();
         assert_eq!(store.load(3).unwrap(), catalog);

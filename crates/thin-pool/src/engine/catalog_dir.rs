@@ -178,6 +178,7 @@ mod tests {
         let catalog = Catalog {
             transaction_id: 5,
             volumes: vec![],
+            partial: Vec::new(),
         };
         store.store(&catalog).unwrap();
         assert_eq!(fs::read_to_string(&victim).unwrap(), "keep");
@@ -201,6 +202,7 @@ mod tests {
         let c = Catalog {
             transaction_id: 1,
             volumes: vec![],
+            partial: Vec::new(),
         };
         store.store(&c).unwrap();
         (dir, store, c)

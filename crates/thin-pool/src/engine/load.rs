@@ -163,9 +163,18 @@ pub(crate) fn load_volumes(
     }
     // Unadopted thin ids are not served, but their mappings are bounded and claimed: a
     // served volume must not write in place a block one of them maps.
-    for id in catalog.unadopted(&md.volumes()) {
+    // So are those of partial receives (hidden thin ids).
+    let partial = catalog.partial.iter().filter(|p| md.has_volume(p.id));
+    let hidden = catalog
+        .unadopted(&md.volumes())
+        .into_iter()
+        .map(|id| (id, false));
+    for (id, is_partial) in hidden.chain(partial.map(|p| (p.id, true))) {
         let details = md.details(id)?;
-        let name = format!("unadopted thin id {id}");
+        let name = match is_partial {
+            true => format!("partial receive thin id {id}"),
+            false => format!("unadopted thin id {id}"),
+        };
         check_volume(
             md,
             &name,

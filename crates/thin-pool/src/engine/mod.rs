@@ -53,6 +53,7 @@ pub(crate) mod pool;
 mod provision;
 mod queue;
 pub(crate) mod receive;
+pub(crate) mod receive_partial;
 mod recovery;
 mod revert;
 pub(crate) mod space;

@@ -183,6 +183,7 @@ pub(crate) fn format(
     catalog.store(&Catalog {
         transaction_id: md.transaction_id().get(),
         volumes: vec![],
+        partial: Vec::new(),
     })?;
     Ok(())
 }

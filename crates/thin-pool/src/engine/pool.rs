@@ -12,6 +12,7 @@
 use crate::engine::adopt::Disagreements;
 use crate::engine::block_device::{self, DevicePaths};
 use crate::engine::catalog::CatalogStore;
+use crate::engine::catalog::PartialReceive;
 use crate::engine::catalog_dir::DirCatalog;
 use crate::engine::data_device::DataDevice;
 use crate::engine::diff::{Delta, VolumeDiff};
@@ -22,6 +23,7 @@ use crate::engine::listing::{self, StatusSources};
 use crate::engine::open::{self, Owners};
 use crate::engine::options::{CreateOptions, PoolMode, PoolOptions, PoolStatus, VolumeInfo};
 use crate::engine::receive::{self, ReceiveSpec, VolumeReceiver};
+use crate::engine::receive_partial;
 use crate::engine::stats::CommitStats;
 use crate::engine::usage::VolumeSpace;
 use crate::engine::volume::Volume;
@@ -368,6 +370,31 @@ impl Pool {
             spec,
             |name| self.volume(name),
         )
+    }
+
+    /// Continue the partial receive `spec.name` with a stream whose records start at
+    /// `offset` (see `engine/receive_partial.rs`). Refused, with nothing changed, for a
+    /// name that keeps none, another stream's, or one at another offset (a stale token).
+    pub fn resume_receive(&self, spec: ReceiveSpec, offset: u64) -> Result<VolumeReceiver> {
+        let owners = &*self.owners;
+        receive_partial::resume(
+            owners.meta.clone(),
+            owners.volumes.clone(),
+            owners.data.clone(),
+            spec,
+            offset,
+            |name| self.volume(name),
+        )
+    }
+
+    /// The partial receives kept (`thinpool receive --resumable` interrupted).
+    pub fn partial_receives(&self) -> Vec<PartialReceive> {
+        receive_partial::list(&self.owners.meta)
+    }
+
+    /// Drop partial receive `name`: the blocks it holds are freed, in one transaction.
+    pub fn abort_receive(&self, name: &str) -> Result<PartialReceive> {
+        receive_partial::abort(&self.owners.meta, name)
     }
 
     /// The content id of a volume (`receive`), if it has one.

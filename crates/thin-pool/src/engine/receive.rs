@@ -12,7 +12,10 @@
 //! A block that gets data (or, in an incremental, a block of the base partly covered by a
 //! hole) is written to a freshly reserved data block: reserved blocks are outside the
 //! committed space map, so until [`VolumeReceiver::finish`] nothing is visible and a crash
-//! or an abandoned receive (the receiver dropped) leaves the pool as it was. `finish`
+//! or an abandoned receive (the receiver dropped) leaves the pool as it was (a resumable
+//! receive's checkpoints keep a partial one: `receive_partial`). Whole blocks of a data
+//! extent are written straight from it, into blocks reserved together, one write per run
+//! of consecutive ones; only a partly covered block is assembled first. `finish`
 //! makes the volume in one transaction (`Change::commit_catalog`): `create_thin` or
 //! `create_snap` of the base (so every block the stream does not touch stays shared with
 //! the base), the new mappings, the unmapped blocks (holes over mapped base blocks) and
@@ -95,8 +98,8 @@ fn holder_of(catalog: &crate::engine::catalog::Catalog, id: &str) -> Option<Stri
 }
 
 /// The block being assembled.
-struct Pending {
-    block: u64,
+pub(super) struct Pending {
+    pub(super) block: u64,
     buf: Vec<u8>,
     /// Covered ranges inside the block (block-relative, in order, not overlapping).
     covered: Vec<(usize, usize)>,
@@ -104,25 +107,37 @@ struct Pending {
 }
 
 /// A volume being received (see the module doc). Dropped before
-/// [`VolumeReceiver::finish`]: its reserved blocks are released and nothing changed.
+/// [`VolumeReceiver::finish`]: its reserved blocks are released and nothing changed
+/// (but what [`VolumeReceiver::checkpoint`] committed, see `receive_partial`).
 pub struct VolumeReceiver {
-    meta: Arc<Meta>,
-    volumes: Arc<Volumes>,
+    pub(super) meta: Arc<Meta>,
+    pub(super) volumes: Arc<Volumes>,
     data: Arc<dyn DataDevice>,
-    spec: ReceiveSpec,
+    pub(super) spec: ReceiveSpec,
     /// The volume holding the base's content, held open (so it cannot be deleted,
     /// reverted or renamed meanwhile), for an incremental.
-    base: Option<Volume>,
-    block_size: u64,
-    pending: Option<Pending>,
+    pub(super) base: Option<Volume>,
+    pub(super) block_size: u64,
+    pub(super) pending: Option<Pending>,
     /// Extents must start at or after this byte.
-    next_offset: u64,
-    inserts: Vec<(VirtualBlock, DataBlock)>,
-    removes: Vec<VirtualBlock>,
+    pub(super) next_offset: u64,
+    /// Mappings made since the last checkpoint (their blocks reserved, not committed).
+    pub(super) inserts: Vec<(VirtualBlock, DataBlock)>,
+    pub(super) removes: Vec<VirtualBlock>,
     generation: Option<u64>,
     finished: bool,
     /// The last block's buffer, for the next one.
     spare: Vec<u8>,
+    /// What checkpoints committed: the partial receive's thin id, and where it stands.
+    pub(super) staged: Option<Staged>,
+}
+
+/// A partial receive committed by a checkpoint (the catalog's `PartialReceive`).
+pub(super) struct Staged {
+    pub(super) id: crate::ids::VolumeId,
+    /// Its offset as this receiver last committed or found it.
+    pub(super) offset: u64,
+    pub(super) blocks: u64,
 }
 
 impl VolumeReceiver {
@@ -139,6 +154,32 @@ impl VolumeReceiver {
         validate_name(&spec.name)?;
         meta.check_changes_allowed()?;
         let base_name = check_spec(&meta, &spec)?;
+        Self::start(meta, volumes, data, spec, base_name, open_base)
+    }
+
+    /// [`VolumeReceiver::begin`] for a resumed receive: the name's partial receive is
+    /// allowed (the resume checked it is this stream's).
+    pub(super) fn begin_unchecked(
+        meta: Arc<Meta>,
+        volumes: Arc<Volumes>,
+        data: Arc<dyn DataDevice>,
+        spec: ReceiveSpec,
+        open_base: impl FnOnce(&str) -> Result<Volume>,
+    ) -> Result<VolumeReceiver> {
+        meta.check_changes_allowed()?;
+        // The name's partial entry is its own.
+        let base_name = meta.read(|view| check_spec_in(view.catalog, &spec))?;
+        Self::start(meta, volumes, data, spec, base_name, open_base)
+    }
+
+    fn start(
+        meta: Arc<Meta>,
+        volumes: Arc<Volumes>,
+        data: Arc<dyn DataDevice>,
+        spec: ReceiveSpec,
+        base_name: Option<String>,
+        open_base: impl FnOnce(&str) -> Result<Volume>,
+    ) -> Result<VolumeReceiver> {
         let base = match base_name {
             Some(name) => {
                 let base = open_base(&name)?;
@@ -168,6 +209,7 @@ impl VolumeReceiver {
             generation: None,
             finished: false,
             spare: Vec::new(),
+            staged: None,
         })
     }
 
@@ -207,6 +249,18 @@ impl VolumeReceiver {
             let block = at / self.block_size;
             let within = (at % self.block_size) as usize;
             let n = (self.block_size - within as u64).min(end - at) as usize;
+            if let (Some(data), 0) = (data, within) {
+                if end - at >= self.block_size {
+                    // Whole blocks of data: written from the record as they are, in runs
+                    // (no assembly; a pending block is an earlier one).
+                    self.flush_pending()?;
+                    let from = (at - offset) as usize;
+                    let bytes = ((end - at) / self.block_size * self.block_size) as usize;
+                    self.write_run(block, &data[from..from + bytes])?;
+                    at += bytes as u64;
+                    continue;
+                }
+            }
             if self.pending.as_ref().is_some_and(|p| p.block != block) {
                 self.flush_pending()?;
             }
@@ -234,7 +288,7 @@ impl VolumeReceiver {
     }
 
     /// Decide what the assembled block becomes (see the module doc).
-    fn flush_pending(&mut self) -> Result<()> {
+    pub(super) fn flush_pending(&mut self) -> Result<()> {
         let Some(mut p) = self.pending.take() else {
             return Ok(());
         };
@@ -280,19 +334,75 @@ impl VolumeReceiver {
         written
     }
 
+    /// Write whole blocks `first..` (`bytes`, a multiple of the block size) into blocks
+    /// reserved together, each run of consecutive ones with one write.
+    fn write_run(&mut self, first: u64, bytes: &[u8]) -> Result<()> {
+        let size = self.block_size as usize;
+        assert!(!bytes.is_empty() && bytes.len().is_multiple_of(size));
+        let count = bytes.len() / size;
+        let Some((blocks, grant)) = self.meta.reserve_many(count)? else {
+            // Fewer free blocks than the run: one by one, up to the refusal.
+            for (i, chunk) in bytes.chunks(size).enumerate() {
+                self.write_block(VirtualBlock::new(first + i as u64), chunk)?;
+            }
+            return Ok(());
+        };
+        if *self.generation.get_or_insert(grant.generation) != grant.generation {
+            for &block in &blocks {
+                self.meta.release(block, grant.generation);
+            }
+            return Err(Error::ReadOnly { needs_check: true });
+        }
+        // Mapped (kept by a checkpoint) only once written: a failed write releases the rest.
+        let mut i = 0;
+        while i < count {
+            let start = blocks[i].get();
+            let run = blocks[i..]
+                .iter()
+                .enumerate()
+                .take_while(|&(k, b)| b.get() == start + k as u64)
+                .count();
+            let written = self
+                .data
+                .write_at(start * self.block_size, &bytes[i * size..(i + run) * size]);
+            if let Err(source) = written {
+                for &block in &blocks[i..] {
+                    self.meta.release(block, grant.generation);
+                }
+                return Err(Error::Io {
+                    what: format!(
+                        "writing received blocks {}..{}",
+                        first + i as u64,
+                        first + (i + run) as u64
+                    ),
+                    source,
+                });
+            }
+            for (k, &block) in blocks[i..i + run].iter().enumerate() {
+                let vblock = VirtualBlock::new(first + (i + k) as u64);
+                self.inserts.push((vblock, block));
+            }
+            i += run;
+        }
+        Ok(())
+    }
+
     fn write_block(&mut self, vblock: VirtualBlock, buf: &[u8]) -> Result<()> {
         let (block, grant) = self.meta.reserve()?;
         if *self.generation.get_or_insert(grant.generation) != grant.generation {
             self.meta.release(block, grant.generation);
             return Err(Error::ReadOnly { needs_check: true });
         }
-        self.inserts.push((vblock, block));
-        self.data
-            .write_at(block.get() * self.block_size, buf)
-            .map_err(|source| Error::Io {
+        // Mapped (kept by a checkpoint) only once written.
+        if let Err(source) = self.data.write_at(block.get() * self.block_size, buf) {
+            self.meta.release(block, grant.generation);
+            return Err(Error::Io {
                 what: format!("writing received block {vblock}"),
                 source,
-            })
+            });
+        }
+        self.inserts.push((vblock, block));
+        Ok(())
     }
 
     /// Make the volume, in one transaction (see the module doc). Refused, with nothing
@@ -310,7 +420,12 @@ impl VolumeReceiver {
                 "the base's content moved to another volume during the receive".to_string(),
             ));
         }
-        let id = change.catalog().free_id(&change.view().md()?.volumes())?;
+        let mut catalog = change.catalog().clone();
+        let staged = self.claim_staged(&mut catalog)?;
+        let id = match staged {
+            Some(id) => id,
+            None => catalog.free_id(&change.view().md()?.volumes())?,
+        };
         let entry = CatalogVolume {
             name: self.spec.name.clone(),
             id,
@@ -319,14 +434,14 @@ impl VolumeReceiver {
             origin: base_state.as_ref().map(|b| b.id()),
             content_id: Some(self.spec.content_id.clone()),
         };
-        let mut catalog = change.catalog().clone();
         catalog.volumes.push(entry.clone());
         let (inserts, removes) = (&self.inserts, &self.removes);
         let origin = entry.origin;
         change.commit_catalog(catalog, |md| {
-            match origin {
-                Some(origin) => md.create_snap(id, origin)?,
-                None => md.create_thin(id)?,
+            match (staged, origin) {
+                (Some(_), _) => {}
+                (None, Some(origin)) => md.create_snap(id, origin)?,
+                (None, None) => md.create_thin(id)?,
             }
             for &block in removes {
                 md.remove(id, block)?;
@@ -338,6 +453,10 @@ impl VolumeReceiver {
         })?;
         self.finished = true;
         let time = match &base_state {
+            _ if staged.is_some() => {
+                let details = change.view().md()?.details(id)?;
+                crate::engine::load::snapshot_time(&self.spec.name, &details)?
+            }
             Some(base) => {
                 let time = change.advance_time()?;
                 base.snapshotted_at(time);
@@ -367,8 +486,19 @@ impl Drop for VolumeReceiver {
 }
 
 /// [`check_spec_in`] on the current catalog.
-fn check_spec(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<String>> {
-    meta.read(|view| check_spec_in(view.catalog, spec))
+/// Refused too: a name a partial receive keeps (see `receive_partial`).
+pub(super) fn check_spec(meta: &Meta, spec: &ReceiveSpec) -> Result<Option<String>> {
+    meta.read(|view| {
+        if let Some(kept) = view.catalog.partial.iter().find(|p| p.name == spec.name) {
+            return Err(Error::BadStream(format!(
+                "a partial receive of {:?} is kept ({} of {} bytes of stream {}): resume it \
+                 (thinpool send --resume TOKEN, the token `thinpool receive --list-partial` \
+                 shows) or drop it (thinpool receive --abort {})",
+                kept.name, kept.offset, kept.size_bytes, kept.content_id, kept.name
+            )));
+        }
+        check_spec_in(view.catalog, spec)
+    })
 }
 
 /// Refuse a name in use, a content id already held (a replay) or an absent base; answers

@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! header   "THINSEND" version:u32 flags:u32 block_size:u64 size:u64 stream_id:[16]
-//!          base_id:[16] name_len:u32 name crc:u32          (crc of the header's bytes)
+//!          base_id:[16] name_len:u32 name [resume_offset:u64 if flag 2]
+//!          crc:u32                                        (crc of the header's bytes)
 //! record   kind:u32 offset:u64 length:u64 [payload: length bytes if data] crc:u32
 //!          kind 1 = data, 2 = hole (no payload: a hole is a length, never zeros)
 //! trailer  kind:u32 = 3  records:u64 payload_bytes:u64  crc:u32 (of the whole stream)
@@ -23,6 +24,8 @@ pub const DATA_RECORD_MAX: u64 = 1 << 20;
 const NAME_BYTES_MAX: u32 = 4096;
 
 const FLAG_INCREMENTAL: u32 = 1;
+/// A resumed stream (`send --resume`): its records start at the header's resume offset.
+const FLAG_RESUMED: u32 = 2;
 const KIND_DATA: u32 = 1;
 const KIND_HOLE: u32 = 2;
 const KIND_TRAILER: u32 = 3;
@@ -79,15 +82,28 @@ pub struct StreamWriter<W: Write> {
 impl<W: Write> StreamWriter<W> {
     /// Write `header` and return the writer for the records.
     pub fn new(inner: W, header: &Header) -> Result<StreamWriter<W>> {
+        Self::start(inner, header, None)
+    }
+
+    /// Write the header of a resumed stream, whose records start at byte `offset` of the
+    /// volume (what the receiver kept of the stream `header` names), and return the writer.
+    pub fn new_resumed(inner: W, header: &Header, offset: u64) -> Result<StreamWriter<W>> {
+        Self::start(inner, header, Some(offset))
+    }
+
+    fn start(inner: W, header: &Header, resume: Option<u64>) -> Result<StreamWriter<W>> {
         let name = header.name.as_bytes();
         let mut bytes = Vec::with_capacity(80 + name.len());
         bytes.extend_from_slice(&MAGIC);
         bytes.extend_from_slice(&VERSION.to_le_bytes());
-        let flags = if header.base_id.is_some() {
+        let mut flags = if header.base_id.is_some() {
             FLAG_INCREMENTAL
         } else {
             0
         };
+        if resume.is_some() {
+            flags |= FLAG_RESUMED;
+        }
         bytes.extend_from_slice(&flags.to_le_bytes());
         bytes.extend_from_slice(&header.block_size_bytes.to_le_bytes());
         bytes.extend_from_slice(&header.size_bytes.to_le_bytes());
@@ -95,6 +111,9 @@ impl<W: Write> StreamWriter<W> {
         bytes.extend_from_slice(header.base_id.unwrap_or_default().as_bytes());
         bytes.extend_from_slice(&(name.len() as u32).to_le_bytes());
         bytes.extend_from_slice(name);
+        if let Some(offset) = resume {
+            bytes.extend_from_slice(&offset.to_le_bytes());
+        }
         let crc = crc32c::crc32c(&bytes);
         bytes.extend_from_slice(&crc.to_le_bytes());
         let mut writer = StreamWriter {
@@ -175,6 +194,7 @@ pub struct StreamReader<R: Read> {
     /// Bytes read so far (for error messages).
     position: u64,
     ended: bool,
+    resume_offset: Option<u64>,
 }
 
 impl<R: Read> StreamReader<R> {
@@ -187,6 +207,7 @@ impl<R: Read> StreamReader<R> {
             payload_bytes: 0,
             position: 0,
             ended: false,
+            resume_offset: None,
         };
         let mut fixed = [0u8; 8 + 4 + 4 + 8 + 8 + 16 + 16 + 4];
         reader.take(&mut fixed, "the header")?;
@@ -201,14 +222,24 @@ impl<R: Read> StreamReader<R> {
         }
         let flags = u32_at(&fixed, 12);
         let name_len = u32_at(&fixed, 64);
-        if flags & !FLAG_INCREMENTAL != 0 || name_len > NAME_BYTES_MAX {
+        if flags & !(FLAG_INCREMENTAL | FLAG_RESUMED) != 0 || name_len > NAME_BYTES_MAX {
             return Err(bad("the stream's header is damaged (flags or name length)"));
         }
         let mut name = vec![0u8; name_len as usize];
         reader.take(&mut name, "the header")?;
+        let mut resume = [0u8; 8];
+        let resume = match flags & FLAG_RESUMED {
+            0 => &resume[..0],
+            _ => {
+                reader.take(&mut resume, "the header")?;
+                reader.resume_offset = Some(u64::from_le_bytes(resume));
+                &resume[..]
+            }
+        };
         let computed = reader.crc;
         let crc = reader.take_u32("the header")?;
-        if crc32c::crc32c_append(crc32c::crc32c(&fixed), &name) != crc || computed != crc {
+        let expected = crc32c::crc32c_append(crc32c::crc32c(&fixed), &name);
+        if crc32c::crc32c_append(expected, resume) != crc || computed != crc {
             return Err(bad("the stream's header checksum does not match"));
         }
         let id = |at: usize| uuid::Uuid::from_slice(&fixed[at..at + 16]).expect("16 bytes");
@@ -307,6 +338,11 @@ impl<R: Read> StreamReader<R> {
         }
         self.ended = true;
         Ok(Item::End { records })
+    }
+
+    /// For a resumed stream: the byte of the volume its records start at.
+    pub fn resume_offset(&self) -> Option<u64> {
+        self.resume_offset
     }
 
     /// Bytes read so far.
