@@ -8,9 +8,9 @@ use anyhow::Context;
 use std::io::Read;
 use std::process::ExitCode;
 
-use super::send::progress_bar;
 use crate::control::stream;
 use crate::pool_dir::{format_size, PoolArg};
+use crate::progress::{Bar, Unit};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -36,21 +36,21 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let mut input: Box<dyn Read> = match &args.input {
-        Some(path) => Box::new(
-            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?,
-        ),
-        None => Box::new(std::io::stdin().lock()),
-    };
-    let bar = progress_bar("received");
-    let volume = stream::receive(&dir, &args.name, &mut input, &mut |bytes| {
-        if let Some(bar) = &bar {
-            bar.set_position(bytes);
+    let (input, total): (Box<dyn Read>, _) = match &args.input {
+        Some(path) => {
+            let file = std::fs::File::open(path)
+                .with_context(|| format!("cannot open {}", path.display()))?;
+            let bytes = file.metadata().ok().map(|m| m.len());
+            (Box::new(file), bytes)
         }
-    });
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
+        None => (Box::new(std::io::stdin().lock()), None),
+    };
+    // The stream's bytes as read (out of the file's), whether the pool or its server
+    // takes them.
+    let bar = Bar::counting("receive", Unit::Bytes, total);
+    let mut input = bar.wrap_read(input);
+    let volume = stream::receive(&dir, &args.name, &mut input, &mut |_| {});
+    bar.finish();
     let volume = volume?;
     if args.json {
         println!("{}", serde_json::to_string(&volume)?);
