@@ -61,18 +61,7 @@ pub(super) fn print(
             .cloned()
             .unwrap_or_else(|| "NAME".to_string())
     };
-    let unix_uri = match tls {
-        None => format!(
-            "nbd+unix:///{}?socket={}",
-            uri_escape(&example),
-            socket.display()
-        ),
-        Some(_) => format!(
-            "nbds+unix:///{}?socket={}&tls-certificates={CLIENT_DIR}",
-            uri_escape(&example),
-            socket.display()
-        ),
-    };
+    let unix_uri = unix_uri(&example, &socket, tls);
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -110,6 +99,22 @@ pub(super) fn print(
     writeln!(out, "thinpool: ready (SIGINT or SIGTERM stops)")?;
     out.flush()?;
     Ok(())
+}
+
+/// The URI of export `example` on the Unix socket `socket`.
+fn unix_uri(example: &str, socket: &Path, tls: Option<BannerTls>) -> String {
+    match tls {
+        None => format!(
+            "nbd+unix:///{}?socket={}",
+            uri_escape(example),
+            socket.display()
+        ),
+        Some(_) => format!(
+            "nbds+unix:///{}?socket={}&tls-certificates={CLIENT_DIR}",
+            uri_escape(example),
+            socket.display()
+        ),
+    }
 }
 
 /// The commands that connect to export `example`: on the Unix socket (`unix_uri`), and on
