@@ -31,7 +31,8 @@
 //! the point where its mappings are durable. `--quick` shrinks every size but takes 15 pairs
 //! per row (the full run 5 larger ones), so the whole run aims at under 30 s and its ratios are
 //! stable enough to compare between runs on an idle machine: check the `spread` column. Results go to stdout as a table, or as
-//! JSON with `--json`; progress goes to stderr.
+//! JSON with `--json`; progress goes to stderr: a line per step, and one per row as it is
+//! measured.
 //!
 //! `thinpool-bench vhost` ([`vhost`]) is the vhost-user-blk comparison: direct `pread`,
 //! qemu-storage-daemon's vhost-user-blk export, the thin volume over vhost-user-blk and over
@@ -288,35 +289,74 @@ fn run_sections(args: &Args, dir: &BenchDir, sizes: &Sizes) -> anyhow::Result<Ve
             .is_none_or(|only| section.starts_with(only.as_str()))
     };
     if wanted("reads") {
-        rows.extend(reads::random(dir, sizes).context("random reads")?);
-        rows.extend(reads::sequential(dir, sizes).context("sequential reads")?);
+        finished(
+            &mut rows,
+            reads::random(dir, sizes).context("random reads")?,
+        );
+        finished(
+            &mut rows,
+            reads::sequential(dir, sizes).context("sequential reads")?,
+        );
     }
     if wanted("reads") && dir.devices.is_none() {
-        rows.extend(reads::counted(dir, sizes).context("reads with metrics")?);
+        finished(
+            &mut rows,
+            reads::counted(dir, sizes).context("reads with metrics")?,
+        );
     }
     if dir.devices.is_some() {
         progress("block devices: only the read comparisons run");
     } else {
         if wanted("writes") {
-            rows.extend(writes::first_and_over(dir, sizes).context("first writes")?);
-            rows.extend(writes::sharing(dir, sizes).context("writes breaking sharing")?);
+            finished(
+                &mut rows,
+                writes::first_and_over(dir, sizes).context("first writes")?,
+            );
+            finished(
+                &mut rows,
+                writes::sharing(dir, sizes).context("writes breaking sharing")?,
+            );
         }
         if wanted("cow") {
-            rows.extend(cow::run(dir, sizes).context("copy-on-write writes")?);
+            finished(
+                &mut rows,
+                cow::run(dir, sizes).context("copy-on-write writes")?,
+            );
         }
         if wanted("mappings") {
-            rows.extend(mappings::run(dir, sizes).context("large volumes")?);
+            finished(
+                &mut rows,
+                mappings::run(dir, sizes).context("large volumes")?,
+            );
         }
         if wanted("diff") {
-            rows.extend(diff::run(dir, sizes).context("diffs")?);
+            finished(&mut rows, diff::run(dir, sizes).context("diffs")?);
         }
         // At full size the scale section provisions 10M mappings (about 2.5 minutes, 1.4 GiB
         // of metadata): only when asked for by name; --quick runs it small.
         if wanted("scale") && (args.quick || args.only.is_some()) {
-            rows.extend(scale::run(dir, sizes).context("scale")?);
+            finished(&mut rows, scale::run(dir, sizes).context("scale")?);
         }
     }
     Ok(rows)
+}
+
+/// Appends a section's rows to `rows`, with a progress line for each (a line per row as it
+/// is measured: a long run is never silent between sections).
+fn finished(rows: &mut Vec<Row>, new: Vec<Row>) {
+    for (index, row) in new.iter().enumerate() {
+        progress(&format!(
+            "row {}: {} ({} vs {} {}, ratio {}, spread {:.1}%)",
+            rows.len() + index + 1,
+            row.name,
+            report::figure(row.a),
+            report::figure(row.b),
+            row.unit,
+            report::figure(row.ratio),
+            row.spread * 100.0
+        ));
+    }
+    rows.extend(new);
 }
 
 /// A progress line on stderr.

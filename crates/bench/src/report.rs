@@ -115,7 +115,7 @@ pub fn quantile(samples: &[f64], q: f64) -> f64 {
 }
 
 /// A number with about four significant digits.
-fn figure(x: f64) -> String {
+pub(crate) fn figure(x: f64) -> String {
     let magnitude = x.abs();
     if magnitude >= 1000.0 {
         format!("{x:.0}")

@@ -114,6 +114,11 @@ fn only_cow_with_a_write_size_runs_that_section_alone() {
         names.iter().all(|n| n.contains("copy-on-write")),
         "{names:?}"
     );
+    // A progress line on stderr for each row as it is measured, in order (issue 25 item 3).
+    for (index, name) in names.iter().enumerate() {
+        let line = format!("bench: row {}: {name} (", index + 1);
+        assert!(stderr.contains(&line), "no {line:?} in {stderr}");
+    }
     // Not a whole number of 64 KiB blocks: refused before anything runs.
     let output = run("100K");
     assert!(!output.status.success());

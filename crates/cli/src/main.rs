@@ -11,6 +11,7 @@
 
 mod commands;
 mod man;
+mod progress;
 
 use thinpool_daemon::{control, logging, pool_dir};
 
@@ -42,6 +43,21 @@ struct Cli {
     /// after it [default: $THINPOOL_POOL, else ./thinpool-pool].
     #[arg(long = "pool", value_name = "DIR", global = true)]
     pool: Option<PathBuf>,
+    /// Progress of long operations on stderr: auto (when stderr is a terminal), always or
+    /// never; `--progress` alone is always. Never on stdout.
+    #[arg(
+        long = "progress",
+        value_name = "WHEN",
+        global = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "always",
+        default_value = "auto"
+    )]
+    progress: progress::When,
+    /// Draw no progress (`--progress=never`).
+    #[arg(long = "no-progress", global = true, conflicts_with = "progress")]
+    no_progress: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -185,6 +201,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     let cli = parse();
+    progress::init(if cli.no_progress {
+        progress::When::Never
+    } else {
+        cli.progress
+    });
     let result = match cli.command {
         Command::Check(args) => commands::check::run(args),
         Command::Dump(args) => commands::dump::run(args),

@@ -3,7 +3,9 @@
 //! `tls-creds-x509` object) read and write through TLS; under `--tls=require` a plaintext
 //! client is refused with `NBD_REP_ERR_TLS_REQD` while the server goes on serving others;
 //! under `--tls-verify-peer` a client whose certificate another CA signed, or that has none,
-//! is refused; `--tls=on` lets both kinds in; bad certificate directories stop start-up.
+//! is refused; `--tls=on` lets both kinds in; bad certificate directories stop start-up;
+//! the start-up banner's connect commands use TLS (none plaintext under `--tls=require`)
+//! and work once given the client's certificate directory.
 //!
 //! Method: certificates made in the test with `openssl` (a CA, a server certificate for
 //! 127.0.0.1 and localhost, a client certificate, and a second CA with a client certificate
@@ -266,7 +268,48 @@ fn require_with_verified_peers_serves_tls_clients_and_refuses_the_rest() {
 
     // The refusals left the server serving.
     nbdinfo_ok(&tls_uri(&served, "vol", &certificates.client));
+    // The banner's commands connect (TLS, with the client's directory), none plaintext.
+    run_banner_commands(&served.banner, &certificates.client, true, 16 << 20);
     assert!(served.stop().success());
+}
+
+/// Runs the `nbdinfo` and `qemu-img` commands of `serve`'s start-up banner (issue 25 item
+/// 8: under `--tls=require` it printed plaintext URIs, which the server then refused), with
+/// the client's certificate directory `client` for its placeholder; under `required`, no
+/// command may be plaintext. Each must show the export's size, `size_bytes`.
+fn run_banner_commands(banner: &str, client: &Path, required: bool, size_bytes: u64) {
+    let start = banner
+        .find("connect with")
+        .expect("the banner's connect lines");
+    let end = banner
+        .find("manage with")
+        .expect("the banner's management line");
+    let section = banner[start..end].replace("\\\n", " ");
+    assert!(section.contains("CLIENT-TLS-DIR"), "{section}");
+    if required {
+        assert!(
+            !section.contains("nbd://") && !section.contains("nbd+unix://"),
+            "a plaintext URI in the banner of --tls=require:\n{section}"
+        );
+        assert!(section.contains("TLS is required"), "{section}");
+    }
+    let section = section.replace("CLIENT-TLS-DIR", client.to_str().unwrap());
+    let commands: Vec<&str> = section
+        .lines()
+        .map(str::trim)
+        .filter(|line| line.starts_with("nbdinfo ") || line.starts_with("qemu-img "))
+        .collect();
+    assert!(commands.len() >= 3, "{section}");
+    for command in commands {
+        let output = run_tool("bash", &["-e", "-c", command], TOOL_TIMEOUT);
+        assert!(
+            output.status.success(),
+            "the banner's `{command}` failed:\n{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        assert!(stdout.contains(&size_bytes.to_string()), "{stdout}");
+    }
 }
 
 #[test]
@@ -329,6 +372,7 @@ fn on_lets_plaintext_and_tls_clients_in() {
         stderr.contains("server-key.pem has mode 644"),
         "no warning for a readable key:\n{stderr}"
     );
+    run_banner_commands(&served.banner, &certificates.anonymous, false, 8 << 20);
     assert!(served.stop().success());
 }
 

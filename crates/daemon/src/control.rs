@@ -98,6 +98,16 @@ use protocol::{read_line, Line, Response};
 /// its control socket if a server does. The outer error is a failure to reach the pool; the
 /// inner one is the pool's answer.
 pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
+    perform_as(dir, request, &|target| target.execute(request))
+}
+
+/// [`perform`], carrying `request` out with `offline` when no server holds the pool (e.g.
+/// [`Target::trim`], which counts its progress); a served pool gets `request` itself.
+pub fn perform_as(
+    dir: &PoolDir,
+    request: &Request,
+    offline: &dyn Fn(&Target) -> Result<Outcome, OpError>,
+) -> anyhow::Result<Result<Outcome, OpError>> {
     dir.require_pool()?;
     crate::restored::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
@@ -109,7 +119,7 @@ pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcom
                 reserved_names: Vec::new(),
                 served: None,
             };
-            let result = target.execute(request);
+            let result = offline(&target);
             target
                 .pool
                 .close()

@@ -297,7 +297,7 @@ impl Serving {
             metrics_listener,
             pid_file,
         };
-        serving.announce(&dir, args.read_only, tcp.exports.as_deref())?;
+        serving.announce(&dir, args, tcp.exports.as_deref())?;
         Ok(serving)
     }
 
@@ -325,9 +325,10 @@ impl Serving {
     fn announce(
         &self,
         dir: &PoolDir,
-        read_only: bool,
+        args: &Args,
         tcp_exports: Option<&[String]>,
     ) -> anyhow::Result<()> {
+        let read_only = args.read_only;
         banner::print(
             dir,
             &self.pool,
@@ -335,6 +336,7 @@ impl Serving {
             &self.control_socket,
             self.tcp.map(|bound| (bound, tcp_exports)),
             self.metrics,
+            args.tls.banner(),
         )?;
         let volumes: Vec<String> = self.pool.list().into_iter().map(|info| info.name).collect();
         tracing::info!(

@@ -19,6 +19,7 @@ mod error;
 pub mod format;
 mod ids;
 pub mod owner;
+pub mod progress;
 pub mod stream;
 #[cfg(feature = "testing")]
 pub mod testing;

@@ -4,8 +4,8 @@
 //!
 //! Output, as thin_check 1.1.0: the phases ("device details tree", ...) and every problem
 //! on stderr, then `TRANSACTION_ID=` and `METADATA_FREE_BLOCKS=` on stdout; `-q` silences
-//! both. When stderr is a terminal and the metadata is large, a progress bar replaces the
-//! phase lines.
+//! both. A progress bar (`crate::progress`) replaces the phase lines when stderr is a
+//! terminal and the metadata is large, or whenever `--progress` is given.
 //!
 //! Leaks, as thin_check 1.1.0 (what LVM's `thin_check -q --clear-needs-check-flag` at
 //! activation relies on): blocks with a stored count that nothing references are non-fatal;
@@ -18,15 +18,15 @@
 
 use anyhow::Context;
 use persistent_data::{BlockDevice, FileDevice};
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 use thin_pool::format::check::{self, CheckOptions, LeafOccupancy, Phase, Progress, Report, Rule};
 use thin_pool::PoolMetadata;
 
 use super::{ToolsVersion, ToolsVersionFlag};
+use crate::progress::{Bar, Unit};
 
 /// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).
 const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
@@ -237,25 +237,22 @@ fn clear_needs_check(path: &std::path::Path) -> anyhow::Result<()> {
         .with_context(|| format!("clearing the needs_check flag of {}", path.display()))
 }
 
-/// Phase lines (like thin_check) or, on a terminal for large metadata, a progress bar.
+/// Phase lines (like thin_check) or a progress bar: on a terminal for large metadata, or
+/// always with `--progress`.
 struct Display {
     quiet: bool,
-    terminal: bool,
-    bar: bool,
     started: bool,
     phase: Option<Phase>,
-    last_draw: Option<Instant>,
+    bar: Option<Bar>,
 }
 
 impl Display {
     fn new(quiet: bool) -> Display {
         Display {
             quiet,
-            terminal: std::io::stderr().is_terminal(),
-            bar: false,
             started: false,
             phase: None,
-            last_draw: None,
+            bar: None,
         }
     }
 
@@ -263,47 +260,35 @@ impl Display {
         if self.quiet || progress.phase == Phase::Superblock {
             return;
         }
-        let mut stderr = std::io::stderr().lock();
         if !self.started {
             self.started = true;
-            self.bar = self.terminal && progress.total_blocks >= PROGRESS_BAR_MIN_BLOCKS;
-            if !self.bar {
-                let _ = writeln!(stderr, "Checking thin metadata");
+            let large = progress.total_blocks >= PROGRESS_BAR_MIN_BLOCKS;
+            if crate::progress::shown() && (large || crate::progress::forced()) {
+                self.bar = Some(Bar::counting("check", Unit::Blocks, Some(0)));
+            } else {
+                eprintln!("Checking thin metadata");
             }
         }
         let new_phase = self.phase != Some(progress.phase);
         self.phase = Some(progress.phase);
-        if !self.bar {
-            if new_phase {
-                let _ = writeln!(stderr, "{}", progress.phase);
+        match &self.bar {
+            Some(bar) => {
+                if new_phase {
+                    bar.set_message(progress.phase.to_string());
+                }
+                bar.set(
+                    progress.done_blocks,
+                    progress.total_blocks.max(progress.done_blocks),
+                );
             }
-            return;
+            None if new_phase => eprintln!("{}", progress.phase),
+            None => {}
         }
-        let due = self
-            .last_draw
-            .is_none_or(|t| t.elapsed() >= Duration::from_millis(100));
-        if !(new_phase || due) {
-            return;
-        }
-        self.last_draw = Some(Instant::now());
-        const WIDTH: u64 = 40;
-        let total = progress.total_blocks.max(1);
-        let done = progress.done_blocks.min(total);
-        let filled = done * WIDTH / total;
-        let _ = write!(
-            stderr,
-            "\r\x1b[2K{:<20} [{}{}] {:>3}%",
-            progress.phase.to_string(),
-            "#".repeat(filled as usize),
-            " ".repeat((WIDTH - filled) as usize),
-            done * 100 / total
-        );
-        let _ = stderr.flush();
     }
 
     fn finish(&mut self) {
-        if self.bar {
-            let _ = write!(std::io::stderr(), "\r\x1b[2K");
+        if let Some(bar) = self.bar.take() {
+            bar.finish();
         }
     }
 }

@@ -12,7 +12,9 @@
 //! A diff changes nothing, so a pool no server holds is opened read-only: no check of the
 //! whole metadata first (its cost would dwarf the diff's), no commit at the end. Damaged
 //! metadata still gives an error, never a wrong answer or a hang (the walk checks every node
-//! it reads). A served pool answers through its control socket.
+//! it reads). A served pool answers through its control socket. Progress
+//! (`crate::progress`): a spinner with the time taken (the walk's cost follows the
+//! difference, which is not known before it ends).
 
 use anyhow::Context;
 use std::io::Write;
@@ -21,6 +23,7 @@ use std::process::ExitCode;
 use crate::control::diff::DiffRecord;
 use crate::control::{self, OpError, Outcome, Request, Target};
 use crate::pool_dir::{format_size, table, PoolArg, PoolDir, StoredOptions};
+use crate::progress::Bar;
 use thin_pool::Pool;
 
 /// Output forms.
@@ -78,7 +81,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         target: args.target.clone(),
         list_same: format == Format::Xml,
     };
-    let record = match ask(&dir, &request).with_context(|| {
+    let bar = Bar::spinner("diff", "comparing the volumes");
+    let answer = ask(&dir, &request);
+    bar.finish();
+    let record = match answer.with_context(|| {
         format!(
             "cannot compare volumes {:?} and {:?}",
             args.base, args.target

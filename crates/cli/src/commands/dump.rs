@@ -4,19 +4,27 @@
 //! Errors exit with status 64, like the 1.x tools. `--repair` dumps what can be recovered
 //! from damaged metadata (`thin_pool::format::repair`: every trusted mapping, devices
 //! expanded, no `<def>`s), with the superblock overrides when the superblock is damaged.
+//! Progress (`crate::progress`, not with `-q`): the mapped blocks written so far.
 
 use anyhow::Context;
 use persistent_data::{FileDevice, MetadataBlock};
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use thin_pool::format::dump::metadata::{self, DumpOptions, Source};
-use thin_pool::format::dump::{DumpVisitor, Flavour, HumanWriter, XmlWriter};
+use thin_pool::format::dump::{
+    DeviceInfo, DumpVisitor, Error as DumpError, Flavour, HumanWriter, Mapping, SuperblockInfo,
+    XmlWriter,
+};
 use thin_pool::format::repair::{self, RepairOptions};
 
 use super::{tools_exit, SuperblockOverrides, ToolsVersion, ToolsVersionFlag};
+use crate::progress::{Bar, Unit};
+
+/// Mapping runs written between two updates of the progress bar.
+const RUNS_PER_UPDATE: u64 = 1024;
 
 /// Output format.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,20 +124,91 @@ fn dump_file(args: &Args) -> anyhow::Result<()> {
         )),
         None => Box::new(BufWriter::new(std::io::stdout().lock())),
     };
-    let mut visitor: Box<dyn DumpVisitor> = match args.format {
+    let mut writer: Box<dyn DumpVisitor> = match args.format {
         Format::Xml => Box::new(XmlWriter::with_flavour(output, options.flavour)),
         Format::HumanReadable => Box::new(HumanWriter::with_flavour(output, options.flavour)),
     };
+    // Not over a dump printed on the same terminal.
+    let on_terminal = args.output.is_none() && std::io::stdout().is_terminal();
+    let bar = match args.quiet || on_terminal {
+        true => Bar::hidden(),
+        false => Bar::counting("dump", Unit::Mappings, None),
+    };
+    let mut counted;
+    let visitor: &mut dyn DumpVisitor = if bar.is_shown() {
+        counted = Counted {
+            inner: writer.as_mut(),
+            bar: &bar,
+            blocks: 0,
+            runs: 0,
+        };
+        &mut counted
+    } else {
+        writer.as_mut()
+    };
+    let dumped = dump_to(args, device, &options, visitor);
+    bar.finish();
+    dumped
+}
+
+fn dump_to(
+    args: &Args,
+    device: FileDevice,
+    options: &DumpOptions,
+    visitor: &mut dyn DumpVisitor,
+) -> anyhow::Result<()> {
     if args.repair {
         let options = RepairOptions {
             transaction_id: args.overrides.transaction_id,
             data_block_size_sectors: args.overrides.data_block_size,
             data_block_count: args.overrides.nr_data_blocks,
         };
-        repair::recover(Arc::new(device), &options, visitor.as_mut())
+        repair::recover(Arc::new(device), &options, visitor)
             .with_context(|| format!("recovering {}", args.input.display()))?;
         return Ok(());
     }
-    metadata::dump(Arc::new(device), &options, visitor.as_mut())
+    metadata::dump(Arc::new(device), options, visitor)
         .with_context(|| format!("dumping {}", args.input.display()))
+}
+
+/// A visitor that counts the mapped blocks going through to `inner` into `bar` (every
+/// [`RUNS_PER_UPDATE`] runs, so the writer's loop pays an addition per run).
+struct Counted<'a> {
+    inner: &'a mut dyn DumpVisitor,
+    bar: &'a Bar,
+    blocks: u64,
+    runs: u64,
+}
+
+impl DumpVisitor for Counted<'_> {
+    fn superblock_begin(&mut self, superblock: &SuperblockInfo) -> Result<(), DumpError> {
+        self.inner.superblock_begin(superblock)
+    }
+    fn superblock_end(&mut self) -> Result<(), DumpError> {
+        self.bar.set_position(self.blocks);
+        self.inner.superblock_end()
+    }
+    fn def_begin(&mut self, name: &str) -> Result<(), DumpError> {
+        self.inner.def_begin(name)
+    }
+    fn def_end(&mut self) -> Result<(), DumpError> {
+        self.inner.def_end()
+    }
+    fn device_begin(&mut self, device: &DeviceInfo) -> Result<(), DumpError> {
+        self.inner.device_begin(device)
+    }
+    fn device_end(&mut self) -> Result<(), DumpError> {
+        self.inner.device_end()
+    }
+    fn mapping(&mut self, mapping: &Mapping) -> Result<(), DumpError> {
+        self.blocks += mapping.length;
+        self.runs += 1;
+        if self.runs.is_multiple_of(RUNS_PER_UPDATE) {
+            self.bar.set_position(self.blocks);
+        }
+        self.inner.mapping(mapping)
+    }
+    fn reference(&mut self, name: &str) -> Result<(), DumpError> {
+        self.inner.reference(name)
+    }
 }

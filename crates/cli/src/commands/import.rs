@@ -8,7 +8,8 @@
 //! ID:NAME:SIZE` gives a volume its name and size; a volume without one is sized to its
 //! highest mapped block, and the command says so. The import's open rewrites metadata
 //! blocks (same content) but changes no mapping, so the pool can go back to the kernel
-//! (`docs/lvm.md`).
+//! (`docs/lvm.md`). Progress (`crate::progress`): the check's metadata blocks, then a
+//! spinner while the imported pool opens (which checks it again).
 
 use anyhow::{bail, Context};
 use std::collections::BTreeMap;
@@ -24,6 +25,7 @@ use thin_pool::VolumeId;
 use thin_pool::{Pool, PoolMetadata};
 
 use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg, PoolDir, StoredOptions};
+use crate::progress::{Bar, Unit};
 
 /// Problems of a failed check shown in the refusal (`thinpool check` gives them all).
 const PROBLEMS_SHOWN: usize = 5;
@@ -106,8 +108,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     // (removed, if this made it).
     let opened = read_pool(&devices, &specs).and_then(|catalog| {
         write_directory(&dir, &devices, &catalog)?;
-        Pool::open(&dir.path, StoredOptions::default().pool_options())
-            .context("the imported pool does not open")
+        let bar = Bar::spinner("import", "opening the imported pool");
+        let pool = Pool::open(&dir.path, StoredOptions::default().pool_options());
+        bar.finish();
+        pool.context("the imported pool does not open")
     });
     let pool = match opened {
         Ok(pool) => pool,
@@ -205,7 +209,13 @@ fn require_passing_check(
     data_size_bytes: u64,
     metadata_path: &std::path::Path,
 ) -> anyhow::Result<()> {
-    let report = thin_pool::format::check::check_before_open(metadata.clone(), data_size_bytes);
+    let bar = Bar::counting("import: check", Unit::Blocks, None);
+    let report = thin_pool::format::check::check_before_open_with_progress(
+        metadata.clone(),
+        data_size_bytes,
+        &mut |progress| bar.set(progress.done_blocks, progress.total_blocks),
+    );
+    bar.finish();
     if !report.passes(true) {
         let mut findings = String::new();
         for problem in report.problems.iter().take(PROBLEMS_SHOWN) {

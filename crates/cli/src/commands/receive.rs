@@ -10,10 +10,10 @@ use anyhow::Context;
 use std::io::Read;
 use std::process::ExitCode;
 
-use super::send::progress_bar;
 use crate::control::stream;
 use crate::control::{ask, Outcome, Request};
 use crate::pool_dir::{format_size, PoolArg};
+use crate::progress::{Bar, Unit};
 use thin_pool::stream::ReceiveOptions;
 
 /// Arguments.
@@ -69,28 +69,28 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("dropped the partial receive {name}");
         return Ok(ExitCode::SUCCESS);
     }
-    let mut input: Box<dyn Read> = match &args.input {
-        Some(path) => Box::new(
-            std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?,
-        ),
+    let (input, total): (Box<dyn Read>, _) = match &args.input {
+        Some(path) => {
+            let file = std::fs::File::open(path)
+                .with_context(|| format!("cannot open {}", path.display()))?;
+            let bytes = file.metadata().ok().map(|m| m.len());
+            (Box::new(file), bytes)
+        }
         None => {
             stream::widen_pipe(std::io::stdin());
-            Box::new(std::io::stdin().lock())
+            (Box::new(std::io::stdin().lock()), None)
         }
     };
-    let bar = progress_bar("received");
+    // The stream's bytes as read (out of the file's), whether the pool or its server
+    // takes them.
+    let bar = Bar::counting("receive", Unit::Bytes, total);
+    let mut input = bar.wrap_read(input);
     let options = args.resumable.then_some(ReceiveOptions {
         checkpoint_bytes: args.checkpoint.max(1),
     });
     let volume =
-        stream::receive_resumable(&dir, &name, options.as_ref(), &mut input, &mut |bytes| {
-            if let Some(bar) = &bar {
-                bar.set_position(bytes);
-            }
-        });
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
-    }
+        stream::receive_resumable(&dir, &name, options.as_ref(), &mut input, &mut |_| {});
+    bar.finish();
     let volume = volume?;
     if args.json {
         println!("{}", serde_json::to_string(&volume)?);

@@ -2,7 +2,8 @@
 //! `thin_restore` 1.1.0 (see `thin_pool::format::restore` for what is written).
 //!
 //! Like `thin_restore`, the output (file or device) must already exist: its size becomes
-//! the metadata size. Errors exit with status 64, like the 1.x tools.
+//! the metadata size. Errors exit with status 64, like the 1.x tools. Progress
+//! (`crate::progress`, not with `-q`): the bytes of the XML read, out of its size.
 //!
 //! Restored pools: dm-thin metadata holds no volume names or sizes (LVM keeps them), so a
 //! pool directory whose `metadata` was restored here or by LVM's `thin_restore` gets a
@@ -24,6 +25,7 @@ use thin_pool::format::restore::{self, RestoreOptions};
 use thin_pool::METADATA_FILE;
 
 use super::{tools_exit, SuperblockOverrides, ToolsVersionFlag};
+use crate::progress::{Bar, Unit};
 use thinpool_daemon::restored::{has_catalog, write_restored_catalog};
 
 /// Arguments (those of `thin_restore`).
@@ -79,7 +81,21 @@ fn restore_file(args: &Args) -> anyhow::Result<()> {
         data_block_count: args.overrides.nr_data_blocks,
         ..RestoreOptions::default()
     };
-    restore::restore(BufReader::new(input), Arc::new(device), &options).with_context(|| {
+    let bar = match args.quiet {
+        true => Bar::hidden(),
+        false => Bar::counting(
+            "restore",
+            Unit::Bytes,
+            input.metadata().ok().map(|m| m.len()),
+        ),
+    };
+    let restored = restore::restore(
+        BufReader::new(bar.wrap_read(input)),
+        Arc::new(device),
+        &options,
+    );
+    bar.finish();
+    restored.with_context(|| {
         format!(
             "restoring {} to {}",
             args.input.display(),

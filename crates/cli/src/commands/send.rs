@@ -2,16 +2,15 @@
 //! (`thin_pool::stream`, docs/send-stream.md) on stdout or a file: every mapped extent, or
 //! with `--base` only what changed since BASE (the diff walk, whose cost follows the
 //! change). Through the control socket when the pool is served: the snapshot's committed
-//! data is read while clients keep writing its origin. Progress on stderr when it is a
-//! terminal.
+//! data is read while clients keep writing its origin. Progress on stderr (`crate::progress`).
 
 use anyhow::{bail, Context};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
-use std::time::Duration;
 
 use crate::control::stream;
 use crate::pool_dir::PoolArg;
+use crate::progress::{Bar, Unit};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -45,23 +44,6 @@ pub struct Args {
     pool: PoolArg,
 }
 
-/// A progress line on stderr (bytes, rate) when stderr is a terminal.
-pub(crate) fn progress_bar(what: &'static str) -> Option<indicatif::ProgressBar> {
-    if !std::io::stderr().is_terminal() {
-        return None;
-    }
-    let bar = indicatif::ProgressBar::new_spinner();
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{spinner} {prefix} {bytes} ({bytes_per_sec}) {elapsed}",
-        )
-        .expect("a valid template"),
-    );
-    bar.set_prefix(what);
-    bar.enable_steady_tick(Duration::from_millis(200));
-    Some(bar)
-}
-
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
@@ -78,22 +60,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             Box::new(std::io::stdout().lock())
         }
     };
-    let bar = progress_bar("sent");
+    let bar = Bar::counting("send", Unit::Bytes, None);
     let bytes = stream::send_resumed(
         &dir,
         &args.snapshot,
         args.base.as_deref(),
         args.resume.as_deref(),
         &mut out,
-        &mut |bytes| {
-            if let Some(bar) = &bar {
-                bar.set_position(bytes);
-            }
-        },
+        &mut |bytes| bar.set_position(bytes),
     )?;
     out.flush().context("writing the stream")?;
-    if let Some(bar) = bar {
-        bar.finish_and_clear();
+    if bar.is_shown() {
+        bar.finish();
         eprintln!("sent {} ({bytes} bytes of stream)", args.snapshot);
     }
     Ok(ExitCode::SUCCESS)

@@ -1,12 +1,15 @@
 //! `thinpool trim`: give every free data block back to the host (punch holes in the data
 //! file), as `thin_trim` does; through the control socket when the pool is served, so it runs
-//! while clients write.
+//! while clients write. Progress (`crate::progress`): data blocks looked at, offline; a
+//! spinner while a server trims (it answers at the end).
 
 use anyhow::bail;
 use std::process::ExitCode;
 
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, PoolArg};
+use crate::progress::{Bar, Unit};
+use thin_pool::progress::Progress;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -25,7 +28,16 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let bytes = match control::ask(&dir, &Request::Trim)? {
+    let progress = Progress::new();
+    let bar = Bar::spinner("trim", "");
+    let answer = bar.follow(&progress, || {
+        control::perform_as(&dir, &Request::Trim, &|target| {
+            bar.count(Unit::Blocks, true);
+            target.trim(&progress)
+        })
+    });
+    bar.finish();
+    let bytes = match answer?? {
         Outcome::Trimmed(bytes) => bytes,
         other => bail!("unexpected answer: {other:?}"),
     };

@@ -39,6 +39,16 @@ impl Target {
         result
     }
 
+    /// [`Request::Trim`] (as [`Target::execute`] carries it out), counting the data blocks
+    /// looked at in `progress`.
+    pub fn trim(&self, progress: &thin_pool::progress::Progress) -> Result<Outcome, OpError> {
+        let result = self
+            .refuse_if_read_only()
+            .and_then(|()| Ok(Outcome::Trimmed(self.pool.trim_with_progress(progress)?)));
+        super::log::management(&Request::Trim, &result);
+        result
+    }
+
     /// A pool opened read-only (`serve --read-only`) takes no management operation: say so
     /// before the engine refuses it less clearly.
     pub(super) fn refuse_if_read_only(&self) -> Result<(), OpError> {

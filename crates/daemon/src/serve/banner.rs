@@ -1,5 +1,8 @@
 //! The banner `serve` prints on stdout once it listens: the pool, its sockets, and the
-//! commands that connect to it.
+//! commands that connect to it. With TLS those commands use TLS (`nbds+unix://`,
+//! `nbds://`, qemu's `tls-creds-x509` object) with the placeholder [`CLIENT_DIR`] for the
+//! client's certificate directory; under `--tls=require` no plaintext command is printed
+//! (the server refuses them).
 
 use std::io::Write;
 use std::net::SocketAddr;
@@ -9,6 +12,19 @@ use thin_pool::Pool;
 
 use crate::export::DEFAULT_VOLUME;
 use crate::pool_dir::PoolDir;
+
+/// What the banner's commands name the client's certificate directory (`ca-cert.pem`, and
+/// `client-cert.pem` with `client-key.pem` when the server verifies peers).
+pub const CLIENT_DIR: &str = "CLIENT-TLS-DIR";
+
+/// TLS as the banner shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct BannerTls {
+    /// `--tls=require`: plaintext clients are refused.
+    pub required: bool,
+    /// `--tls-verify-peer`: clients need a certificate of their own.
+    pub verify_peer: bool,
+}
 
 /// Percent-encodes an export name for the path of an NBD URI.
 fn uri_escape(name: &str) -> String {
@@ -31,6 +47,7 @@ pub(super) fn print(
     control_socket: &Path,
     tcp: Option<(SocketAddr, Option<&[String]>)>,
     metrics: Option<SocketAddr>,
+    tls: Option<BannerTls>,
 ) -> anyhow::Result<()> {
     let absolute = |path: &Path| std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
     let pool_path = absolute(&dir.path);
@@ -44,11 +61,7 @@ pub(super) fn print(
             .cloned()
             .unwrap_or_else(|| "NAME".to_string())
     };
-    let unix_uri = format!(
-        "nbd+unix:///{}?socket={}",
-        uri_escape(&example),
-        socket.display()
-    );
+    let unix_uri = unix_uri(&example, &socket, tls);
     let mut out = std::io::stdout().lock();
     writeln!(
         out,
@@ -77,7 +90,7 @@ pub(super) fn print(
     if let Some(address) = metrics {
         writeln!(out, "  metrics:        http://{address}/metrics")?;
     }
-    connect_lines(&mut out, &example, &unix_uri, tcp)?;
+    connect_lines(&mut out, &example, &unix_uri, tcp, tls, &socket)?;
     writeln!(
         out,
         "manage with: thinpool volume create|snapshot|delete|resize ... --pool {}",
@@ -88,6 +101,22 @@ pub(super) fn print(
     Ok(())
 }
 
+/// The URI of export `example` on the Unix socket `socket`.
+fn unix_uri(example: &str, socket: &Path, tls: Option<BannerTls>) -> String {
+    match tls {
+        None => format!(
+            "nbd+unix:///{}?socket={}",
+            uri_escape(example),
+            socket.display()
+        ),
+        Some(_) => format!(
+            "nbds+unix:///{}?socket={}&tls-certificates={CLIENT_DIR}",
+            uri_escape(example),
+            socket.display()
+        ),
+    }
+}
+
 /// The commands that connect to export `example`: on the Unix socket (`unix_uri`), and on
 /// TCP if served (an export TCP serves).
 fn connect_lines(
@@ -95,10 +124,19 @@ fn connect_lines(
     example: &str,
     unix_uri: &str,
     tcp: Option<(SocketAddr, Option<&[String]>)>,
+    tls: Option<BannerTls>,
+    socket: &Path,
 ) -> std::io::Result<()> {
     writeln!(out, "connect with (every volume is an export of its name):")?;
     writeln!(out, "  nbdinfo '{unix_uri}'")?;
-    writeln!(out, "  qemu-img info '{unix_uri}'")?;
+    match tls {
+        None => writeln!(out, "  qemu-img info '{unix_uri}'")?,
+        Some(_) => writeln!(
+            out,
+            "  qemu-img info --object tls-creds-x509,id=tls0,endpoint=client,dir={CLIENT_DIR} \\\n      --image-opts driver=nbd,server.type=unix,server.path={},export={example},tls-creds=tls0,tls-hostname=localhost",
+            socket.display()
+        )?,
+    }
     writeln!(
         out,
         "  mkdir -p /tmp/{0} && nbdfuse /tmp/{0} '{unix_uri}'",
@@ -113,11 +151,31 @@ fn connect_lines(
             SocketAddr::V6(v6) => format!("[{}]", v6.ip()),
             SocketAddr::V4(v4) => v4.ip().to_string(),
         };
+        let (scheme, query) = match tls {
+            None => ("nbd", String::new()),
+            Some(_) => ("nbds", format!("?tls-certificates={CLIENT_DIR}")),
+        };
         writeln!(
             out,
-            "  nbdinfo 'nbd://{host}:{}/{}'",
+            "  nbdinfo '{scheme}://{host}:{}/{}{query}'",
             address.port(),
             uri_escape(example)
+        )?;
+    }
+    if let Some(tls) = tls {
+        writeln!(
+            out,
+            "  ({CLIENT_DIR}: the client's directory with ca-cert.pem{}; qemu checks the name in tls-hostname against the server's certificate; {})",
+            if tls.verify_peer {
+                ", client-cert.pem and client-key.pem"
+            } else {
+                ""
+            },
+            if tls.required {
+                "TLS is required: clients without it are refused"
+            } else {
+                "clients without TLS are let in too (--tls=on)"
+            }
         )?;
     }
     Ok(())

@@ -110,6 +110,14 @@ impl TlsArgs {
         ))
     }
 
+    /// TLS as the start-up banner's commands need it (`None`: off).
+    pub(super) fn banner(&self) -> Option<super::banner::BannerTls> {
+        (self.tls != TlsSetting::Off).then_some(super::banner::BannerTls {
+            required: self.tls == TlsSetting::Require,
+            verify_peer: self.tls_verify_peer,
+        })
+    }
+
     fn mode_name(&self) -> &'static str {
         match self.tls {
             TlsSetting::Off => "off",

@@ -508,7 +508,18 @@ impl Pool {
     /// passdown or an earlier trim had not given back since they were freed (every free
     /// block is discarded; each is counted once per free).
     pub fn trim(&self) -> Result<u64> {
-        trim::trim(&self.owners.meta, &*self.owners.data, &self.owners.watch)
+        self.trim_with_progress(&crate::progress::Progress::new())
+    }
+
+    /// [`Pool::trim`], counting the data blocks looked at in `progress` (out of the data
+    /// device's), for a progress bar another thread draws.
+    pub fn trim_with_progress(&self, progress: &crate::progress::Progress) -> Result<u64> {
+        trim::trim(
+            &self.owners.meta,
+            &*self.owners.data,
+            &self.owners.watch,
+            progress,
+        )
     }
 }
 

@@ -18,14 +18,21 @@ use crate::engine::data_device::DataDevice;
 use crate::engine::meta::Meta;
 use crate::engine::space::SpaceWatch;
 use crate::error::{Error, Result};
+use crate::progress::Progress;
 
 /// Data blocks looked at per hold of the metadata lock.
 const TRIM_CHUNK_BLOCKS: u64 = 4096;
 
 /// Discard every free data block on the data device. Returns the bytes given back that
 /// had not been since they were freed (passdown or an earlier trim gave back the rest:
-/// they are discarded again, not counted again).
-pub(crate) fn trim(meta: &Meta, data: &dyn DataDevice, watch: &SpaceWatch) -> Result<u64> {
+/// they are discarded again, not counted again). `progress` counts data blocks looked at,
+/// out of the data device's, once per chunk.
+pub(crate) fn trim(
+    meta: &Meta,
+    data: &dyn DataDevice,
+    watch: &SpaceWatch,
+    progress: &Progress,
+) -> Result<u64> {
     // Frees queued so far become free blocks (or, in their grace period, pass down when it
     // ends).
     meta.commit()?;
@@ -53,6 +60,7 @@ pub(crate) fn trim(meta: &Meta, data: &dyn DataDevice, watch: &SpaceWatch) -> Re
                 })?;
                 trimmed += watch.given_back(first, count) * block_size;
             }
+            progress.set(end, total);
             Ok(Some(end))
         })?;
         match chunk {

@@ -329,11 +329,20 @@ fn check_data_size(
 /// only if the report [`passes`](Report::passes) with non-fatal problems ignored (a leaked
 /// metadata block harms no volume).
 pub fn check_before_open(metadata: Arc<dyn BlockDevice>, data_device_bytes: u64) -> Report {
+    check_before_open_with_progress(metadata, data_device_bytes, &mut |_| {})
+}
+
+/// [`check_before_open`], telling `progress` how far it has come (as [`check`] does).
+pub fn check_before_open_with_progress(
+    metadata: Arc<dyn BlockDevice>,
+    data_device_bytes: u64,
+    progress: &mut dyn FnMut(Progress),
+) -> Report {
     let options = CheckOptions {
         leaf_occupancy: LeafOccupancy::SkipBottomLeaves,
         ignore_non_fatal: true,
         data_device_bytes: Some(data_device_bytes),
         ..CheckOptions::default()
     };
-    check(metadata, &options, &mut |_| {})
+    check(metadata, &options, progress)
 }
