@@ -437,7 +437,7 @@ fn no_follow() -> i32 {
 
 /// Creates `path` afresh with mode 0600: a stale file or link there is removed first, and
 /// the creation fails rather than follow or reuse anything that appears in between.
-fn create_private_file(path: &Path) -> std::io::Result<File> {
+pub(crate) fn create_private_file(path: &Path) -> std::io::Result<File> {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}

@@ -76,7 +76,7 @@ pub(super) fn serve(
                 .and_then(|()| target.check_name_free(name))
                 .and_then(|()| {
                     let (info, _) = stream::receive(&target.pool, name, input, &mut |_| {})?;
-                    Ok(Outcome::Volume(VolumeRecord::from(&info)))
+                    Ok(Outcome::Volume(received(&target.pool, &info)))
                 });
             super::log::management(request, &result);
             let _ = answer(&mut writer, result);
@@ -192,9 +192,9 @@ pub fn receive(
         let result = stream::receive(&pool, name, input, &mut |s: &Summary| {
             progress(s.data_bytes)
         });
+        let record = result.map(|(info, _)| received(&pool, &info));
         pool.close().context("cannot close the pool")?;
-        let (info, _) = result?;
-        return Ok(VolumeRecord::from(&info));
+        return Ok(record?);
     }
     let request = Request::ReceiveStream {
         name: name.to_string(),
@@ -219,6 +219,13 @@ pub fn receive(
         Outcome::Volume(volume) => Ok(volume),
         other => bail!("unexpected answer: {other:?}"),
     }
+}
+
+/// The answer to a receive: the new volume, with the content id it took from the stream.
+fn received(pool: &Pool, info: &thin_pool::VolumeInfo) -> VolumeRecord {
+    let mut record = VolumeRecord::from(info);
+    record.content_id = pool.content_id(&info.name).ok().flatten();
+    record
 }
 
 /// A writer that counts what passes.
