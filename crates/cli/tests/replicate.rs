@@ -334,3 +334,57 @@ fn fail_over_and_fail_back_as_docs_replication_md_describes() {
     assert_eq!(replicas(&src), names(&["vm.repl-3", "vm.repl-4"]));
     assert_eq!(replicas(&dst), names(&["vm.repl-3", "vm.repl-4"]));
 }
+
+#[test]
+fn a_round_while_a_client_writes_replicates_a_point_in_its_writes() {
+    let (_temp, src, dst) = two_pools("replicate-writing");
+    let served = serve(Path::new(&src), &[]);
+    const UNIT: u64 = 4096;
+    let pieces = SIZE / UNIT;
+    // 4 KiB piece i gets pattern(i) in order, one write at a time: at any instant the volume is
+    // pieces 0..k written, the rest zeros, for some k.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let socket = served.socket.clone();
+    let writing = std::sync::Arc::clone(&stop);
+    let writer = std::thread::spawn(move || {
+        let mut client = Client::open(&socket, "vm");
+        let mut written = 0;
+        while written < pieces && !writing.load(std::sync::atomic::Ordering::Relaxed) {
+            client.write(written * UNIT, &pattern(written, UNIT as usize));
+            written += 1;
+        }
+        client.disconnect();
+        written
+    });
+    replicate_ok(&src, &dst, &[]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let written = writer.join().unwrap();
+    let replica = content(&dst, "vm.repl-1");
+    let piece = |i: u64| &replica[(i * UNIT) as usize..((i + 1) * UNIT) as usize];
+    let cut = (0..pieces)
+        .find(|&i| piece(i) != pattern(i, UNIT as usize).as_slice())
+        .unwrap_or(pieces);
+    eprintln!("replicated at a cut of {cut} of {written} pieces written");
+    assert!(cut <= written, "{cut} pieces replicated, {written} written");
+    for i in cut..pieces {
+        assert!(
+            piece(i).iter().all(|&b| b == 0),
+            "piece {i} is written in the replica but piece {cut} is not"
+        );
+    }
+    // The next round carries the rest.
+    replicate_ok(&src, &dst, &[]);
+    let replica = content(&dst, "vm.repl-2");
+    for i in 0..pieces {
+        let expected = if i < written {
+            pattern(i, UNIT as usize)
+        } else {
+            vec![0; UNIT as usize]
+        };
+        assert!(
+            replica[(i * UNIT) as usize..][..UNIT as usize] == expected[..],
+            "piece {i}"
+        );
+    }
+    assert!(served.stop().success());
+}

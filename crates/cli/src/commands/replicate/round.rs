@@ -250,8 +250,13 @@ fn send(
     let stderr = stderr.join().expect("the reader does not panic");
     let stderr = String::from_utf8_lossy(&stderr);
     if !status.success() {
+        // A send failing midway cuts the stream, which the receiver then refuses: say both.
+        let send_error = match &sent {
+            Err(error) => format!(" (the send failed first: {error:#})"),
+            Ok(_) => String::new(),
+        };
         bail!(
-            "the receiver ({}) failed, {status}: {}",
+            "the receiver ({}) failed, {status}: {}{send_error}",
             destination.describe(),
             stderr.trim()
         );
