@@ -14,8 +14,7 @@
 //!                          metadata and data; see engine::block_device)
 //!   DIR/nbd.sock           NBD Unix socket while serving        serve
 //!   DIR/control.sock       control socket while serving         serve
-//!   DIR/replication.json   `thinpool replicate`'s state, and    crate::replication
-//!   DIR/replication.lock   the lock its rounds hold
+//!   DIR/replication.json   `thinpool replicate`'s state (.lock) crate::replication
 //! ```
 //!
 //! Whoever can write to the directory can replace any of these with a link to another file
