@@ -4,7 +4,9 @@
 //! taken; two replicas are kept on each side; a round killed between the send and the
 //! acknowledgement is resumed by the next from the acknowledged base; a destination that
 //! lost the base is refused with a pointer to `--full`; `status --json` and the metrics
-//! report the lag; the fail-over and fail-back of docs/replication.md work as written.
+//! report the lag; the fail-over and fail-back of docs/replication.md work as written;
+//! a round while a client writes holds one point of its writes; without `--once` rounds
+//! follow each other, and a kill of the loop is resumed from.
 //! Method: two pools in scratch directories; writes of seeded patterns recorded in a model
 //! (a byte vector), through NBD while the source is served, through the library while it
 //! is not; every replica read back (NBD on the served source, the library on closed pools)
@@ -387,4 +389,51 @@ fn a_round_while_a_client_writes_replicates_a_point_in_its_writes() {
         );
     }
     assert!(served.stop().success());
+}
+
+#[test]
+fn without_once_rounds_follow_each_other_every_interval() {
+    let (_temp, src, dst) = two_pools("replicate-loop");
+    let report = seed_report();
+    let mut rng = report.rng();
+    let mut model = vec![0u8; SIZE as usize];
+    write_offline(&src, "vm", &mut rng, &mut model, 16);
+    let mut command = Command::new(THINPOOL);
+    command.args([
+        "replicate",
+        "vm",
+        "--to",
+        &dst,
+        "--interval",
+        "1s",
+        "--pool",
+        &src,
+    ]);
+    // Its own process group: the kill below takes its receiver with it.
+    std::os::unix::process::CommandExt::process_group(&mut command, 0);
+    let mut rounds = ChildGuard::spawn(command, "thinpool replicate");
+    // The state file, not the pools: the rounds hold them in turn.
+    let state = Path::new(&src).join("replication.json");
+    wait_for(
+        "three acknowledged rounds",
+        Duration::from_secs(120),
+        || {
+            let text = std::fs::read_to_string(&state).unwrap_or_default();
+            serde_json::from_str::<serde_json::Value>(&text)
+                .is_ok_and(|state| state["volumes"]["vm"]["acked"]["seq"].as_u64() >= Some(3))
+        },
+    );
+    let group = format!("-{}", rounds.pid());
+    run_ok("kill", &["-KILL", "--", &group], Duration::from_secs(10));
+    rounds.kill();
+    // Whatever round the kill cut, the next one goes on from the acknowledged base.
+    let out = replicate_ok(&src, &dst, &[]);
+    assert!(out.contains("incremental"), "{out}");
+    let acked = status_json(&src)["replication"][0]["last_acked"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(content(&dst, &acked) == model, "{acked}");
+    assert_eq!(replicas(&src).len(), 2);
+    assert_eq!(replicas(&dst).len(), 2);
 }
