@@ -31,7 +31,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut status = control::ask(&dir, &Request::Status)
         .context("cannot read the pool status")?
         .into_status()?;
-    status.replication = replication_lags(&dir)?;
+    status.replication = replication_lags(&dir).unwrap_or_else(|error| {
+        // The pool's status stands without it.
+        eprintln!("thinpool: warning: no replication lag: {error:#}");
+        Vec::new()
+    });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
