@@ -102,6 +102,8 @@ enum Command {
     Send(commands::send::Args),
     /// Make a stream of `send` a volume of this pool.
     Receive(commands::receive::Args),
+    /// Replicate a volume continuously: a snapshot each interval, its increment sent on.
+    Replicate(commands::replicate::Args),
     /// Grow the pool's data or metadata (online while served; `create --grow` for data).
     Grow(commands::grow::Args),
 }
@@ -225,6 +227,7 @@ fn main() -> ExitCode {
         Command::ManPages(args) => man::run(args),
         Command::Send(args) => commands::send::run(args),
         Command::Receive(args) => commands::receive::run(args),
+        Command::Replicate(args) => commands::replicate::run(args),
         Command::Grow(args) => commands::grow::run(args),
     };
     match result {

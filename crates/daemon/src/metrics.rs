@@ -33,6 +33,7 @@ use thin_pool::stats::{CommitStats, DurationHistogram, HistogramSnapshot};
 use thin_pool::{Pool, PoolMode, PoolStatus};
 
 mod counted;
+mod replication;
 
 pub use counted::{CountedExport, CountingRegistry};
 
@@ -178,6 +179,8 @@ pub struct Metrics {
     /// NBD connections open now, in handshake or transmission (both servers).
     connections: AtomicU64,
     table: Mutex<Table>,
+    /// The pool directory whose `replication.json` a scrape reads (`crate::replication`).
+    replication_dir: std::sync::OnceLock<std::path::PathBuf>,
 }
 
 impl Metrics {
@@ -190,6 +193,7 @@ impl Metrics {
             raw_names,
             connections: AtomicU64::new(0),
             table: Mutex::new(Table::default()),
+            replication_dir: std::sync::OnceLock::new(),
         })
     }
 
@@ -260,6 +264,7 @@ impl Metrics {
             commits,
             connections: self.connections.load(Ordering::Relaxed),
             volumes,
+            replication: self.replication(),
         }
     }
 
@@ -297,6 +302,8 @@ pub struct Sample {
     pub connections: u64,
     /// Per volume or raw export, by name.
     pub volumes: BTreeMap<String, VolumeSample>,
+    /// Per replicated volume: its lag (`crate::replication::Lag`).
+    pub replication: Vec<crate::replication::Lag>,
 }
 
 /// One counter of [`VolumeTotals`].
@@ -325,7 +332,8 @@ impl Collector for Sample {
         self.encode_pool(&mut encoder)?;
         self.encode_commits(&mut encoder)?;
         self.encode_volumes(&mut encoder)?;
-        self.encode_requests(&mut encoder)
+        self.encode_requests(&mut encoder)?;
+        self.encode_replication(&mut encoder)
     }
 }
 

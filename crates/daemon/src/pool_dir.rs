@@ -14,6 +14,7 @@
 //!                          metadata and data; see engine::block_device)
 //!   DIR/nbd.sock           NBD Unix socket while serving        serve
 //!   DIR/control.sock       control socket while serving         serve
+//!   DIR/replication.json   `thinpool replicate`'s state (.lock) crate::replication
 //! ```
 //!
 //! Whoever can write to the directory can replace any of these with a link to another file
@@ -437,7 +438,7 @@ fn no_follow() -> i32 {
 
 /// Creates `path` afresh with mode 0600: a stale file or link there is removed first, and
 /// the creation fails rather than follow or reuse anything that appears in between.
-fn create_private_file(path: &Path) -> std::io::Result<File> {
+pub(crate) fn create_private_file(path: &Path) -> std::io::Result<File> {
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}

@@ -261,6 +261,9 @@ impl Serving {
         let mut config = nbd_config(args, tls);
         // With metrics on, the servers look exports up through a registry that counts requests.
         let (served, metrics) = metrics::counting(&registry, &pool, metrics_address, &mut config);
+        if let Some(metrics) = &metrics {
+            metrics.read_replication_from(dir.path.clone());
+        }
         let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
         let target = control_target(&pool, options, &registry, &servers, args);
         let control = ControlServer::start(&control_socket, Arc::clone(&target))?;

@@ -13,6 +13,7 @@ pub mod metadata_size;
 pub mod metadata_snap;
 pub mod receive;
 pub mod repair;
+pub mod replicate;
 pub mod restore;
 pub mod send;
 pub mod status;

@@ -11,10 +11,11 @@ use std::io::Read;
 use std::process::ExitCode;
 
 use crate::control::stream;
-use crate::control::{ask, Outcome, Request};
-use crate::pool_dir::{format_size, PoolArg};
+use crate::control::{self, ask, Outcome, Request, VolumeRecord};
+use crate::pool_dir::{format_size, PoolArg, PoolDir};
 use crate::progress::{Bar, Unit};
 use thin_pool::stream::ReceiveOptions;
+use thinpool_daemon::replication;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -27,7 +28,11 @@ Examples:
   thinpool send vm0-s1 | thinpool receive vm0-s1 --resumable   # cut off: prints a token
   thinpool receive --list-partial                           # partial receives, their tokens
   thinpool send vm0-s1 --resume TOKEN | thinpool receive vm0-s1 --resumable
-  thinpool receive --abort vm0-s1                           # drop it, free its blocks")]
+  thinpool receive --abort vm0-s1                           # drop it, free its blocks
+  thinpool send vm0.repl-8 --base vm0.repl-7 | thinpool receive vm0.repl-8 --prune-replicas --json
+
+It prints `received NAME (SIZE, N blocks mapped), content id UUID`, or with --json the
+volume as JSON (`content_id` included): the acknowledgement `thinpool replicate` reads.")]
 pub struct Args {
     /// The new volume's name.
     #[arg(required_unless_present = "list_partial")]
@@ -55,6 +60,10 @@ pub struct Args {
     /// Print the new volume as JSON.
     #[arg(long = "json")]
     json: bool,
+    /// NAME is a replica (VOLUME.repl-SEQ, `thinpool replicate`): once it is received,
+    /// delete VOLUME's other replicas but the one it was received on (its base).
+    #[arg(long = "prune-replicas")]
+    prune_replicas: bool,
 }
 
 /// Run the command.
@@ -64,6 +73,19 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         return list_partial(&dir, args.json);
     }
     let name = args.name.expect("clap requires NAME");
+    let replica_of = match args.prune_replicas {
+        true => Some(
+            replication::parse_replica(&name)
+                .with_context(|| {
+                    format!(
+                        "--prune-replicas: {name:?} is not a replica's name (VOLUME{}SEQ)",
+                        replication::REPLICA_MARK
+                    )
+                })?
+                .0,
+        ),
+        false => None,
+    };
     if args.abort {
         ask(&dir, &Request::AbortReceive { name: name.clone() })?;
         println!("dropped the partial receive {name}");
@@ -96,11 +118,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&volume)?);
     } else {
         println!(
-            "received {} ({}, {} blocks mapped)",
+            "received {} ({}, {} blocks mapped), content id {}",
             volume.name,
             format_size(volume.size_bytes),
-            volume.mapped_blocks
+            volume.mapped_blocks,
+            volume.content_id.as_deref().unwrap_or("none")
         );
+    }
+    if let Some(replicated) = replica_of {
+        prune_replicas(&dir, replicated, &volume);
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -131,4 +157,33 @@ fn list_partial(dir: &crate::pool_dir::PoolDir, json: bool) -> anyhow::Result<Ex
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Deletes the replicas of `replicated` but `kept` and its base (its origin: the replica
+/// an incremental stream was received on). A replica that cannot be deleted now (open) is
+/// left, with a warning; the next receive tries again.
+fn prune_replicas(dir: &PoolDir, replicated: &str, kept: &VolumeRecord) {
+    let volumes = match control::ask(dir, &Request::List) {
+        Ok(Outcome::Volumes(volumes)) => volumes,
+        other => {
+            eprintln!("thinpool: warning: cannot list the replicas to prune: {other:?}");
+            return;
+        }
+    };
+    for volume in volumes {
+        let is_replica =
+            replication::parse_replica(&volume.name).is_some_and(|(of, _)| of == replicated);
+        if !is_replica || volume.name == kept.name || kept.origin.as_ref() == Some(&volume.name) {
+            continue;
+        }
+        let request = Request::DeleteVolume {
+            name: volume.name.clone(),
+        };
+        if let Err(error) = control::ask(dir, &request) {
+            eprintln!(
+                "thinpool: warning: cannot delete the older replica {}: {error:#}",
+                volume.name
+            );
+        }
+    }
 }

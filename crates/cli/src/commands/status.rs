@@ -1,12 +1,15 @@
 //! `thinpool status`: the pool's data and metadata use (used/total blocks and %), transaction
 //! id, mode and `needs_check`, the thin ids the catalog and the metadata disagree on
-//! (`unadopted`, `orphaned`), or `--json`, from the pool or its server.
+//! (`unadopted`, `orphaned`), the lag of each volume `thinpool replicate` replicates
+//! (`replication`, from the pool directory's `replication.json`), or `--json`, from the
+//! pool or its server.
 
 use anyhow::Context;
 use std::process::ExitCode;
 
 use crate::control::{self, Request, StatusRecord};
 use crate::pool_dir::{format_size, PoolArg};
+use thinpool_daemon::replication;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -25,15 +28,21 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let status = control::ask(&dir, &Request::Status)
+    let mut status = control::ask(&dir, &Request::Status)
         .context("cannot read the pool status")?
         .into_status()?;
+    status.replication = replication_lags(&dir).unwrap_or_else(|error| {
+        // The pool's status stands without it.
+        eprintln!("thinpool: warning: no replication lag: {error:#}");
+        Vec::new()
+    });
     if args.json {
         println!("{}", serde_json::to_string_pretty(&status)?);
     } else {
         print!("{}", render(&status));
         print!("{}", render_served(&status));
         print!("{}", super::list::render_disagreements(&status));
+        print!("{}", render_replication(&status.replication));
         if let Some(devices) = thin_pool::block_device::DevicePaths::load(&dir.path)? {
             println!(
                 "devices:           metadata {}, data {}{}",
@@ -195,4 +204,54 @@ fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
             ),
         ),
     ]
+}
+
+/// The lag of each replicated volume (`thinpool_daemon::replication`): the bytes changed
+/// since its last acknowledged replica are a `diff` of the two, asked of the pool or its
+/// server (null if that fails: the replica or the volume is gone).
+fn replication_lags(dir: &crate::pool_dir::PoolDir) -> anyhow::Result<Vec<replication::Lag>> {
+    let state = replication::load(&dir.path)?;
+    let now = replication::now_unix_seconds();
+    Ok(replication::lags(&state, now, |base, volume| {
+        let request = Request::Diff {
+            base: base.to_string(),
+            target: volume.to_string(),
+            list_same: false,
+        };
+        match control::perform(dir, &request) {
+            Ok(Ok(control::Outcome::Diff(diff))) => Some(
+                diff.ranges
+                    .iter()
+                    .filter(|range| range.kind != "base_only")
+                    .map(|range| range.length * diff.block_size_bytes)
+                    .sum(),
+            ),
+            _ => None,
+        }
+    }))
+}
+
+/// One `replication:` line per replicated volume.
+pub fn render_replication(lags: &[replication::Lag]) -> String {
+    lags.iter()
+        .map(|lag| {
+            let state = match (&lag.last_acked, lag.lag_seconds) {
+                (Some(name), Some(seconds)) => format!(
+                    "last acknowledged {name}, lag {seconds} s, {} changed since",
+                    lag.lag_bytes
+                        .map_or_else(|| "unknown".to_string(), format_size)
+                ),
+                _ => "nothing acknowledged yet".to_string(),
+            };
+            let pending = lag
+                .pending
+                .as_ref()
+                .map(|name| format!(" ({name} taken, not acknowledged)"))
+                .unwrap_or_default();
+            format!(
+                "{:<19}{} to {}: {state}{pending}\n",
+                "replication:", lag.volume, lag.destination
+            )
+        })
+        .collect()
 }

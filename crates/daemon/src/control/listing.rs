@@ -21,6 +21,7 @@ pub(super) fn volumes(pool: &Pool) -> Vec<VolumeRecord> {
         .iter()
         .map(|info| {
             let mut record = VolumeRecord::from(info);
+            record.content_id = pool.content_id(&info.name).ok().flatten();
             // By name and thin id: a volume created or deleted since the last commit has
             // no figures rather than another volume's.
             if let Some(space) = spaces

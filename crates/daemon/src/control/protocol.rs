@@ -185,6 +185,10 @@ pub struct VolumeRecord {
     /// Bytes of mapped data a shrink unmapped (`resize_volume` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unmapped_bytes: Option<u64>,
+    /// The content id a send or receive gave it (docs/send-stream.md; `list` and
+    /// `receive` only; null if it has none).
+    #[serde(default)]
+    pub content_id: Option<String>,
 }
 
 impl From<&VolumeInfo> for VolumeRecord {
@@ -204,6 +208,7 @@ impl From<&VolumeInfo> for VolumeRecord {
             exclusive_bytes: None,
             shared_bytes: None,
             unmapped_bytes: None,
+            content_id: None,
         }
     }
 }

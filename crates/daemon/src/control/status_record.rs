@@ -75,6 +75,10 @@ pub struct StatusRecord {
     /// space before any volume is full (LVM warns of this "over-provisioning").
     #[serde(default)]
     pub overprovisioned: bool,
+    /// Per volume `thinpool replicate` replicates: its lag (`crate::replication::Lag`;
+    /// filled by the `status` command from the pool directory's `replication.json`).
+    #[serde(default)]
+    pub replication: Vec<crate::replication::Lag>,
 }
 
 /// The server holding a pool, as it reports itself.
@@ -170,6 +174,7 @@ impl StatusRecord {
             served: None,
             volumes_size_bytes: 0,
             overprovisioned: false,
+            replication: Vec::new(),
         }
     }
 

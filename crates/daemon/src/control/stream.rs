@@ -114,7 +114,7 @@ pub(super) fn serve(
                     });
                     let (info, _) =
                         receive_from(&target.pool, name, options.as_ref(), input, &mut |_| {})?;
-                    Ok(Outcome::Volume(VolumeRecord::from(&info)))
+                    Ok(Outcome::Volume(received(&target.pool, &info)))
                 });
             super::log::management(request, &result);
             let _ = answer(&mut writer, result);
@@ -337,9 +337,9 @@ pub fn receive_resumable(
         let result = receive_from(&pool, name, resumable, input, &mut |s: &Summary| {
             progress(s.data_bytes)
         });
+        let record = result.map(|(info, _)| received(&pool, &info));
         pool.close().context("cannot close the pool")?;
-        let (info, _) = result?;
-        return Ok(VolumeRecord::from(&info));
+        return Ok(record?);
     }
     let request = Request::ReceiveStream {
         name: name.to_string(),
@@ -366,6 +366,13 @@ pub fn receive_resumable(
         Outcome::Volume(volume) => Ok(volume),
         other => bail!("unexpected answer: {other:?}"),
     }
+}
+
+/// The answer to a receive: the new volume, with the content id it took from the stream.
+fn received(pool: &Pool, info: &thin_pool::VolumeInfo) -> VolumeRecord {
+    let mut record = VolumeRecord::from(info);
+    record.content_id = pool.content_id(&info.name).ok().flatten();
+    record
 }
 
 /// A writer that counts what passes.
