@@ -28,7 +28,7 @@ pub struct Args {
     input: Option<std::path::PathBuf>,
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the new volume as JSON.
+    /// Print the new volume as JSON (docs/json.md).
     #[arg(long = "json")]
     json: bool,
 }
@@ -53,7 +53,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     }
     let volume = volume?;
     if args.json {
-        println!("{}", serde_json::to_string(&volume)?);
+        super::json::print(&volume)?;
     } else {
         println!(
             "received {} ({}, {} blocks mapped)",

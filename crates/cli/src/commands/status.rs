@@ -17,7 +17,7 @@ Examples:
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the status as a JSON object.
+    /// Print the status as a JSON object (docs/json.md).
     #[arg(long = "json")]
     json: bool,
 }
@@ -29,7 +29,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .context("cannot read the pool status")?
         .into_status()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::json::print(&status)?;
     } else {
         print!("{}", render(&status));
         print!("{}", render_served(&status));
@@ -180,7 +180,9 @@ fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
         ),
         (
             "autoextend",
-            thinpool_daemon::space::describe_autoextend(status.autoextend.as_ref()),
+            thinpool_daemon::space::describe_autoextend(
+                status.autoextend.map(|on| on.stored()).as_ref(),
+            ),
         ),
         (
             "no-space timeout",
@@ -191,7 +193,7 @@ fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
             format!(
                 "{} ({} given back since open)",
                 yes_no(status.discard_passdown),
-                format_size(status.data_bytes_passed_down)
+                format_size(status.data_passed_down_bytes)
             ),
         ),
     ]
