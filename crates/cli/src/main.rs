@@ -154,11 +154,16 @@ fn pool_refusal() -> clap::Arg {
 }
 
 /// Parses the command line; exits as clap does on a usage error, which includes `--pool`
-/// given before the name of a command that takes no pool directory.
-fn parse() -> Cli {
+/// given before the name of a command that takes no pool directory (with `--json`, the
+/// error is also printed as JSON on stdout). Returns whether the command asked for JSON.
+fn parse() -> (Cli, bool) {
     let mut command = cli_command();
-    let matches = command.get_matches_mut();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let matches = command
+        .try_get_matches_from_mut(&args)
+        .unwrap_or_else(|error| usage_exit(error, commands::json::asked_raw(&args)));
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|error| error.exit());
+    let json = commands::json::asked(&matches);
     if cli.pool.is_some() {
         let (leaf, path) = chosen_subcommand(&command, &matches);
         let refuses = leaf
@@ -166,12 +171,21 @@ fn parse() -> Cli {
             .any(|arg| arg.get_id() == "pool" && arg.is_hide_set());
         if refuses {
             let message = format!("`thinpool {path}` takes no pool directory: drop --pool");
-            command
-                .error(clap::error::ErrorKind::ArgumentConflict, message)
-                .exit();
+            let error = command.error(clap::error::ErrorKind::ArgumentConflict, message);
+            usage_exit(error, json);
         }
     }
-    cli
+    (cli, json)
+}
+
+/// Exits as clap does for `error`; a usage error under `--json` is also printed as the JSON
+/// contract's error object on stdout (help and version requests are not errors).
+fn usage_exit(error: clap::Error, json: bool) -> ! {
+    if json && error.use_stderr() {
+        let message = error.to_string().trim().to_string();
+        commands::json::print_error_record(thinpool_daemon::json::ErrorRecord::usage(message));
+    }
+    error.exit()
 }
 
 /// The innermost subcommand the command line chose, and its path (`volume create`).
@@ -202,7 +216,7 @@ fn main() -> ExitCode {
         println!("{}", commands::TOOLS_VERSION);
         return ExitCode::SUCCESS;
     }
-    let cli = parse();
+    let (cli, json) = parse();
     progress::init(if cli.no_progress {
         progress::When::Never
     } else {
@@ -233,6 +247,9 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(error) => {
+            if json {
+                commands::json::print_error(&error);
+            }
             eprintln!("thinpool: {error:#}");
             ExitCode::FAILURE
         }

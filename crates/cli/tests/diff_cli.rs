@@ -121,17 +121,17 @@ fn json_ranges(pool: &str, base: &str, target: &str) -> Vec<(u64, u64, String)> 
         "diff", base, target, "--json", "--pool", pool,
     ]))
     .unwrap();
-    assert_eq!(out["base"], base);
-    assert_eq!(out["target"], target);
-    assert_eq!(out["block_size"], BLOCK);
+    assert_eq!(out["base"]["name"], base);
+    assert_eq!(out["target"]["name"], target);
+    assert_eq!(out["block_size_bytes"], BLOCK);
     out["ranges"]
         .as_array()
         .unwrap()
         .iter()
         .map(|r| {
             (
-                r["offset"].as_u64().unwrap() / BLOCK,
-                r["length"].as_u64().unwrap() / BLOCK,
+                r["offset_bytes"].as_u64().unwrap() / BLOCK,
+                r["length_bytes"].as_u64().unwrap() / BLOCK,
                 r["kind"].as_str().unwrap().to_string(),
             )
         })

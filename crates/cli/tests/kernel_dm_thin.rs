@@ -796,7 +796,9 @@ dm remove p
     thinpool_ok(&["check", pool.join("metadata").to_str().unwrap()]);
     let ours = status(&pool);
     assert_eq!(
-        ours["metadata_snap"].as_u64().map(|root| root.to_string()),
+        ours["metadata_snap_block"]
+            .as_u64()
+            .map(|root| root.to_string()),
         Some(kernel.held_metadata_root.clone()),
         "the held metadata snapshot: {ours}"
     );

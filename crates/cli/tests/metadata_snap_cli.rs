@@ -73,7 +73,9 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
     );
     let status: serde_json::Value =
         serde_json::from_str(&thinpool_ok(&["status", "--json", "--pool", p])).unwrap();
-    let block = status["metadata_snap"].as_u64().expect("a held snapshot");
+    let block = status["metadata_snap_block"]
+        .as_u64()
+        .expect("a held snapshot");
     assert!(reserved.contains(&format!("block {block}:")), "{reserved}");
     let again = thinpool_err(&["metadata-snap", "reserve", "--pool", p]);
     assert!(again.contains("EBUSY"), "{again}");
@@ -121,7 +123,7 @@ fn real_tools_read_a_served_pool_through_a_metadata_snapshot() {
 
     let released = thinpool_ok(&["metadata-snap", "release", "--pool", p, "--json"]);
     assert_eq!(
-        serde_json::from_str::<serde_json::Value>(&released).unwrap()["metadata_snap"],
+        serde_json::from_str::<serde_json::Value>(&released).unwrap()["metadata_snap_block"],
         serde_json::Value::Null
     );
     let again = thinpool_err(&["metadata-snap", "release", "--pool", p]);

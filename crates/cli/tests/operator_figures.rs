@@ -122,14 +122,14 @@ fn trim_counts_each_block_once() {
     assert_eq!(first, 28 * MIB, "the free blocks, once");
     let second = trimmed(thinpool_ok(&["trim", "--json", "--pool", p]));
     assert_eq!(second, 0, "nothing freed since: nothing new given back");
-    let before = json(&["status", "--json", "--pool", p])["data_bytes_passed_down"]
+    let before = json(&["status", "--json", "--pool", p])["data_passed_down_bytes"]
         .as_u64()
         .unwrap();
     assert_eq!(before, 28 * MIB);
     // Deleting the volume passes its 4 MiB down (once); a trim after that adds nothing.
     thinpool_ok(&["volume", "delete", "vm", "--pool", p]);
     thinpool_ok(&["trim", "--json", "--pool", p]);
-    let after = json(&["status", "--json", "--pool", p])["data_bytes_passed_down"]
+    let after = json(&["status", "--json", "--pool", p])["data_passed_down_bytes"]
         .as_u64()
         .unwrap();
     assert_eq!(after, 32 * MIB, "each block counted once");

@@ -128,7 +128,7 @@ fn the_low_water_mark_is_reached_at_its_threshold_and_serve_overrides_it() {
     // pool.json was not changed by serve's flags.
     let after = status(p);
     assert_eq!(after["low_water_percent"], 80);
-    assert!(after.get("autoextend").is_none());
+    assert!(after["autoextend"].is_null(), "{after}");
 }
 
 #[test]

@@ -92,7 +92,7 @@ vm      0   1.00GiB     0.00      0B         0B      0B  -       no            0
     let out = thinpool_ok(&["volume", "delete", "clone", "--pool", p]);
     assert_eq!(out, "deleted volume \"clone\"\n");
     let out = thinpool_ok(&["volume", "delete", "snap", "--pool", p, "--json"]);
-    assert_eq!(json(&out)["deleted"], "snap");
+    assert_eq!(json(&out)["name"], "snap", "the deleted volume, as it was");
 
     let status = thinpool_ok(&["status", "--pool", p]);
     for line in [

@@ -3,21 +3,23 @@
 //! point the management commands use, [`perform`], which opens the pool directly when no
 //! server holds it and asks the server otherwise, so both paths give the same answers.
 //!
-//! Protocol: the client sends one JSON object per line, the server answers each with one line.
+//! Protocol: the client sends one JSON object per line, the server answers each with one line
+//! whose objects are those of the JSON contract (`crate::json`, docs/json.md): every answer
+//! has `"thinpool_json":1` and `ok` (left out below), and an error has the contract's `kind`.
 //!
 //! ```text
 //!   -> {"op":"create_volume","name":"vm1","size_bytes":1073741824}
 //!   <- {"ok":true,"volume":{"name":"vm1","id":1,"size_bytes":1073741824,...}}
 //!   -> {"op":"snapshot","origin":"vm1","name":"snap","read_only":true}
-//!   -> {"op":"delete_volume","name":"vm1"}
-//!   <- {"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
+//!   -> {"op":"delete_volume","name":"vm1"}              (answers with the volume as it was)
+//!   <- {"ok":false,"error":{"kind":"refused","errno":16,"code":"EBUSY","message":"volume \"vm1\" is open"}}
 //!   -> {"op":"resize_volume","name":"vm1","size_bytes":2147483648}
 //!   -> {"op":"resize_volume","name":"vm1","size_bytes":1048576,"force":true}
 //!   <- {"ok":true,"volume":{...,"unmapped_bytes":6291456}}   (a shrink needs force to unmap data)
 //!   -> {"op":"revert_volume","name":"vm1","snapshot":"snap","delete_snapshot":false}
 //!   -> {"op":"rename_volume","name":"vm1","new_name":"vm2"}
 //!   -> {"op":"adopt_volume","id":5,"name":"snap2","size_bytes":4194304,"origin":"vm1"}
-//!   -> {"op":"forget_volume","name":"gone"}              (answers {"ok":true})
+//!   -> {"op":"forget_volume","name":"gone"}              (answers {"ok":true,"forgotten":{...}})
 //!   -> {"op":"grow_data","size_bytes":21474836480}      (answers with the status)
 //!   -> {"op":"grow_metadata"}                            (to the device's size; or "size_bytes")
 //!   -> {"op":"list"}                                     (answers {"ok":true,"volumes":[...]})
@@ -86,8 +88,8 @@ mod target;
 mod tests;
 
 pub use protocol::{
-    OpError, OrphanedRecord, Outcome, Request, ServedRecord, StatusRecord, UnadoptedRecord,
-    VolumeRecord,
+    errno_name, AutoextendRecord, OpError, OrphanedRecord, Outcome, Request, ServedRecord,
+    StatusRecord, UnadoptedRecord, VolumeRecord,
 };
 pub use server::ControlServer;
 pub use target::{ServedProbe, Target};

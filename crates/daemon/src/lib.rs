@@ -12,7 +12,7 @@
 //! diff metadata context); `metrics.rs` (counting in `metrics/counted.rs`); `pool_dir.rs`
 //! (layout, stored options, checks; `pool_dir/missing.rs` why a directory holds no pool,
 //! `pool_dir/made.rs` undoing a refused create); `text.rs` (sizes, tables); `create.rs`, `restored.rs`,
-//! `space.rs`; `replication.rs` (`thinpool replicate`'s replica names, state file and lag);
+//! `space.rs`; `json.rs` (the JSON contract of `--json` and the control socket, docs/json.md); `replication.rs` (`thinpool replicate`'s replica names, state file and lag);
 //! `logging.rs` (the subscriber the binary installs; the library never calls it);
 //! and the control socket: `control.rs` (`perform`: the pool directly, or its server),
 //! `control/protocol.rs` (requests, answers, `OpError`, strict parsing; the `status` record in
@@ -26,6 +26,7 @@
 pub mod control;
 pub mod create;
 pub mod export;
+pub mod json;
 pub mod logging;
 pub mod metrics;
 pub mod pool_dir;

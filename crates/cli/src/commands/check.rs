@@ -27,6 +27,7 @@ use thin_pool::PoolMetadata;
 
 use super::{ToolsVersion, ToolsVersionFlag};
 use crate::progress::{Bar, Unit};
+use thinpool_daemon::json::CheckRecord;
 
 /// Metadata blocks in use above which a terminal gets a progress bar (64 MiB of metadata).
 const PROGRESS_BAR_MIN_BLOCKS: u64 = 16_384;
@@ -74,6 +75,10 @@ pub struct Args {
         default_value = "0.9.0"
     )]
     tools_version: ToolsVersion,
+    /// Print the result as one JSON object on stdout instead of the text (docs/json.md);
+    /// the exit status is as without it.
+    #[arg(long = "json")]
+    json: bool,
     #[command(flatten)]
     version: ToolsVersionFlag,
 }
@@ -99,21 +104,29 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         metadata_snap: args.metadata_snap,
         data_device_bytes: None,
     };
-    let mut display = Display::new(args.quiet);
+    // With --json the report is the JSON object alone.
+    let quiet = args.quiet || args.json;
+    let mut display = Display::new(quiet);
     let mut report = check::check(device, &options, &mut |progress| display.update(progress));
     display.finish();
-    if !args.quiet {
+    if !quiet {
         print_report(&report, repair);
     }
-    if repair && report.fatal_count == 0 && has_leaks(&report) {
-        report = repair_leaks(&args.input, &options, report, args.quiet)?;
+    let leaks_repaired = repair && report.fatal_count == 0 && has_leaks(&report);
+    if leaks_repaired {
+        report = repair_leaks(&args.input, &options, report, quiet)?;
     }
     let passed = report.passes(args.ignore_non_fatal_errors);
     if passed && args.clear_needs_check_flag && report.summary.flags & 1 != 0 {
         clear_needs_check(&args.input)?;
-        if !args.quiet {
+        report.summary.flags &= !1;
+        if !quiet {
             eprintln!("Cleared needs_check flag");
         }
+    }
+    if args.json {
+        let readable = superblock_readable(&report);
+        super::json::print(&CheckRecord::new(&report, passed, readable, leaks_repaired))?;
     }
     Ok(if passed {
         ExitCode::SUCCESS
@@ -214,17 +227,21 @@ fn print_report(report: &Report, repairing: bool) {
         );
     }
     // thin_check prints the figures whenever it could read the superblock.
-    let superblock_unreadable = report
-        .problems
-        .iter()
-        .any(|p| matches!(p.rule, Rule::SuperblockChecksum | Rule::Io) && p.block == Some(0));
-    if !superblock_unreadable {
+    if superblock_readable(report) {
         println!("TRANSACTION_ID={}", report.summary.transaction_id);
         println!(
             "METADATA_FREE_BLOCKS={}",
             report.summary.metadata_free_blocks
         );
     }
+}
+
+/// Whether the check could read the superblock (its figures mean something).
+fn superblock_readable(report: &Report) -> bool {
+    !report
+        .problems
+        .iter()
+        .any(|p| matches!(p.rule, Rule::SuperblockChecksum | Rule::Io) && p.block == Some(0))
 }
 
 fn clear_needs_check(path: &std::path::Path) -> anyhow::Result<()> {

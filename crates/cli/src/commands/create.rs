@@ -54,7 +54,7 @@ pub struct Args {
     /// the same as `thinpool grow`, which grows the metadata too.
     #[arg(long = "grow", conflicts_with_all = ["block_size", "metadata_size", "no_zero", "error_if_no_space"])]
     grow: bool,
-    /// Print the result as JSON.
+    /// Print the pool's status as JSON (docs/json.md).
     #[arg(long = "json")]
     json: bool,
     #[command(flatten)]
@@ -100,7 +100,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         create_pool(&dir, &create, stored)?
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::json::print(&status)?;
     } else {
         println!(
             "created pool {}: data {} ({} blocks of {}), metadata {} blocks, zeroing {}, error_if_no_space {}",

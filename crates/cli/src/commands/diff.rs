@@ -2,8 +2,10 @@
 //! to different data blocks), from the pool or its server. Three forms:
 //!
 //! - text (default): a table of ranges, blocks and bytes;
-//! - `--json`: `{"base":..,"target":..,"block_size":..,"ranges":[{"offset":bytes,
-//!   "length":bytes,"kind":"changed|base_only|target_only"}]}`;
+//! - `--json`: the control socket's diff record with the version field (docs/json.md):
+//!   `{"thinpool_json":1,"base":{volume},"target":{volume},"block_size_bytes":..,
+//!   "ranges":[{"begin_block","length_blocks","offset_bytes","length_bytes",
+//!   "kind":"changed|base_only|target_only",..}]}`;
 //! - `--format xml`: what `thin_delta --thin1 BASE_ID --thin2 TARGET_ID` prints for the same
 //!   metadata, byte for byte (`same` ranges included, so this form reads the shared part of
 //!   the trees too; the others cost only the difference); with `--verbose`, what
@@ -96,10 +98,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let mut out = std::io::stdout().lock();
     match format {
         Format::Text => out.write_all(render(&record).as_bytes())?,
-        Format::Json => {
-            serde_json::to_writer_pretty(&mut out, &json(&record))?;
-            writeln!(out)?;
-        }
+        Format::Json => super::json::print(&record)?,
         Format::Xml => {
             let header = record
                 .delta_header()
@@ -108,8 +107,8 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
             thin_pool::format::diff::write_xml(
                 &mut out,
                 &header,
-                u32::try_from(record.base_id)?,
-                u32::try_from(record.target_id)?,
+                u32::try_from(record.base.id)?,
+                u32::try_from(record.target.id)?,
                 &ranges,
                 args.verbose,
             )?;
@@ -156,56 +155,16 @@ fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
     Ok(answer?)
 }
 
-/// The `--json` shape.
-#[derive(serde::Serialize)]
-struct Json<'a> {
-    base: &'a str,
-    target: &'a str,
-    block_size: u64,
-    ranges: Vec<JsonRange<'a>>,
-}
-
-#[derive(serde::Serialize)]
-struct JsonRange<'a> {
-    offset: u64,
-    length: u64,
-    kind: &'a str,
-}
-
-/// Byte ranges: blocks times the block size, the last cut at the larger volume's end (a
-/// volume may end inside a block).
-fn json(record: &DiffRecord) -> Json<'_> {
-    let end = record.base_size_bytes.max(record.target_size_bytes);
-    let block = record.block_size_bytes;
-    Json {
-        base: &record.base,
-        target: &record.target,
-        block_size: block,
-        ranges: record
-            .ranges
-            .iter()
-            .map(|range| {
-                let offset = range.begin * block;
-                JsonRange {
-                    offset,
-                    length: (range.length * block).min(end.saturating_sub(offset)),
-                    kind: &range.kind,
-                }
-            })
-            .collect(),
-    }
-}
-
 /// The text form: a summary line, then one row per range.
 pub fn render(record: &DiffRecord) -> String {
     let block = record.block_size_bytes;
-    let blocks: u64 = record.ranges.iter().map(|r| r.length).sum();
+    let blocks: u64 = record.ranges.iter().map(|r| r.length_blocks).sum();
     let mut out = format!(
         "{} (id {}) -> {} (id {}): {} blocks of {} differ in {} ranges ({})\n",
-        record.base,
-        record.base_id,
-        record.target,
-        record.target_id,
+        record.base.name,
+        record.base.id,
+        record.target.name,
+        record.target.id,
         blocks,
         format_size(block),
         record.ranges.len(),
@@ -219,10 +178,10 @@ pub fn render(record: &DiffRecord) -> String {
         .iter()
         .map(|range| {
             vec![
-                range.begin.to_string(),
-                range.length.to_string(),
-                (range.begin * block).to_string(),
-                format_size(range.length * block),
+                range.begin_block.to_string(),
+                range.length_blocks.to_string(),
+                (range.begin_block * block).to_string(),
+                format_size(range.length_blocks * block),
                 range.kind.clone(),
             ]
         })

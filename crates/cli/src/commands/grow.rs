@@ -73,7 +73,7 @@ pub fn grow_data(dir: &PoolDir, data_size_bytes: u64, json: bool) -> anyhow::Res
     };
     let status = ask_status(dir, &request, what)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::json::print(&status)?;
     } else {
         println!(
             "grew pool {} data to {} ({} blocks)",
@@ -101,7 +101,7 @@ fn grow_metadata(dir: &PoolDir, size_bytes: Option<u64>, json: bool) -> anyhow::
     };
     let status = ask_status(dir, &request, what)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::json::print(&status)?;
     } else {
         println!(
             "grew pool {} metadata to {} ({} blocks, {} used)",

@@ -54,6 +54,9 @@ pub struct Args {
     /// Open the data device with O_DIRECT when the pool is used.
     #[arg(long = "direct-io")]
     direct_io: bool,
+    /// Print the imported pool's status as JSON (docs/json.md).
+    #[arg(long = "json")]
+    json: bool,
 }
 
 /// A `--volume` argument.
@@ -123,6 +126,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     for event in pool.events() {
         eprintln!("thinpool: {event}");
     }
+    if args.json {
+        return print_status(&dir, pool);
+    }
     let status = pool.status();
     println!(
         "imported pool {} from {} and {}: transaction id {}, {} volumes, data {} of {} blocks used ({} each)",
@@ -136,6 +142,25 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         format_size(status.block_size_bytes),
     );
     pool.close().context("cannot close the imported pool")?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Prints the status of the imported pool, `--json`, and closes it.
+fn print_status(dir: &PoolDir, pool: Pool) -> anyhow::Result<ExitCode> {
+    let target = thinpool_daemon::control::Target {
+        pool,
+        options: StoredOptions::load(dir)?,
+        reserved_names: Vec::new(),
+        served: None,
+    };
+    let status = target
+        .execute(&thinpool_daemon::control::Request::Status)?
+        .into_status()?;
+    target
+        .pool
+        .close()
+        .context("cannot close the imported pool")?;
+    super::json::print(&status)?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,7 +1,7 @@
 //! `thinpool list`: the volumes, one row each like `lvs` (name, thin id, size, mapped %, the
 //! bytes mapped, exclusive and shared, origin, read-only), `--ids` (thin id, name and the
 //! origin's thin id, in thin id order, to read beside thin_ls, thin_delta or thin_dump), or
-//! `--json` (`{"volumes":[...],"unadopted":[...],"orphaned":[...]}`), from the pool or its
+//! `--json` (`{"thinpool_json":1,"volumes":[...],"unadopted":[...],"orphaned":[...]}`), from the pool or its
 //! server. Thin ids the metadata holds and the catalog does not know (unadopted) and
 //! catalog entries whose thin id is gone (orphaned) follow the table, and a warning on
 //! stderr names them.
@@ -16,8 +16,9 @@
 use anyhow::Context;
 use std::process::ExitCode;
 
-use crate::control::{self, OrphanedRecord, Request, StatusRecord, UnadoptedRecord, VolumeRecord};
+use crate::control::{self, Request, StatusRecord, VolumeRecord};
 use crate::pool_dir::{format_size, table, PoolArg};
+use thinpool_daemon::json::ListRecord;
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -30,13 +31,13 @@ Figures are those of the last commit (at most a commit interval behind the write
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print `{"volumes":[...]}` with every field, sizes in bytes (`mapped_bytes`,
-    /// `exclusive_bytes`, `shared_bytes` as thin_ls counts them).
+    /// Print `{"volumes":[...],"unadopted":[...],"orphaned":[...]}` (docs/json.md), sizes
+    /// in bytes (`mapped_bytes`, `exclusive_bytes`, `shared_bytes` as thin_ls counts them).
     #[arg(long = "json")]
     json: bool,
     /// Print each volume's thin id (dm-thin's device id, as thin_ls and thin_delta show it)
-    /// and its origin's, in thin id order.
-    #[arg(long = "ids", conflicts_with = "json")]
+    /// and its origin's, in thin id order (with --json: the volumes in thin id order).
+    #[arg(long = "ids")]
     ids: bool,
 }
 
@@ -54,12 +55,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         eprint!("thinpool: warning: the catalog and the metadata disagree:\n{disagreements}");
     }
     if args.json {
-        let listing = Listing {
-            volumes: &volumes,
-            unadopted: &status.unadopted,
-            orphaned: &status.orphaned,
-        };
-        println!("{}", serde_json::to_string_pretty(&listing)?);
+        let mut volumes = volumes;
+        if args.ids {
+            volumes.sort_by_key(|volume| volume.id);
+        }
+        super::json::print(&ListRecord {
+            volumes,
+            unadopted: status.unadopted,
+            orphaned: status.orphaned,
+        })?;
     } else if args.ids {
         print!("{}", render_ids(&volumes));
     } else {
@@ -69,16 +73,6 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// The `--json` shape.
-#[derive(serde::Serialize)]
-struct Listing<'a> {
-    volumes: &'a [VolumeRecord],
-    /// Thin ids the catalog does not know (`volume adopt`).
-    unadopted: &'a [UnadoptedRecord],
-    /// Catalog entries whose thin id is gone (`volume forget`).
-    orphaned: &'a [OrphanedRecord],
 }
 
 /// The lines naming the thin ids the catalog lacks and the entries whose thin id is gone,

@@ -42,6 +42,10 @@ pub struct Args {
         value_parser = parse_style
     )]
     numeric_only: Option<OutputStyle>,
+    /// Print `{"thinpool_json":1,"metadata_size_bytes":N,"metadata_size_sectors":N}`
+    /// (docs/json.md) instead; --unit and --numeric-only do not apply.
+    #[arg(long = "json")]
+    json: bool,
     #[command(flatten)]
     version: super::ToolsVersionFlag,
 }
@@ -74,12 +78,22 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         thin_count_max: args.thin_count_max,
     };
     match metadata_size::estimate(&request) {
+        Ok(size_bytes) if args.json => {
+            super::json::print(&thinpool_daemon::json::MetadataSizeRecord {
+                metadata_size_bytes: size_bytes,
+                metadata_size_sectors: size_bytes / 512,
+            })?;
+            Ok(ExitCode::SUCCESS)
+        }
         Ok(size_bytes) => {
             let style = args.numeric_only.unwrap_or(OutputStyle::Full);
             println!("{}", metadata_size::format(size_bytes, args.unit, style));
             Ok(ExitCode::SUCCESS)
         }
         Err(error) => {
+            if args.json {
+                super::json::print_error(&anyhow::Error::msg(error.to_string()));
+            }
             eprintln!("{error}");
             Ok(ExitCode::from(EXIT_REFUSED))
         }

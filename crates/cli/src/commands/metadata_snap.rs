@@ -46,7 +46,8 @@ Example:
 pub struct Common {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print `{"metadata_snap": BLOCK or null}`.
+    /// Print the pool's status as JSON (docs/json.md): `metadata_snap_block` is the held
+    /// snapshot's block, or null.
     #[arg(long = "json")]
     json: bool,
 }
@@ -68,14 +69,11 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     let dir = common.pool.resolve();
     let status = control::ask(&dir, &request).context(what)?.into_status()?;
     if common.json {
-        println!(
-            "{}",
-            serde_json::json!({ "metadata_snap": status.metadata_snap })
-        );
+        super::json::print(&status)?;
         return Ok(ExitCode::SUCCESS);
     }
     let metadata = dir.path.join(thin_pool::METADATA_FILE);
-    match (&request, status.metadata_snap) {
+    match (&request, status.metadata_snap_block) {
         (Request::ReserveMetadataSnap, Some(block)) => println!(
             "reserved metadata snapshot at block {block}: thin_ls -m, thin_delta -m and thin_dump -m read it from {}; release it with `thinpool metadata-snap release`",
             metadata.display()

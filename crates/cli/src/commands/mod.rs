@@ -8,6 +8,7 @@ pub mod diff;
 pub mod dump;
 pub mod grow;
 pub mod import;
+pub mod json;
 pub mod list;
 pub mod metadata_size;
 pub mod metadata_snap;

@@ -57,7 +57,7 @@ pub struct Args {
     abort: bool,
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the new volume as JSON.
+    /// Print the new volume as JSON (docs/json.md).
     #[arg(long = "json")]
     json: bool,
     /// NAME is a replica (VOLUME.repl-SEQ, `thinpool replicate`): once it is received,
@@ -110,12 +110,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let options = args.resumable.then_some(ReceiveOptions {
         checkpoint_bytes: args.checkpoint.max(1),
     });
-    let volume =
-        stream::receive_resumable(&dir, &name, options.as_ref(), &mut input, &mut |_| {});
+    let volume = stream::receive_resumable(&dir, &name, options.as_ref(), &mut input, &mut |_| {});
     bar.finish();
     let volume = volume?;
     if args.json {
-        println!("{}", serde_json::to_string(&volume)?);
+        super::json::print(&volume)?;
     } else {
         println!(
             "received {} ({}, {} blocks mapped), content id {}",

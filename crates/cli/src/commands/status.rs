@@ -20,7 +20,7 @@ Examples:
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the status as a JSON object.
+    /// Print the status as a JSON object (docs/json.md).
     #[arg(long = "json")]
     json: bool,
 }
@@ -37,7 +37,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         Vec::new()
     });
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&status)?);
+        super::json::print(&status)?;
     } else {
         print!("{}", render(&status));
         print!("{}", render_served(&status));
@@ -189,7 +189,9 @@ fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
         ),
         (
             "autoextend",
-            thinpool_daemon::space::describe_autoextend(status.autoextend.as_ref()),
+            thinpool_daemon::space::describe_autoextend(
+                status.autoextend.map(|on| on.stored()).as_ref(),
+            ),
         ),
         (
             "no-space timeout",
@@ -200,7 +202,7 @@ fn policy_lines(status: &StatusRecord) -> [(&'static str, String); 6] {
             format!(
                 "{} ({} given back since open)",
                 yes_no(status.discard_passdown),
-                format_size(status.data_bytes_passed_down)
+                format_size(status.data_passed_down_bytes)
             ),
         ),
     ]
@@ -223,7 +225,7 @@ fn replication_lags(dir: &crate::pool_dir::PoolDir) -> anyhow::Result<Vec<replic
                 diff.ranges
                     .iter()
                     .filter(|range| range.kind != "base_only")
-                    .map(|range| range.length * diff.block_size_bytes)
+                    .map(|range| range.length_bytes)
                     .sum(),
             ),
             _ => None,

@@ -20,7 +20,7 @@ Examples:
 pub struct Args {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the result as JSON (`{"trimmed_bytes": N}`).
+    /// Print the result as JSON (`{"thinpool_json":1,"trimmed_bytes":N}`).
     #[arg(long = "json")]
     json: bool,
 }
@@ -42,7 +42,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         other => bail!("unexpected answer: {other:?}"),
     };
     if args.json {
-        println!("{}", serde_json::json!({ "trimmed_bytes": bytes }));
+        super::json::print(&thinpool_daemon::json::TrimRecord {
+            trimmed_bytes: bytes,
+        })?;
     } else {
         println!(
             "trimmed {} of free data blocks in {}",

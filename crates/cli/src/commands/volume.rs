@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use crate::control::{self, Outcome, Request, VolumeRecord};
 use crate::pool_dir::{format_size, parse_size_nonzero, PoolArg};
+use thinpool_daemon::json::ForgottenRecord;
 
 /// Volume subcommands.
 #[derive(clap::Subcommand, Debug)]
@@ -167,7 +168,7 @@ Example:
 pub struct Common {
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the result as JSON.
+    /// Print the result as JSON (docs/json.md: the volume; `forget`: the entry dropped).
     #[arg(long = "json")]
     json: bool,
 }
@@ -182,23 +183,23 @@ pub fn run(command: Command) -> anyhow::Result<ExitCode> {
     let dir = common.pool.resolve();
     let outcome = control::ask(&dir, &request).context(what)?;
     match (&request, outcome) {
-        (Request::ForgetVolume { name }, Outcome::Done) => {
+        (Request::ForgetVolume { name }, Outcome::Forgotten(forgotten)) => {
             if common.json {
-                println!("{}", serde_json::json!({ "forgotten": name }));
+                super::json::print(&ForgottenRecord { forgotten })?;
             } else {
                 println!("forgot volume {name:?} (catalog entry only)");
             }
         }
-        (Request::DeleteVolume { name }, Outcome::Done) => {
+        (Request::DeleteVolume { name }, Outcome::Volume(volume)) => {
             if common.json {
-                println!("{}", serde_json::json!({ "deleted": name }));
+                super::json::print(&volume)?;
             } else {
                 println!("deleted volume {name:?}");
             }
         }
         (_, Outcome::Volume(volume)) => {
             if common.json {
-                println!("{}", serde_json::to_string_pretty(&volume)?);
+                super::json::print(&volume)?;
             } else {
                 println!("{}", describe(&request, &volume));
             }

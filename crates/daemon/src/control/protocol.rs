@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 use thin_pool::VolumeInfo;
 
 use super::diff::DiffRecord;
-pub use super::status_record::{OrphanedRecord, ServedRecord, StatusRecord, UnadoptedRecord};
+pub use super::status_record::{
+    AutoextendRecord, OrphanedRecord, ServedRecord, StatusRecord, UnadoptedRecord,
+};
 pub use super::stream::PartialRecord;
+use crate::json::{ErrorKind, VERSION};
 
 /// One management request.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,19 +174,15 @@ pub struct VolumeRecord {
     /// Open handles (NBD connections using it).
     pub open_count: usize,
     /// The origin's thin id.
-    #[serde(default)]
     pub origin_id: Option<u64>,
-    /// Bytes mapped, as of the last commit (thin_ls's MAPPED_BYTES; `list` only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Bytes mapped, as of the last commit (thin_ls's MAPPED_BYTES; `list` only, and null
+    /// for a volume made since the last commit).
     pub mapped_bytes: Option<u64>,
     /// Bytes no other mapping shares: freed if the volume is deleted (EXCLUSIVE_BYTES).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exclusive_bytes: Option<u64>,
     /// Bytes shared with other mappings (SHARED_BYTES).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shared_bytes: Option<u64>,
-    /// Bytes of mapped data a shrink unmapped (`resize_volume` only).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Bytes of mapped data a shrink unmapped (`resize_volume` only, else null).
     pub unmapped_bytes: Option<u64>,
     /// The content id a send or receive gave it (docs/send-stream.md; `list` and
     /// `receive` only; null if it has none).
@@ -216,14 +215,17 @@ impl From<&VolumeInfo> for VolumeRecord {
 /// What a successful request produced.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Outcome {
-    /// A volume was created, snapshotted or resized.
+    /// A volume was created, snapshotted, resized, reverted, renamed, adopted, received or
+    /// deleted (as it was before).
     Volume(VolumeRecord),
     /// The volume list.
     Volumes(Vec<VolumeRecord>),
     /// The pool status (also after growing the data device).
     Status(StatusRecord),
-    /// Done; nothing to report (delete).
+    /// Done; nothing to report (a stream sent).
     Done,
+    /// A catalog entry whose thin id was gone, dropped (forget).
+    Forgotten(OrphanedRecord),
     /// Two volumes compared.
     Diff(Box<DiffRecord>),
     /// Free data blocks given back to the host (trim), in bytes.
@@ -250,9 +252,12 @@ impl Outcome {
     }
 }
 
-/// A refused or failed request: an errno, its symbolic name, and the engine's message.
+/// A refused or failed request: who must act, an errno, its symbolic name, and the engine's
+/// message (the fields of [`crate::json::ErrorRecord`], errno never null).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OpError {
+    /// Who must act: the engine's kind; the control socket's own refusals are `refused`.
+    pub kind: ErrorKind,
     /// Linux errno.
     pub errno: i32,
     /// Its name, e.g. `EBUSY`.
@@ -262,8 +267,15 @@ pub struct OpError {
 }
 
 impl OpError {
-    pub(super) fn new(errno: i32, message: impl Into<String>) -> Self {
+    /// A refusal (kind `refused`).
+    pub(crate) fn new(errno: i32, message: impl Into<String>) -> Self {
+        OpError::with_kind(ErrorKind::Refused, errno, message)
+    }
+
+    /// An error of `kind`.
+    pub(super) fn with_kind(kind: ErrorKind, errno: i32, message: impl Into<String>) -> Self {
         OpError {
+            kind,
             errno,
             code: errno_name(errno).to_string(),
             message: message.into(),
@@ -275,7 +287,11 @@ impl From<thin_pool::Error> for OpError {
     /// The engine's errno ([`thin_pool::Error::errno`], the one the NBD adapter uses too) and
     /// its message with every cause.
     fn from(error: thin_pool::Error) -> Self {
-        OpError::new(error.errno(), error.report().to_string())
+        OpError::with_kind(
+            error.kind().into(),
+            error.errno(),
+            error.report().to_string(),
+        )
     }
 }
 
@@ -289,7 +305,7 @@ impl std::error::Error for OpError {}
 
 /// The symbolic name of an errno: those the engine and this module give, and those a device
 /// commonly fails with (an I/O error keeps the device's errno).
-fn errno_name(errno: i32) -> &'static str {
+pub fn errno_name(errno: i32) -> &'static str {
     match errno {
         libc::EPERM => "EPERM",
         libc::ENOENT => "ENOENT",
@@ -314,6 +330,12 @@ fn errno_name(errno: i32) -> &'static str {
         libc::ESHUTDOWN => "ESHUTDOWN",
         libc::ETIMEDOUT => "ETIMEDOUT",
         libc::EDQUOT => "EDQUOT",
+        libc::ENOTDIR => "ENOTDIR",
+        libc::EISDIR => "EISDIR",
+        libc::ENOTEMPTY => "ENOTEMPTY",
+        libc::ECONNREFUSED => "ECONNREFUSED",
+        libc::ECONNRESET => "ECONNRESET",
+        libc::EPIPE => "EPIPE",
         _ => "EUNKNOWN",
     }
 }
@@ -321,6 +343,9 @@ fn errno_name(errno: i32) -> &'static str {
 /// The wire form of an answer.
 #[derive(Debug, Default, Serialize, Deserialize)]
 pub(super) struct Response {
+    /// [`crate::json::VERSION`] (0 from a server older than the field).
+    #[serde(default)]
+    thinpool_json: u32,
     ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     volume: Option<VolumeRecord>,
@@ -336,10 +361,21 @@ pub(super) struct Response {
     trimmed_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     partial_receives: Option<Vec<PartialRecord>>,
+    forgotten: Option<OrphanedRecord>,
 }
 
 impl From<Result<Outcome, OpError>> for Response {
     fn from(result: Result<Outcome, OpError>) -> Self {
+        let response = Response::answer(result);
+        Response {
+            thinpool_json: VERSION,
+            ..response
+        }
+    }
+}
+
+impl Response {
+    fn answer(result: Result<Outcome, OpError>) -> Self {
         match result {
             Ok(Outcome::Volume(volume)) => Response {
                 ok: true,
@@ -365,6 +401,11 @@ impl From<Result<Outcome, OpError>> for Response {
                 ok: true,
                 ..Response::default()
             },
+            Ok(Outcome::Forgotten(entry)) => Response {
+                ok: true,
+                forgotten: Some(entry),
+                ..Response::default()
+            },
             Ok(Outcome::Diff(diff)) => Response {
                 ok: true,
                 diff: Some(diff),
@@ -382,9 +423,7 @@ impl From<Result<Outcome, OpError>> for Response {
             },
         }
     }
-}
 
-impl Response {
     pub(super) fn into_result(self) -> anyhow::Result<Result<Outcome, OpError>> {
         if !self.ok {
             return Ok(Err(self
@@ -402,6 +441,9 @@ impl Response {
         }
         if let Some(partial) = self.partial_receives {
             return Ok(Ok(Outcome::Partial(partial)));
+        }
+        if let Some(entry) = self.forgotten {
+            return Ok(Ok(Outcome::Forgotten(entry)));
         }
         Ok(Ok(match (self.volume, self.volumes, self.status) {
             (Some(volume), None, None) => Outcome::Volume(volume),

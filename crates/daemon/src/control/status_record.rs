@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use thin_pool::{Disagreements, PoolStatus, VolumeInfo};
 
-use crate::pool_dir::{percent, StoredOptions};
+use crate::pool_dir::{percent, StoredAutoextend, StoredOptions};
 
 /// The pool's status, as `status` reports it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -27,8 +27,7 @@ pub struct StatusRecord {
     pub block_size_bytes: u64,
     /// dm-thin's mode word: rw, out_of_data_space, ro, fail.
     pub mode: String,
-    /// In fail mode: why (e.g. a panic inside the engine).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// In fail mode: why (e.g. a panic inside the engine); else null.
     pub fail_reason: Option<String>,
     /// The metadata needs a check before the pool may write again.
     pub needs_check: bool,
@@ -41,44 +40,70 @@ pub struct StatusRecord {
     /// Data use reached the low-water mark.
     pub low_water_reached: bool,
     /// Metadata use reached the low-water mark.
-    #[serde(default)]
     pub metadata_low_water_reached: bool,
     /// The low-water mark, in percent of the data and of the metadata.
-    #[serde(default)]
     pub low_water_percent: u32,
-    /// Autoextend, if on.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub autoextend: Option<crate::pool_dir::StoredAutoextend>,
+    /// Autoextend; null when off.
+    pub autoextend: Option<AutoextendRecord>,
     /// How long a write waits for space when out of it (0: forever).
-    #[serde(default)]
     pub no_space_timeout_seconds: u64,
     /// Bytes of freed data blocks given back to the host since the pool opened.
-    #[serde(default)]
-    pub data_bytes_passed_down: u64,
-    /// Metadata block of a held metadata snapshot.
-    pub metadata_snap: Option<u64>,
+    pub data_passed_down_bytes: u64,
+    /// Metadata block of a held metadata snapshot; null when none is held.
+    pub metadata_snap_block: Option<u64>,
     /// Volumes in the pool.
     pub volume_count: usize,
     /// Thin ids the metadata holds and the catalog does not know: not served.
-    #[serde(default)]
     pub unadopted: Vec<UnadoptedRecord>,
     /// Catalog entries whose thin id is not in the metadata: not served.
-    #[serde(default)]
     pub orphaned: Vec<OrphanedRecord>,
-    /// Who serves the pool (`status` only; null when no server holds it).
-    #[serde(default)]
+    /// Who serves the pool; null when no server holds it.
     pub served: Option<ServedRecord>,
-    /// The volumes' virtual sizes added up (`status` only).
-    #[serde(default)]
+    /// The volumes' virtual sizes added up.
     pub volumes_size_bytes: u64,
     /// The volumes' sizes add up to more than the data device: writes can run out of
     /// space before any volume is full (LVM warns of this "over-provisioning").
-    #[serde(default)]
     pub overprovisioned: bool,
     /// Per volume `thinpool replicate` replicates: its lag (`crate::replication::Lag`;
     /// filled by the `status` command from the pool directory's `replication.json`).
     #[serde(default)]
     pub replication: Vec<crate::replication::Lag>,
+}
+
+/// Autoextend's settings, as `status` reports them (`pool.json`'s form is not the contract).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AutoextendRecord {
+    /// Used share, in percent, that triggers a growth.
+    pub threshold_percent: u32,
+    /// Growth step as a share of the current size, in percent; null when `by_bytes` is set.
+    pub by_percent: Option<u32>,
+    /// Growth step in bytes; null when it is a share.
+    pub by_bytes: Option<u64>,
+    /// Largest data size autoextend grows to.
+    pub max_bytes: u64,
+}
+
+impl AutoextendRecord {
+    /// The stored settings' form; `pool_dir` reads the same settings back from it.
+    pub fn stored(&self) -> StoredAutoextend {
+        StoredAutoextend {
+            threshold_percent: self.threshold_percent,
+            by_percent: self.by_percent,
+            by_bytes: self.by_bytes,
+            max_bytes: self.max_bytes,
+        }
+    }
+}
+
+impl From<&StoredAutoextend> for AutoextendRecord {
+    fn from(stored: &StoredAutoextend) -> Self {
+        AutoextendRecord {
+            threshold_percent: stored.threshold_percent,
+            by_percent: stored.by_percent,
+            by_bytes: stored.by_bytes,
+            max_bytes: stored.max_bytes,
+        }
+    }
 }
 
 /// The server holding a pool, as it reports itself.
@@ -117,10 +142,6 @@ pub struct OrphanedRecord {
 }
 
 impl StatusRecord {
-    pub(super) fn new(status: &PoolStatus, options: &StoredOptions) -> Self {
-        StatusRecord::with_disagreements(status, options, &Disagreements::default())
-    }
-
     /// The status with the catalog's disagreements with the metadata.
     pub(super) fn with_disagreements(
         status: &PoolStatus,
@@ -148,10 +169,14 @@ impl StatusRecord {
             low_water_reached: status.low_water_reached,
             metadata_low_water_reached: status.metadata_low_water_reached,
             low_water_percent: status.low_water_percent,
-            autoextend: options.space.autoextend,
+            autoextend: options
+                .space
+                .autoextend
+                .as_ref()
+                .map(AutoextendRecord::from),
             no_space_timeout_seconds: status.no_space_timeout.as_secs(),
-            data_bytes_passed_down: status.data_bytes_passed_down,
-            metadata_snap: status.metadata_snap,
+            data_passed_down_bytes: status.data_bytes_passed_down,
+            metadata_snap_block: status.metadata_snap,
             volume_count: status.volume_count,
             unadopted: found
                 .unadopted

@@ -2,7 +2,7 @@
 
 use thin_pool::{Pool, Shrink};
 
-use super::{OpError, Outcome, Request, ServedRecord, StatusRecord, VolumeRecord};
+use super::{OpError, OrphanedRecord, Outcome, Request, ServedRecord, StatusRecord, VolumeRecord};
 use crate::pool_dir::{format_size, StoredOptions};
 
 /// A pool and what the binary knows about it: the options it was opened with and the names
@@ -80,8 +80,12 @@ impl Target {
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
             Request::DeleteVolume { name } => {
+                // Answered with the volume as it was (management is serialized by the
+                // engine; a refused delete answers the refusal).
+                let mut record = VolumeRecord::from(&pool.info(name)?);
                 pool.delete_volume(name)?;
-                Ok(Outcome::Done)
+                record.open_count = 0;
+                Ok(Outcome::Volume(record))
             }
             Request::ResizeVolume {
                 name,
@@ -149,9 +153,9 @@ impl Target {
         Ok(self.status_outcome())
     }
 
-    /// The pool's status as an answer (without the catalog's disagreements).
+    /// The pool's status as an answer: every answer with a status has the whole of it.
     fn status_outcome(&self) -> Outcome {
-        Outcome::Status(StatusRecord::new(&self.pool.status(), &self.options))
+        self.full_status()
     }
 
     /// Adopts a thin id the catalog lacks, or forgets an entry whose thin id is gone.
@@ -170,8 +174,25 @@ impl Target {
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
             Request::ForgetVolume { name } => {
+                let entry = pool
+                    .disagreements()
+                    .orphaned
+                    .iter()
+                    .find(|volume| volume.name == *name)
+                    .map(|volume| OrphanedRecord {
+                        name: volume.name.clone(),
+                        id: u64::from(volume.id.get()),
+                        size_bytes: volume.size_bytes,
+                    });
                 pool.forget_volume(name)?;
-                Ok(Outcome::Done)
+                let entry = entry.ok_or_else(|| {
+                    OpError::with_kind(
+                        crate::json::ErrorKind::Internal,
+                        libc::EIO,
+                        format!("forgot {name:?}, which was not listed as orphaned"),
+                    )
+                })?;
+                Ok(Outcome::Forgotten(entry))
             }
             other => unreachable!("{other:?} is not an adopt or a forget"),
         }
@@ -204,7 +225,7 @@ impl Target {
                 ),
             ));
         }
-        Ok(Outcome::Status(StatusRecord::new(&status, &self.options)))
+        Ok(self.full_status())
     }
 
     pub(super) fn check_name_free(&self, name: &str) -> Result<(), OpError> {

@@ -121,7 +121,7 @@ fn errors_round_trip() {
     let text = serde_json::to_string(&response).unwrap();
     assert_eq!(
         text,
-        r#"{"ok":false,"error":{"errno":16,"code":"EBUSY","message":"volume \"x\" is open"}}"#
+        r#"{"thinpool_json":1,"ok":false,"error":{"kind":"refused","errno":16,"code":"EBUSY","message":"volume \"x\" is open"}}"#
     );
     let back: Response = serde_json::from_str(&text).unwrap();
     let error = back.into_result().unwrap().unwrap_err();
