@@ -86,6 +86,31 @@ pub(crate) fn block_runs(blocks: &[u64]) -> Vec<(u64, u64)> {
     runs
 }
 
+/// `metadata_blocks` hold the formatted pool (superblock, empty trees, the metadata space
+/// map), the data space map of `data_blocks` and the reserve: the check of every create, on
+/// files or on block devices.
+pub(crate) fn check_metadata_room(metadata_blocks: u64, data_blocks: u64) -> Result<()> {
+    if metadata_blocks < 64 {
+        return Err(Error::MetadataTooSmall {
+            blocks: metadata_blocks,
+        });
+    }
+    let space_map = data_grow_metadata_blocks(0, data_blocks);
+    let reserve = metadata_reserve_blocks(metadata_blocks);
+    // The superblock, the empty trees and the metadata space map's own blocks.
+    let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
+    if space_map + reserve + formatted > metadata_blocks {
+        return Err(Error::MetadataCannotMap {
+            metadata_blocks,
+            data_blocks,
+            space_map_blocks: space_map,
+            reserve_blocks: reserve,
+            formatted_blocks: formatted,
+        });
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::{block_runs, data_grow_metadata_blocks};
@@ -138,29 +163,4 @@ mod tests {
         drop(pool);
         std::fs::remove_dir_all(&dir).unwrap();
     }
-}
-
-/// `metadata_blocks` hold the formatted pool (superblock, empty trees, the metadata space
-/// map), the data space map of `data_blocks` and the reserve: the check of every create, on
-/// files or on block devices.
-pub(crate) fn check_metadata_room(metadata_blocks: u64, data_blocks: u64) -> Result<()> {
-    if metadata_blocks < 64 {
-        return Err(Error::MetadataTooSmall {
-            blocks: metadata_blocks,
-        });
-    }
-    let space_map = data_grow_metadata_blocks(0, data_blocks);
-    let reserve = metadata_reserve_blocks(metadata_blocks);
-    // The superblock, the empty trees and the metadata space map's own blocks.
-    let formatted = 8 + metadata_blocks.div_ceil(ENTRIES_PER_BITMAP);
-    if space_map + reserve + formatted > metadata_blocks {
-        return Err(Error::MetadataCannotMap {
-            metadata_blocks,
-            data_blocks,
-            space_map_blocks: space_map,
-            reserve_blocks: reserve,
-            formatted_blocks: formatted,
-        });
-    }
-    Ok(())
 }
