@@ -546,7 +546,7 @@ fn the_schema_refuses_what_the_contract_does_not_allow() {
         "thinpool_json": 1, "name": "vm", "id": 0, "size_bytes": 4096, "mapped_blocks": 0,
         "mapped_percent": 0.0, "block_size_bytes": 65536, "origin": null, "read_only": false,
         "open_count": 0, "origin_id": null, "mapped_bytes": null, "exclusive_bytes": null,
-        "shared_bytes": null, "unmapped_bytes": null
+        "shared_bytes": null, "unmapped_bytes": null, "content_id": null
     });
     assert_eq!(
         contract.violations("volume_answer", &volume),

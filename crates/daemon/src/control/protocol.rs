@@ -361,6 +361,7 @@ pub(super) struct Response {
     trimmed_bytes: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     partial_receives: Option<Vec<PartialRecord>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     forgotten: Option<OrphanedRecord>,
 }
 
