@@ -56,7 +56,7 @@ mod tests {
     use super::*;
 
     /// The commands without `--json`, by path, and what they print instead.
-    pub const WITHOUT_JSON: [(&str, &str); 7] = [
+    pub const WITHOUT_JSON: [(&str, &str); 8] = [
         ("dump", "the metadata itself, as thin_dump's XML or text"),
         ("restore", "nothing: it writes metadata"),
         ("repair", "nothing: it writes metadata"),
@@ -67,6 +67,10 @@ mod tests {
         ("send", "the stream itself (binary)"),
         ("completions", "a shell script"),
         ("man-pages", "nothing: it writes man pages"),
+        (
+            "replicate",
+            "a loop: a line per round; its state is `status --json`'s replication",
+        ),
     ];
 
     /// docs/json-schema.json: `x-commands` maps each command path to its result's schema.

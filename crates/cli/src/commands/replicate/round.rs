@@ -265,11 +265,15 @@ fn send(
     eprint!("{stderr}");
     let bytes = sent.context("cannot send the stream")?;
     let stdout = String::from_utf8_lossy(&stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|line| !line.trim().is_empty())
+    // The acknowledgement is the last JSON object the receiver printed (`receive --json`:
+    // one object, compact or pretty): from the last line that opens one to the end.
+    let start = stdout
+        .rmatch_indices('\n')
+        .map(|(at, _)| at + 1)
+        .chain([0])
+        .find(|&at| stdout[at..].starts_with('{'))
         .context("the receiver printed no acknowledgement")?;
+    let line = stdout[start..].trim();
     let ack: VolumeRecord = serde_json::from_str(line)
         .with_context(|| format!("the receiver's acknowledgement is not a volume: {line:?}"))?;
     Ok((ack, bytes))
