@@ -1,7 +1,7 @@
 //! The JSON contract (docs/json.md, schema docs/json-schema.json): the objects `--json`
 //! prints and the control socket answers with, as one set of types so the two cannot
 //! drift. The records themselves are the control socket's ([`VolumeRecord`],
-//! [`StatusRecord`], [`DiffRecord`], ...); this module adds what the command line prints
+//! [`StatusRecord`](crate::control::StatusRecord), [`DiffRecord`], ...); this module adds what the command line prints
 //! around them: the version field ([`VERSION_FIELD`]) on every printed object
 //! ([`Versioned`]), the objects only commands print ([`ListRecord`], [`TrimRecord`],
 //! [`ForgottenRecord`]), and errors ([`ErrorRecord`]) with the control socket's kinds.

@@ -1,6 +1,6 @@
 //! `--json` output, the contract of docs/json.md (its types are `thinpool_daemon::json` and
 //! the control socket's records): one object on stdout, with the version field, for a
-//! result and for an error alike. [`WITHOUT_JSON`] lists the commands that print no
+//! result and for an error alike. `tests::WITHOUT_JSON` lists the commands that print no
 //! result of their own, and why (in the tests); every other command takes `--json` and has an entry in
 //! docs/json-schema.json (the tests below walk the command line's definition).
 

@@ -45,7 +45,7 @@ const BUFFER_BYTES: usize = 256 << 10;
 /// What [`widen_pipe`] asks for (Linux's default `pipe-max-size`).
 const PIPE_BYTES: usize = 1 << 20;
 
-/// If `fd` is a pipe, let it hold [`PIPE_BYTES`] (fewer, larger reads and writes of the
+/// If `fd` is a pipe, let it hold `PIPE_BYTES` (fewer, larger reads and writes of the
 /// stream: a pipe holds 64 KiB by default). Best effort: anything else is left as it is.
 pub fn widen_pipe(fd: impl std::os::fd::AsFd) {
     let is_pipe = rustix::fs::fstat(&fd)
