@@ -42,7 +42,14 @@
 //! pool committed, could not (read-only), or failed to. A second signal, or a shutdown longer
 //! than `SHUTDOWN_DEADLINE`, exits at once as a crash would.
 
+use crate::control::{ControlServer, Target};
+use crate::create::{create_pool, default_create_options};
+use crate::export::{PoolRegistry, DEFAULT_VOLUME};
+use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
 use anyhow::{bail, Context};
+use nbd::{Export, ExportRegistry};
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
 use std::net::SocketAddr;
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::UnixStream;
@@ -50,16 +57,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
-
-use signal_hook::consts::{SIGINT, SIGTERM};
-use signal_hook::iterator::Signals;
 use thin_pool::Pool;
-
-use crate::control::{ControlServer, Target};
-use crate::create::{create_pool, default_create_options};
-use crate::export::{PoolRegistry, DEFAULT_VOLUME};
-use crate::pool_dir::{format_size, PoolArg, PoolDir, StoredOptions};
-use nbd::{Export, ExportRegistry};
 
 mod banner;
 mod metrics;

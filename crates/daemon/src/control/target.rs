@@ -79,14 +79,7 @@ impl Target {
                 let info = pool.snapshot(origin, name, *read_only)?;
                 Ok(Outcome::Volume(VolumeRecord::from(&info)))
             }
-            Request::DeleteVolume { name } => {
-                // Answered with the volume as it was (management is serialized by the
-                // engine; a refused delete answers the refusal).
-                let mut record = VolumeRecord::from(&pool.info(name)?);
-                pool.delete_volume(name)?;
-                record.open_count = 0;
-                Ok(Outcome::Volume(record))
-            }
+            Request::DeleteVolume { name } => delete_volume(pool, name),
             Request::ResizeVolume {
                 name,
                 size_bytes,
@@ -237,6 +230,15 @@ impl Target {
         }
         Ok(())
     }
+}
+
+/// `delete`: answered with the volume as it was (management is serialized by the engine; a
+/// refused delete answers the refusal).
+fn delete_volume(pool: &Pool, name: &str) -> Result<Outcome, OpError> {
+    let mut record = VolumeRecord::from(&pool.info(name)?);
+    pool.delete_volume(name)?;
+    record.open_count = 0;
+    Ok(Outcome::Volume(record))
 }
 
 /// A resize, its shrink policy from `force`. A shrink refused for the mapped data it would
