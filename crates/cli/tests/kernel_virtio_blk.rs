@@ -10,6 +10,10 @@
 //! - The same against `thinpool serve --vhost-user-blk vm=SOCK` on a thin volume of a file
 //!   pool; afterwards the volume is read back through NBD (`nbdcopy` from a fresh `serve`):
 //!   the copy passes `e2fsck -n -f` and holds the same files.
+//! - A volume grown while the guest has it attached: `thinpool volume resize` through the
+//!   control socket makes `serve` send the capacity-change message on the front end's
+//!   backend request channel; the guest, polling `/sys/block/vda/size` for a while, sees the
+//!   new size without reattaching, and writes and reads back a sector past the old end.
 //!
 //! Every process started (the daemon, `serve`, the kernel's process group) is stopped by its
 //! process id. Skips nothing: UML comes from `scripts/fetch-uml`, and qemu-storage-daemon,
@@ -21,7 +25,7 @@ use e2e_support::*;
 use std::path::Path;
 use std::time::Duration;
 use testkit::uml::virtio::QemuStorageDaemon;
-use testkit::uml::{Boot, Uml};
+use testkit::uml::{Boot, Uml, DEFAULT_BOOT_TIMEOUT};
 
 /// The disk's size: the guest's `/dev/vda`.
 const DISK_BYTES: u64 = 64 * MIB;
@@ -162,4 +166,97 @@ fn ext4_through_thinpool_vhost_user_blk_reads_back_through_nbd() {
     assert!(served.stop().success());
     assert_eq!(std::fs::metadata(&copy).unwrap().len(), DISK_BYTES);
     check_image(&copy);
+}
+
+/// The grown volume's size before and after its resize.
+const GROW_FROM_BYTES: u64 = 32 * MIB;
+const GROW_TO_BYTES: u64 = 48 * MIB;
+/// What the guest writes past the old end once it sees the new size.
+const PAST_END: &str = "written past the old end";
+
+/// The guest's part of the grow test: note the size, say it is attached, poll the size for
+/// up to 20 s, then use a sector past the old end.
+fn grow_script() -> String {
+    format!(
+        r#"
+old=$(cat /sys/block/vda/size)
+echo "$old" > "$RESULT/size-before"
+touch "$RESULT/attached"
+new=$old
+i=0
+while [ "$new" = "$old" ] && [ $i -lt 200 ]; do
+  sleep 0.1
+  i=$((i + 1))
+  new=$(cat /sys/block/vda/size)
+done
+echo "$new" > "$RESULT/size-after"
+if [ "$new" != "$old" ]; then
+  printf '%s' '{PAST_END}' | dd of=/dev/vda bs=512 seek=$old conv=sync,fsync status=none
+  dd if=/dev/vda of="$RESULT/past-end" bs=512 skip=$old count=1 iflag=direct status=none
+fi
+"#
+    )
+}
+
+#[test]
+fn a_volume_grown_while_attached_shows_its_new_size_in_the_guest() {
+    let temp = ScratchDir::new("kernel-virtio-grow");
+    let pool = temp.join("pool");
+    let pool_text = pool.to_str().unwrap();
+    create_pool(&pool, &["--data-size", "256M"]);
+    create_volume(&pool, "vm", &format!("{}M", GROW_FROM_BYTES / MIB));
+    let socket = temp.join("vm.sock");
+    let served = serve(
+        &pool,
+        &["--vhost-user-blk", &format!("vm={}", socket.display())],
+    );
+    wait_for("the vhost-user-blk socket", Duration::from_secs(30), || {
+        socket.exists()
+    });
+    let result = temp.join("result");
+    let mut guest = Boot::new(&Uml::find(), &result)
+        .vhost_user_blk(&socket)
+        .script(&grow_script())
+        .spawn();
+    assert!(
+        guest.wait_for_file("attached", DEFAULT_BOOT_TIMEOUT),
+        "the guest never attached:\n{}",
+        guest.console()
+    );
+    let size = format!("{}M", GROW_TO_BYTES / MIB);
+    thinpool_ok(&[
+        "volume", "resize", "vm", "--size", &size, "--pool", pool_text,
+    ]);
+    let outcome = guest.wait(DEFAULT_BOOT_TIMEOUT);
+    outcome.assert_success();
+    let sectors = |name: &str| -> u64 {
+        let text = std::fs::read_to_string(result.join(name)).expect(name);
+        text.trim().parse().expect("sectors")
+    };
+    assert_eq!(sectors("size-before"), GROW_FROM_BYTES / 512);
+    assert_eq!(
+        sectors("size-after"),
+        GROW_TO_BYTES / 512,
+        "the guest's /dev/vda after the resize (serve's log:\n{})\n--- console ---\n{}",
+        served.stderr(),
+        outcome.console
+    );
+    // The driver's own line for a capacity it reread (virtio_blk's config-change path).
+    let new_size = format!(
+        "[vda] new size: {} 512-byte logical blocks",
+        GROW_TO_BYTES / 512
+    );
+    assert!(
+        outcome.console.contains(&new_size),
+        "no {new_size:?} in the console:\n{}",
+        outcome.console
+    );
+    let past_end = std::fs::read(result.join("past-end")).expect("past-end");
+    assert_eq!(&past_end[..PAST_END.len()], PAST_END.as_bytes());
+    let stderr = served.stderr();
+    assert!(
+        stderr.contains("vhost-user-blk capacity change sent"),
+        "serve's log:\n{stderr}"
+    );
+    assert!(served.stop().success(), "serve's exit:\n{stderr}");
 }

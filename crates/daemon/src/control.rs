@@ -92,7 +92,7 @@ pub use protocol::{
     StatusRecord, UnadoptedRecord, VolumeRecord,
 };
 pub use server::ControlServer;
-pub use target::{ServedProbe, Target};
+pub use target::{ResizeHook, Served, ServedProbe, Target};
 
 use protocol::{read_line, Line, Response};
 

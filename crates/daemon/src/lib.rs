@@ -7,7 +7,9 @@
 //!
 //! Files: `serve.rs` (`Serving::start` opens the pool, checks TCP exposure, binds and
 //! announces; `Serving::stop` shuts down; `run` waits for a signal between them; `serve/` has
-//! the banner, TCP, TLS, systemd, shutdown and the metrics endpoint); `export.rs`
+//! the banner, TCP, TLS, systemd, shutdown, the metrics endpoint, the vhost-user-blk sockets
+//! and `served.rs`, what the control target knows of this server: `status`'s probe, whom a
+//! resize tells); `export.rs`
 //! (`VolumeExport`, and `PoolRegistry` with any fixed exports a caller adds; `export/` the
 //! diff metadata context); `metrics.rs` (counting in `metrics/counted.rs`); `pool_dir.rs`
 //! (layout, stored options, checks; `pool_dir/missing.rs` why a directory holds no pool,

@@ -61,6 +61,7 @@ use thin_pool::Pool;
 
 mod banner;
 mod metrics;
+mod served;
 mod shutdown;
 mod systemd;
 mod tcp;
@@ -263,7 +264,8 @@ impl Serving {
             metrics.read_replication_from(dir.path.clone());
         }
         let (servers, nbd_socket, tcp_bound) = listen(served, config, activated, nbd_socket, &tcp)?;
-        let target = control_target(&pool, options, &registry, &servers, args);
+        let vhost = vhost::start(&pool, &args.vhost_user_blk, args.vhost_queues)?;
+        let target = served::control_target(&pool, options, &registry, &servers, &vhost);
         let control = ControlServer::start(&control_socket, Arc::clone(&target))?;
         let metrics_listener = match (metrics_address, metrics) {
             (Some(address), Some(metrics)) => Some(metrics::start(address, metrics)?),
@@ -286,7 +288,7 @@ impl Serving {
             .transpose()?;
         let serving = Serving {
             fail_watch: start_fail_watch(pool.clone())?,
-            vhost: vhost::start(&pool, &args.vhost_user_blk, args.vhost_queues)?,
+            vhost,
             pool,
             target,
             control,
@@ -443,43 +445,6 @@ fn plan_tcp(args: &Args, activated: &systemd::Activated) -> anyhow::Result<TcpPl
         address,
         exposure,
         exports: (!args.tcp_export.is_empty()).then(|| args.tcp_export.clone()),
-    })
-}
-
-/// The control socket's target: the pool, its options, the raw exports' names, and what
-/// `status` says of this server.
-fn control_target(
-    pool: &Pool,
-    options: StoredOptions,
-    registry: &PoolRegistry,
-    servers: &[nbd::Server],
-    args: &Args,
-) -> Arc<Target> {
-    Arc::new(Target {
-        pool: pool.clone(),
-        options,
-        reserved_names: registry.raw_names(),
-        served: Some(served_probe(servers, args.vhost_user_blk.len())),
-    })
-}
-
-/// What `status` reports of this server: its pid and its connections per front end (the
-/// first NBD server is the Unix socket's, a second one TCP's).
-fn served_probe(servers: &[nbd::Server], vhost_sockets: usize) -> crate::control::ServedProbe {
-    let handles: Vec<nbd::ShutdownHandle> =
-        servers.iter().map(nbd::Server::shutdown_handle).collect();
-    Arc::new(move || {
-        let count = |index: usize| {
-            handles
-                .get(index)
-                .map_or(0, |h| h.connection_count() as u64)
-        };
-        crate::control::ServedRecord {
-            pid: std::process::id(),
-            nbd_unix_connections: count(0),
-            nbd_tcp_connections: count(1),
-            vhost_user_blk_sockets: vhost_sockets as u64,
-        }
     })
 }
 

@@ -62,8 +62,9 @@ struct Inner {
     /// Per queue thread, the event that makes it look at its ring again (written after a
     /// memory table change).
     rescans: Vec<(EventConsumer, EventNotifier)>,
-    /// The backend-request channel the front end gave us, held open while connected:
-    /// nothing is sent on it yet, but `virtio_uml` breaks the device when it closes.
+    /// The backend-request channel the front end gave us (vhost's sender), held open while
+    /// connected: `virtio_uml` breaks the device when it closes. The capacity-change
+    /// message goes out on the relay's duplicate of its socket (`crate::capacity`).
     backend_req: Mutex<Option<Backend>>,
 }
 
@@ -256,10 +257,11 @@ impl VhostUserBackend for BlkBackend {
         }
     }
 
-    /// `BACKEND_REQ` is offered though nothing is sent on that channel yet: Linux 6.1's UML
-    /// `virtio_uml` takes the IRQ number for its queues' call fds from the one it allocates
-    /// for the backend-request channel, so without that channel it asks for IRQ 0 (the
-    /// timer's) and virtio_blk's probe fails with EBUSY.
+    /// `BACKEND_REQ` and `CONFIG` carry the capacity-change message (`crate::capacity`).
+    /// `BACKEND_REQ` is also what Linux 6.1's UML `virtio_uml` needs to attach at all: it
+    /// takes the IRQ number for its queues' call fds from the one it allocates for the
+    /// backend-request channel, so without that channel it asks for IRQ 0 (the timer's)
+    /// and virtio_blk's probe fails with EBUSY.
     fn protocol_features(&self) -> VhostUserProtocolFeatures {
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::BACKEND_REQ

@@ -18,14 +18,20 @@
 //! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects);
 //! - `relay`: a compatibility shim each connection passes through on its way to the
 //!   handler: it trims the zero padding Linux's UML `virtio_uml` puts after the regions of
-//!   its SET_MEM_TABLE, which vhost 0.18 rejects.
+//!   its SET_MEM_TABLE, which vhost 0.18 rejects, and shows the front end's messages to
+//!   `capacity`;
+//! - `capacity`: the capacity-change message. After the target grows, a
+//!   [`CapacityNotifier`] (from [`VhostBlkServer::capacity_notifier`]; the daemon calls it
+//!   after a resize) sends `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` on the backend request
+//!   channel the front end gave (`BACKEND_REQ` and `CONFIG` acked), so the guest's driver
+//!   reads the config space again and sees the new capacity without reattaching. vhost
+//!   0.18's backend request sender cannot send that message, so the relay keeps a duplicate
+//!   of the channel's socket and the message is written there.
 //!
 //! Not done: `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` (vhost-user-backend 0.24 refuses
 //! GET_INFLIGHT_FD, so a request in flight when the backend dies is lost: the front end sees
 //! no completion and, with qemu's `reconnect=`, has to time it out; every completed write is
-//! durable or was acknowledged after a FLUSH, like a disk's cache), and the capacity-change
-//! message (vhost 0.18's backend request channel has no sender for CONFIG_CHANGE_MSG: a grown
-//! volume shows its new capacity when the driver next reads the config space).
+//! durable or was acknowledged after a FLUSH, like a disk's cache).
 //!
 //! One module has `unsafe`: `guest_io`, the `preadv` / `pwritev` of a lent request straight
 //! between the file and guest memory (its soundness argued there; every block has a
@@ -42,6 +48,7 @@
 #![deny(clippy::undocumented_unsafe_blocks)]
 
 mod backend;
+mod capacity;
 pub mod config;
 mod guest_io;
 mod relay;
@@ -49,5 +56,6 @@ mod request;
 mod server;
 
 pub use backend::{BlkBackend, Memory};
+pub use capacity::{CapacityNotice, CapacityNotifier};
 pub use request::CHUNK_BYTES;
 pub use server::{ServerOptions, VhostBlkServer, POLL_ENV, POLL_MAX};

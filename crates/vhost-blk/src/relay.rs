@@ -11,6 +11,11 @@
 //! which is trimmed (and its size fixed) before the handler sees it. Anything else odd goes
 //! through untouched for the handler to judge. Replies go back byte for byte.
 //!
+//! It also shows each front-end message to the connection's
+//! [`BackendChannel`](crate::capacity::BackendChannel), which keeps the acked protocol
+//! features and a duplicate of the backend request socket, the one way to send
+//! CONFIG_CHANGE_MSG with vhost 0.18 (see `capacity`). The message itself is forwarded as is.
+//!
 //! Messages are framed by the 12-byte header (request u32, flags u32, size u32, all little
 //! endian), then `size` bytes of payload; fds ride with the message's bytes.
 
@@ -19,11 +24,14 @@ use std::mem::MaybeUninit;
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
+use std::sync::Arc;
 
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
     SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
+
+use crate::capacity::BackendChannel;
 
 /// `VHOST_USER_SET_MEM_TABLE`.
 const SET_MEM_TABLE: u32 = 5;
@@ -158,13 +166,19 @@ fn send_message(sock: &UnixStream, msg: &Message) -> io::Result<()> {
     Ok(())
 }
 
-/// Forwards messages `from` → `to` until either side ends, fixing padded mem tables when
-/// `fix` is set; then shuts both sockets so the other direction ends too.
-fn pump(from: &UnixStream, to: &UnixStream, fix: bool) -> io::Result<()> {
+/// Forwards messages `from` → `to` until either side ends; then shuts both sockets so the
+/// other direction ends too. The front end's requests (`requests` given) have padded mem
+/// tables fixed and are shown to the connection's backend channel.
+fn pump(from: &UnixStream, to: &UnixStream, requests: Option<&BackendChannel>) -> io::Result<()> {
     let result = (|| {
         while let Some(mut msg) = recv_message(from)? {
-            if fix && trim_padded_mem_table(&mut msg) {
-                tracing::debug!("vhost-user SET_MEM_TABLE: zero padding past its regions trimmed");
+            if let Some(channel) = requests {
+                if trim_padded_mem_table(&mut msg) {
+                    tracing::debug!(
+                        "vhost-user SET_MEM_TABLE: zero padding past its regions trimmed"
+                    );
+                }
+                channel.observe(msg.request(), &msg.payload, &msg.fds);
             }
             send_message(to, &msg)?;
         }
@@ -182,18 +196,23 @@ pub(crate) struct Relay {
 
 impl Relay {
     /// Relays between `front` (the front end's connection) and `handler` (the vhost-user
-    /// handler's end) until either closes or is shut down.
-    pub(crate) fn start(front: UnixStream, handler: UnixStream) -> io::Result<Self> {
+    /// handler's end) until either closes or is shut down, showing the front end's messages
+    /// to `channel`.
+    pub(crate) fn start(
+        front: UnixStream,
+        handler: UnixStream,
+        channel: Arc<BackendChannel>,
+    ) -> io::Result<Self> {
         let (front2, handler2) = (front.try_clone()?, handler.try_clone()?);
-        let spawn = |name: &str, from: UnixStream, to: UnixStream, fix: bool| {
+        let spawn = |name: &str, from: UnixStream, to: UnixStream, requests: Option<Arc<_>>| {
             std::thread::Builder::new()
                 .name(name.into())
-                .spawn(move || pump(&from, &to, fix))
+                .spawn(move || pump(&from, &to, Option::as_deref(&requests)))
         };
-        let requests = spawn("vhost-relay-req", front, handler, true)?;
+        let requests = spawn("vhost-relay-req", front, handler, Some(channel))?;
         // Should this spawn fail, the dropped clones leave the request thread running until
         // the caller's shutdown of the handler's connection ends it.
-        let replies = spawn("vhost-relay-rep", handler2, front2, false)?;
+        let replies = spawn("vhost-relay-rep", handler2, front2, None)?;
         Ok(Relay {
             threads: vec![requests, replies],
         })
@@ -217,6 +236,8 @@ impl Relay {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::capacity::{config_change_header, Delivery};
+    use std::io::Read;
 
     fn mem_table(regions: u32, region_slots: usize, tail: u8) -> Message {
         let mut payload = vec![0u8; MEM_TABLE_HEAD_BYTES + region_slots * REGION_BYTES];
@@ -263,7 +284,7 @@ mod tests {
     fn messages_and_fds_cross_the_relay() {
         let (front_peer, front) = UnixStream::pair().expect("pair");
         let (handler, handler_peer) = UnixStream::pair().expect("pair");
-        let relay = Relay::start(front, handler).expect("relay");
+        let relay = Relay::start(front, handler, Arc::default()).expect("relay");
         let file = std::fs::File::open("/dev/null").expect("open");
         let mut msg = mem_table(1, 2, 0);
         msg.fds.push(file.into());
@@ -279,6 +300,50 @@ mod tests {
         send_message(&handler_peer, &reply).expect("reply");
         let back = recv_message(&front_peer).expect("recv").expect("a reply");
         assert_eq!(back.header, reply.header);
+        drop(front_peer);
+        assert!(recv_message(&handler_peer).expect("eof").is_none());
+        relay.join().expect("clean end");
+    }
+
+    #[test]
+    fn the_backend_request_socket_is_forwarded_and_kept_for_config_changes() {
+        let (front_peer, front) = UnixStream::pair().expect("pair");
+        let (handler, handler_peer) = UnixStream::pair().expect("pair");
+        let channel = Arc::<BackendChannel>::default();
+        let relay = Relay::start(front, handler, Arc::clone(&channel)).expect("relay");
+        let message = |request: u32, payload: Vec<u8>, fds: Vec<OwnedFd>| {
+            let mut header = [0u8; HEADER_BYTES];
+            header[0..4].copy_from_slice(&request.to_le_bytes());
+            header[4..8].copy_from_slice(&1u32.to_le_bytes());
+            header[8..12].copy_from_slice(&(payload.len() as u32).to_le_bytes());
+            Message {
+                header,
+                payload,
+                fds,
+            }
+        };
+        // BACKEND_REQ (bit 5) and CONFIG (bit 9) acked.
+        let features = ((1u64 << 5) | (1 << 9)).to_le_bytes().to_vec();
+        send_message(&front_peer, &message(16, features.clone(), Vec::new())).expect("send");
+        let (ours, mut theirs) = UnixStream::pair().expect("pair");
+        send_message(&front_peer, &message(21, Vec::new(), vec![ours.into()])).expect("send");
+        let got = recv_message(&handler_peer)
+            .expect("recv")
+            .expect("features");
+        assert_eq!(got.payload, features);
+        let got = recv_message(&handler_peer)
+            .expect("recv")
+            .expect("fd message");
+        assert_eq!(
+            (got.request(), got.fds.len()),
+            (21, 1),
+            "forwarded with its fd"
+        );
+        drop(got);
+        assert_eq!(channel.send_config_change().expect("send"), Delivery::Sent);
+        let mut header = [0u8; HEADER_BYTES];
+        theirs.read_exact(&mut header).expect("the message");
+        assert_eq!(header, config_change_header());
         drop(front_peer);
         assert!(recv_message(&handler_peer).expect("eof").is_none());
         relay.join().expect("clean end");

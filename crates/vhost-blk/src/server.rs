@@ -4,6 +4,10 @@
 //! one waits in the listen queue until the first disconnects. After a front end goes away
 //! (a VM stopped, or a front end reconnecting after `serve` restarted) the socket accepts the
 //! next one with a fresh device state.
+//!
+//! While a front end is connected, [`VhostBlkServer::capacity_notifier`]'s handle can tell it
+//! the target's capacity changed (`crate::capacity`: its relay keeps the backend request
+//! channel).
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -20,6 +24,7 @@ use vhost_user_backend::{ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 use crate::backend::BlkBackend;
+use crate::capacity::{BackendChannel, CapacityNotifier, Slot};
 use crate::config::QUEUES_MAX;
 use crate::relay::Relay;
 
@@ -64,6 +69,7 @@ impl ServerOptions {
 /// A vhost-user-blk socket serving one [`Target`] until stopped.
 pub struct VhostBlkServer {
     path: PathBuf,
+    target: Arc<dyn Target>,
     shared: Arc<Shared>,
     thread: Option<JoinHandle<()>>,
 }
@@ -72,6 +78,8 @@ struct Shared {
     stopping: AtomicBool,
     /// The connected front end's connection, to cut it at stop.
     current: Mutex<Option<ShutdownHandle>>,
+    /// The connected front end's backend request channel, for capacity notices.
+    capacity: Arc<Slot>,
 }
 
 impl VhostBlkServer {
@@ -99,10 +107,11 @@ impl VhostBlkServer {
         let shared = Arc::new(Shared {
             stopping: AtomicBool::new(false),
             current: Mutex::new(None),
+            capacity: Arc::default(),
         });
         let name = format!("vhost-blk {}", target.name());
         let thread = {
-            let shared = Arc::clone(&shared);
+            let (shared, target) = (Arc::clone(&shared), Arc::clone(&target));
             let socket = path.to_owned();
             std::thread::Builder::new()
                 .name("vhost-listen".into())
@@ -110,6 +119,7 @@ impl VhostBlkServer {
         };
         Ok(VhostBlkServer {
             path: path.to_owned(),
+            target,
             shared,
             thread: Some(thread),
         })
@@ -118,6 +128,12 @@ impl VhostBlkServer {
     /// The socket's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// A handle that tells the connected front end, if any, that the target's capacity
+    /// changed (after the target grew: see [`CapacityNotifier::notify`]).
+    pub fn capacity_notifier(&self) -> CapacityNotifier {
+        CapacityNotifier::new(Arc::clone(&self.target), Arc::clone(&self.shared.capacity))
     }
 
     /// Disconnects the front end, stops accepting, removes the socket file and waits for
@@ -258,10 +274,18 @@ fn serve_one(
         backend.exit_all();
         return Err(error);
     }
-    let relay = connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours));
+    // Attached before the relay runs: once the front end has its SET_BACKEND_REQ_FD
+    // answered, a notice reaches it.
+    let channel = Arc::new(BackendChannel::default());
+    shared
+        .capacity
+        .attach(Arc::clone(&channel), target.geometry().size_bytes);
+    let relay =
+        connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours, channel));
     let relay = match relay {
         Ok(relay) => relay,
         Err(error) => {
+            shared.capacity.detach();
             daemon.request_shutdown();
             let _ = daemon.wait();
             backend.exit_all();
@@ -276,6 +300,7 @@ fn serve_one(
         daemon.request_shutdown();
     }
     let result = daemon.wait();
+    shared.capacity.detach();
     if let Ok(mut current) = shared.current.lock() {
         *current = None;
     }

@@ -62,8 +62,9 @@ Example:
     },
     /// Change a volume's virtual size.
     ///
-    /// Growing is allowed while clients use the volume. Shrinking is refused while a client
-    /// has it open, and refused if it would unmap mapped data beyond the new end (the
+    /// Growing is allowed while clients use the volume; a VM attached through `serve
+    /// --vhost-user-blk` is told and sees the new size at once. Shrinking is refused while a
+    /// client has it open, and refused if it would unmap mapped data beyond the new end (the
     /// refusal says how much) unless --force is given; a shrink past unmapped space only
     /// needs no --force.
     #[command(after_help = "\

@@ -15,12 +15,26 @@ pub struct Target {
     /// Names volumes may not take (raw exports).
     pub reserved_names: Vec<String>,
     /// The server holding the pool, if one does: `status` reports who serves it and its
-    /// connections ([`ServedRecord`]).
-    pub served: Option<ServedProbe>,
+    /// connections ([`ServedRecord`]); a resize tells it.
+    pub served: Option<Served>,
+}
+
+/// The server holding a pool, as its management operations see it.
+#[derive(Clone)]
+pub struct Served {
+    /// What `status` asks the server about itself.
+    pub probe: ServedProbe,
+    /// Told the name of each volume a resize changed (after it committed), so that the
+    /// server's front ends can tell their clients: vhost-user-blk sends the capacity-change
+    /// message. Called on the control connection's thread: it must not block.
+    pub resized: ResizeHook,
 }
 
 /// What `status` asks a server about itself.
 pub type ServedProbe = std::sync::Arc<dyn Fn() -> ServedRecord + Send + Sync>;
+
+/// What a resize tells a server: the volume's name.
+pub type ResizeHook = std::sync::Arc<dyn Fn(&str) + Send + Sync>;
 
 impl Target {
     /// Carries out one request; a change (anything but list, status and diff) is logged with
@@ -84,7 +98,7 @@ impl Target {
                 name,
                 size_bytes,
                 force,
-            } => resize_volume(pool, name, *size_bytes, *force),
+            } => self.resize(name, *size_bytes, *force),
             Request::RevertVolume {
                 name,
                 snapshot,
@@ -129,13 +143,23 @@ impl Target {
         }
     }
 
+    /// A resize; then the server holding the pool is told, so that its front ends announce
+    /// the new size (a refused resize changed nothing and tells nobody).
+    fn resize(&self, name: &str, size_bytes: u64, force: bool) -> Result<Outcome, OpError> {
+        let outcome = resize_volume(&self.pool, name, size_bytes, force)?;
+        if let Some(served) = &self.served {
+            (served.resized)(name);
+        }
+        Ok(outcome)
+    }
+
     /// `status`: the pool's, with the catalog's disagreements, who serves it and the
     /// volumes' sizes against the data.
     fn full_status(&self) -> Outcome {
         let pool = &self.pool;
         let mut status =
             StatusRecord::with_disagreements(&pool.status(), &self.options, &pool.disagreements());
-        status.served = self.served.as_ref().map(|probe| probe());
+        status.served = self.served.as_ref().map(|served| (served.probe)());
         status.set_provisioned(&pool.list());
         Outcome::Status(status)
     }

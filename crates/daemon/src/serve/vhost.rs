@@ -6,6 +6,11 @@
 //! Invariant: each socket holds its volume's handle from start to stop, so an attached
 //! volume counts as open (delete, revert and shrink are refused with EBUSY, as for a volume
 //! an NBD client has open). The sockets stop before the pool's final commit.
+//!
+//! A grow while attached (`thinpool volume resize` through the control socket) reaches the
+//! guest: the control target calls [`resize_hook`]'s closure after every resize, and each
+//! socket whose volume's size changed sends its front end the capacity-change message
+//! (`thinpool_vhost::CapacityNotifier`), so the driver rereads the config space.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,7 +19,9 @@ use anyhow::{bail, Context};
 use thin_pool::Pool;
 use thinpool_frontend::VolumeTarget;
 use thinpool_vhost::config::QUEUES_MAX;
-use thinpool_vhost::VhostBlkServer;
+use thinpool_vhost::{CapacityNotice, CapacityNotifier, VhostBlkServer};
+
+use crate::control::ResizeHook;
 
 /// One `--vhost-user-blk` argument, parsed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -90,6 +97,42 @@ pub(super) fn start(
         servers.push(server);
     }
     Ok(servers)
+}
+
+/// What a resize tells the sockets: each whose volume's size changed tells its front end.
+/// The sockets compare sizes themselves (a cheap read), so no name has to match: a socket
+/// keeps its volume whatever the volume is called now.
+pub(super) fn resize_hook(servers: &[VhostBlkServer]) -> ResizeHook {
+    let notifiers: Vec<CapacityNotifier> = servers
+        .iter()
+        .map(VhostBlkServer::capacity_notifier)
+        .collect();
+    Arc::new(move |resized: &str| {
+        for notifier in &notifiers {
+            announce(notifier, resized);
+        }
+    })
+}
+
+/// One socket's notice after `resized` was resized, logged when it concerned the socket.
+fn announce(notifier: &CapacityNotifier, resized: &str) {
+    match notifier.notify() {
+        Ok(CapacityNotice::Sent { size_bytes }) => tracing::info!(
+            volume = resized,
+            size_bytes,
+            "vhost-user-blk capacity change sent to the front end"
+        ),
+        Ok(CapacityNotice::NoChannel) => tracing::info!(
+            volume = resized,
+            "vhost-user-blk front end gave no backend request channel: \
+             it sees the new capacity when it next reads the config space"
+        ),
+        Ok(CapacityNotice::Unchanged | CapacityNotice::NoFrontEnd) => {}
+        Err(error) => tracing::warn!(
+            volume = resized,
+            "vhost-user-blk capacity change not sent: {error}"
+        ),
+    }
 }
 
 /// Stops every socket (front ends disconnected, volumes closed).
