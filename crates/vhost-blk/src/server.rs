@@ -258,7 +258,8 @@ fn serve_one(
         backend.exit_all();
         return Err(error);
     }
-    let relay = connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours));
+    let relay = connect_handler(&mut daemon, socket)
+        .and_then(|ours| Relay::start(front, ours, Some(backend.clone())));
     let relay = match relay {
         Ok(relay) => relay,
         Err(error) => {
