@@ -16,7 +16,10 @@
 //!
 //! A fresh child then gets the same inflight fd (SET_INFLIGHT_FD before the rings, as qemu
 //! sends it on reconnect) and the rings with base = the used index (what qemu restores when
-//! GET_VRING_BASE fails on a dead backend), and a kick. Checked: the used ring holds each
+//! GET_VRING_BASE fails on a dead backend), and a kick. The held scenario runs again with
+//! base = the available index: our queues serve in order, so with the used index a backend
+//! could also recover by popping the ring again; with the available index only the region
+//! says where to go on. Checked: the used ring holds each
 //! posted head exactly once with status OK, the held write after those completed before it
 //! and before those never taken, and the file holds every write's bytes.
 //!
@@ -77,8 +80,10 @@ fn main() {
             .map(|g| g.parse().expect("offset"));
         serve_until_killed(Path::new(&socket), Path::new(&disk), gate);
     }
-    a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart();
+    a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart(Base::UsedIndex);
     println!("test a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart ... ok");
+    a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart(Base::AvailIndex);
+    println!("test the_inflight_region_not_the_base_says_where_the_ring_goes_on ... ok");
     writes_in_flight_anywhere_at_a_kill_complete_exactly_once_after_restart();
     println!("test writes_in_flight_anywhere_at_a_kill_complete_exactly_once_after_restart ... ok");
 }
@@ -186,6 +191,15 @@ impl Backend {
     fn kill(mut self) {
         self.child.kill().expect("kill the backend");
         self.child.wait().expect("reap the backend");
+    }
+}
+
+/// A failing check unwinds through here: the child goes too (a killed child's second kill
+/// is a no-op).
+impl Drop for Backend {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -421,8 +435,20 @@ fn disk_matches(disk: &Path, count: u16) {
     assert!(bytes == model, "the disk holds what the writes put there");
 }
 
-fn a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart() {
-    let (dir, socket, disk) = scratch("held");
+/// The ring base a reconnecting front end sends.
+#[derive(Clone, Copy, Debug)]
+enum Base {
+    /// The used index: what qemu restores when GET_VRING_BASE fails on a dead backend. A
+    /// backend that serves a queue in order could recover from the available ring with it.
+    UsedIndex,
+    /// The available index: every posted chain counted as taken. Only the inflight region
+    /// tells where the ring goes on (the spec: used index + chains in flight), so this fails
+    /// without it.
+    AvailIndex,
+}
+
+fn a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart(base: Base) {
+    let (dir, socket, disk) = scratch(&format!("held-{base:?}"));
     let mut guest = Guest::new();
     let backend = Backend::start(&socket, &disk, Some(offset(2)));
     let frontend = guest.connect(&socket, 0);
@@ -447,7 +473,11 @@ fn a_write_held_in_flight_at_the_kill_is_resubmitted_once_after_restart() {
     );
 
     let backend = Backend::start(&socket, &disk, None);
-    let frontend = guest.connect(&socket, 2);
+    let base = match base {
+        Base::UsedIndex => used_idx(&guest.memory),
+        Base::AvailIndex => 6,
+    };
+    let frontend = guest.connect(&socket, base);
     wait_used(&guest.memory, 6);
     let heads = used_once(&guest.memory, 0, 6);
     assert_eq!(
