@@ -15,6 +15,12 @@
 //! a kick is asynchronous to the socket, so a front end that posts into new memory and kicks
 //! without waiting for SET_MEM_TABLE's reply may have its kick served against the old table
 //! (nothing new there), and no other kick would come.
+//!
+//! Inflight tracking ([`crate::inflight`]): once the front end set an inflight region, each
+//! queue's worker holds its part; a chain is marked when popped and cleared after it is on
+//! the used ring. The first time a queue is served after the region was set it resubmits
+//! the chains still marked (a crashed backend's), in the order they were popped, through a
+//! [`Replay`], and sets the next chain to pop to the used index plus those.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -27,14 +33,16 @@ use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost::vhost_user::Backend;
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_blk::VIRTIO_BLK_F_FLUSH;
-use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use virtio_queue::{DescriptorChain, QueueT};
+use vm_memory::{GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 
 use crate::config::{self, QUEUE_SIZE_MAX};
+use crate::inflight::{QueueLog, Region};
+use crate::replay::Replay;
 use crate::request::Worker;
 
 /// Guest memory as the handler keeps it.
@@ -173,6 +181,7 @@ impl BlkBackend {
     /// the thread serves and polls (the driver need not kick); they are re-enabled before it
     /// sleeps, then the ring is looked at once more so that no chain is left behind.
     fn serve_queue(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
+        self.resubmit(vring, worker)?;
         loop {
             vring.disable_notification().map_err(to_io)?;
             self.serve_available(vring, worker)?;
@@ -207,7 +216,6 @@ impl BlkBackend {
 
     fn serve_available(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
         let mem = self.inner.mem.memory();
-        let target = &*self.inner.target;
         let mut served = false;
         loop {
             let chain = vring
@@ -215,12 +223,105 @@ impl BlkBackend {
                 .get_queue_mut()
                 .pop_descriptor_chain(mem.clone());
             let Some(chain) = chain else { break };
-            let head = chain.head_index();
-            let used = worker.serve(target, &mem, chain);
-            vring.add_used(head, used).map_err(to_io)?;
+            if let Some(log) = worker.log.as_mut() {
+                log.take_off(chain.head_index());
+            }
+            self.complete(vring, worker, &mem, chain)?;
             served = true;
         }
         if served && vring.needs_notification().map_err(to_io)? {
+            vring.signal_used_queue()?;
+        }
+        Ok(())
+    }
+
+    /// Serves `chain` (served against `mem`, the guest's table) and puts it on the used
+    /// ring, linking it in the inflight log before and clearing it after (see
+    /// [`crate::inflight`]).
+    fn complete<M>(
+        &self,
+        vring: &VringRwLock,
+        worker: &mut Worker,
+        mem: &GuestMemoryMmap,
+        chain: DescriptorChain<M>,
+    ) -> io::Result<()>
+    where
+        M: std::ops::Deref<Target = GuestMemoryMmap> + Clone,
+    {
+        let head = chain.head_index();
+        let used = worker.serve(&*self.inner.target, mem, chain);
+        if let Some(log) = &worker.log {
+            log.link_used(head);
+        }
+        vring.add_used(head, used).map_err(to_io)?;
+        if let Some(log) = &worker.log {
+            log.used(head, vring.get_ref().get_queue().next_used());
+        }
+        Ok(())
+    }
+
+    /// Gives every queue its part of the inflight region the front end set
+    /// (SET_INFLIGHT_FD); each recovers from it before it next pops a chain.
+    pub(crate) fn install_inflight(&self, region: &Arc<Region>) -> io::Result<()> {
+        for (queue, worker) in self.inner.workers.iter().enumerate() {
+            let mut worker = worker
+                .lock()
+                .map_err(|_| io::Error::other("a worker panicked"))?;
+            let queue = u16::try_from(queue).expect("at most QUEUES_MAX queues");
+            worker.log = QueueLog::new(Arc::clone(region), queue);
+        }
+        Ok(())
+    }
+
+    /// Queues the device offers.
+    pub(crate) fn queues(&self) -> u16 {
+        self.inner.queues
+    }
+
+    /// Once after an inflight region was set, before anything is popped: resubmits the
+    /// chains it lists (in the order they were taken off the ring) and makes the next chain
+    /// to pop the one after the used ring's and those, whatever base the front end sent.
+    fn resubmit(&self, vring: &VringRwLock, worker: &mut Worker) -> io::Result<()> {
+        let Some(log) = worker.log.as_mut().filter(|log| log.pending) else {
+            return Ok(());
+        };
+        log.pending = false;
+        let mem = self.inner.mem.memory();
+        let (size, desc_table, used_idx) = {
+            let state = vring.get_ref();
+            let queue = state.get_queue();
+            let used_idx = queue.used_idx(&*mem, Ordering::Acquire).map_err(to_io)?;
+            (queue.size(), queue.desc_table(), used_idx.0)
+        };
+        if size != log.size() {
+            tracing::warn!(
+                ring = size,
+                region = log.size(),
+                "vhost-user-blk: inflight region for another queue size: not tracked"
+            );
+            worker.log = None;
+            return Ok(());
+        }
+        let heads = log.recover(used_idx);
+        let in_flight = u16::try_from(heads.len()).expect("at most a queue's size");
+        {
+            let mut state = vring.get_mut();
+            let queue = state.get_queue_mut();
+            queue.set_next_used(used_idx);
+            queue.set_next_avail(used_idx.wrapping_add(in_flight));
+        }
+        if heads.is_empty() {
+            return Ok(());
+        }
+        tracing::info!(
+            requests = heads.len(),
+            "vhost-user-blk: resubmitting the requests in flight when the last backend ended"
+        );
+        let mut replay = Replay::new(&mem, GuestAddress(desc_table), size, &heads)?;
+        while let Some(chain) = replay.next_chain() {
+            self.complete(vring, worker, &mem, chain)?;
+        }
+        if vring.needs_notification().map_err(to_io)? {
             vring.signal_used_queue()?;
         }
         Ok(())

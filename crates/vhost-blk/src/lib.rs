@@ -16,22 +16,25 @@
 //!   thread serves, event-idx suppression of calls, an optional poll of the ring before it
 //!   sleeps: [`ServerOptions::poll`], `THINPOOL_VHOST_POLL_US`);
 //! - `server`: [`VhostBlkServer`], the socket (0600, one front end at a time, reconnects);
-//! - `relay`: a compatibility shim each connection passes through on its way to the
-//!   handler: it trims the zero padding Linux's UML `virtio_uml` puts after the regions of
-//!   its SET_MEM_TABLE, which vhost 0.18 rejects, and shows the front end's messages to
-//!   `capacity`;
+//! - `relay`: a shim each connection passes through on its way to the handler: it trims the
+//!   zero padding Linux's UML `virtio_uml` puts after the regions of its SET_MEM_TABLE, which
+//!   vhost 0.18 rejects, implements `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`, which
+//!   vhost-user-backend 0.24 refuses (GET_INFLIGHT_FD / SET_INFLIGHT_FD), and shows the front
+//!   end's messages to `capacity`;
 //! - `capacity`: the capacity-change message. After the target grows, a
 //!   [`CapacityNotifier`] (from [`VhostBlkServer::capacity_notifier`]; the daemon calls it
 //!   after a resize) sends `VHOST_USER_BACKEND_CONFIG_CHANGE_MSG` on the backend request
 //!   channel the front end gave (`BACKEND_REQ` and `CONFIG` acked), so the guest's driver
 //!   reads the config space again and sees the new capacity without reattaching. vhost
 //!   0.18's backend request sender cannot send that message, so the relay keeps a duplicate
-//!   of the channel's socket and the message is written there.
+//!   of the channel's socket and the message is written there;
+//! - `inflight`: that region's format and bookkeeping: each queue logs the chains it took off
+//!   the ring until they are on the used ring, so a backend started again after a crash
+//!   resubmits exactly those (in the order they were taken) to a front end that reconnects
+//!   with the same region (qemu's `reconnect=`): none lost, none completed twice; `replay`
+//!   turns the logged heads back into descriptor chains.
 //!
-//! Not done: `VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD` (vhost-user-backend 0.24 refuses
-//! GET_INFLIGHT_FD, so a request in flight when the backend dies is lost: the front end sees
-//! no completion and, with qemu's `reconnect=`, has to time it out; every completed write is
-//! durable or was acknowledged after a FLUSH, like a disk's cache).
+//! Not done: inflight tracking of packed rings (not offered).
 //!
 //! One module has `unsafe`: `guest_io`, the `preadv` / `pwritev` of a lent request straight
 //! between the file and guest memory (its soundness argued there; every block has a
@@ -51,7 +54,9 @@ mod backend;
 mod capacity;
 pub mod config;
 mod guest_io;
+mod inflight;
 mod relay;
+mod replay;
 mod request;
 mod server;
 

@@ -1,15 +1,25 @@
-//! A compatibility shim between the accepted front end and the vhost-user handler.
+//! A shim between the accepted front end and the vhost-user handler: a compatibility fix, and
+//! the inflight side of the protocol, which the handler (vhost-user-backend 0.24) refuses.
 //!
-//! Why: Linux's UML `virtio_uml` front end (seen with 6.1) sends `VHOST_USER_SET_MEM_TABLE`
+//! The fix: Linux's UML `virtio_uml` front end (seen with 6.1) sends `VHOST_USER_SET_MEM_TABLE`
 //! with its payload padded to a fixed two-region struct: the header's size is
 //! 8 + 2 × 32 = 72 bytes while `num_regions` is 1 and the second region is all zeros. vhost
 //! 0.18's `BackendReqHandler::set_mem_table` requires size == 8 + num_regions × 32 and answers
 //! an error, so the kernel's virtio-blk probe fails with EIO. The crates offer no hook to
 //! accept it (the handler parses the socket itself), so the connection runs through this relay:
-//! every message is forwarded unchanged (header, payload and `SCM_RIGHTS` fds), except a
-//! SET_MEM_TABLE whose payload is longer than its regions need and whose excess is all zeros,
-//! which is trimmed (and its size fixed) before the handler sees it. Anything else odd goes
-//! through untouched for the handler to judge. Replies go back byte for byte.
+//! a SET_MEM_TABLE whose payload is longer than its regions need and whose excess is all zeros
+//! is trimmed (and its size fixed) before the handler sees it. Anything else odd goes through
+//! untouched for the handler to judge.
+//!
+//! Inflight I/O tracking (`VHOST_USER_PROTOCOL_F_INFLIGHT_SHMFD`, [`crate::inflight`]): the
+//! relay adds the feature to the handler's GET_PROTOCOL_FEATURES reply, takes it out of
+//! SET_PROTOCOL_FEATURES on the way in (noting whether the front end acknowledged it), and
+//! answers GET_INFLIGHT_FD (a new region's fd) and SET_INFLIGHT_FD (the region mapped and
+//! handed to the backend's queues, acknowledged if asked) itself. A malformed or
+//! unnegotiated inflight message ends the connection, as the handler does with the messages
+//! it refuses. Everything else is forwarded unchanged (header, payload and `SCM_RIGHTS` fds),
+//! and replies go back byte for byte; the relay's own answers and the handler's replies
+//! share one lock on the front end's socket so that they never interleave.
 //!
 //! It also shows each front-end message to the connection's
 //! [`BackendChannel`](crate::capacity::BackendChannel), which keeps the acked protocol
@@ -24,17 +34,27 @@ use std::mem::MaybeUninit;
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags,
     SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 
+use crate::backend::BlkBackend;
 use crate::capacity::BackendChannel;
+use crate::inflight;
 
 /// `VHOST_USER_SET_MEM_TABLE`.
 const SET_MEM_TABLE: u32 = 5;
+/// `VHOST_USER_GET_PROTOCOL_FEATURES`, `VHOST_USER_SET_PROTOCOL_FEATURES`.
+const GET_PROTOCOL_FEATURES: u32 = 15;
+const SET_PROTOCOL_FEATURES: u32 = 16;
+/// Header flags: the version (1), a reply, the front end wants an answer.
+const FLAG_VERSION: u32 = 1;
+const FLAG_REPLY: u32 = 1 << 2;
+const FLAG_NEED_REPLY: u32 = 1 << 3;
 const HEADER_BYTES: usize = 12;
 /// The mem table payload: `num_regions` u32, padding u32, then the regions.
 const MEM_TABLE_HEAD_BYTES: usize = 8;
@@ -55,6 +75,29 @@ struct Message {
 impl Message {
     fn request(&self) -> u32 {
         u32::from_le_bytes(self.header[0..4].try_into().expect("4 bytes"))
+    }
+
+    fn flags(&self) -> u32 {
+        u32::from_le_bytes(self.header[4..8].try_into().expect("4 bytes"))
+    }
+
+    /// The front end asked for an answer (`NEED_REPLY`, with REPLY_ACK negotiated).
+    fn need_reply(&self) -> bool {
+        self.flags() & FLAG_NEED_REPLY != 0
+    }
+
+    /// A reply to this message carrying `payload`.
+    fn reply(&self, payload: Vec<u8>) -> Message {
+        let mut header = [0; HEADER_BYTES];
+        header[0..4].copy_from_slice(&self.request().to_le_bytes());
+        header[4..8].copy_from_slice(&(FLAG_VERSION | FLAG_REPLY).to_le_bytes());
+        let mut reply = Message {
+            header,
+            payload,
+            fds: Vec::new(),
+        };
+        reply.set_size(reply.payload.len());
+        reply
     }
 
     fn set_size(&mut self, size: usize) {
@@ -166,26 +209,145 @@ fn send_message(sock: &UnixStream, msg: &Message) -> io::Result<()> {
     Ok(())
 }
 
-/// Forwards messages `from` → `to` until either side ends; then shuts both sockets so the
-/// other direction ends too. The front end's requests (`requests` given) have padded mem
-/// tables fixed and are shown to the connection's backend channel.
-fn pump(from: &UnixStream, to: &UnixStream, requests: Option<&BackendChannel>) -> io::Result<()> {
-    let result = (|| {
-        while let Some(mut msg) = recv_message(from)? {
-            if let Some(channel) = requests {
-                if trim_padded_mem_table(&mut msg) {
-                    tracing::debug!(
-                        "vhost-user SET_MEM_TABLE: zero padding past its regions trimmed"
-                    );
-                }
-                channel.observe(msg.request(), &msg.payload, &msg.fds);
+/// What the relay does with a front end's message.
+enum Handling {
+    /// Pass it to the handler.
+    Forward,
+    /// Answered here: send this back to the front end (`None`: no answer wanted).
+    Answered(Option<Message>),
+}
+
+/// What both directions share: the front end's socket for writing (replies from the handler
+/// and the relay's own answers never interleave), and the inflight side of the protocol.
+struct Shared {
+    front_writes: Mutex<()>,
+    /// The backend whose queues get the inflight region; `None`: the relay only forwards
+    /// (INFLIGHT_SHMFD not offered).
+    backend: Option<BlkBackend>,
+    /// The front end acknowledged INFLIGHT_SHMFD (SET_PROTOCOL_FEATURES).
+    inflight_acked: AtomicBool,
+    /// Sees every front-end message: keeps the acked protocol features and the backend
+    /// request socket, for the capacity-change message (`capacity`).
+    channel: Arc<BackendChannel>,
+}
+
+impl Shared {
+    fn send_front(&self, front: &UnixStream, msg: &Message) -> io::Result<()> {
+        let _guard = self
+            .front_writes
+            .lock()
+            .map_err(|_| io::Error::other("a relay thread panicked"))?;
+        send_message(front, msg)
+    }
+
+    /// A front end's message: the inflight ones are answered here, SET_PROTOCOL_FEATURES
+    /// loses the bit the handler does not know. An error ends the connection.
+    fn handle(&self, msg: &mut Message) -> io::Result<Handling> {
+        let Some(backend) = &self.backend else {
+            return Ok(Handling::Forward);
+        };
+        match msg.request() {
+            SET_PROTOCOL_FEATURES if msg.payload.len() == 8 => {
+                let features = u64::from_le_bytes(msg.payload[..8].try_into().expect("8"));
+                let acked = features & inflight::PROTOCOL_FEATURE != 0;
+                self.inflight_acked.store(acked, Ordering::Release);
+                let masked = features & !inflight::PROTOCOL_FEATURE;
+                msg.payload.copy_from_slice(&masked.to_le_bytes());
+                Ok(Handling::Forward)
             }
-            send_message(to, &msg)?;
+            inflight::GET_INFLIGHT_FD => {
+                self.check_acked("GET_INFLIGHT_FD")?;
+                let asked = inflight::Description::parse(&msg.payload)?;
+                let (answer, file) = inflight::create(&asked, backend.queues())?;
+                tracing::debug!(?answer, "vhost-user-blk: inflight region made");
+                let mut reply = msg.reply(answer.encode().to_vec());
+                reply.fds.push(file.into());
+                Ok(Handling::Answered(Some(reply)))
+            }
+            inflight::SET_INFLIGHT_FD => {
+                self.check_acked("SET_INFLIGHT_FD")?;
+                let given = inflight::Description::parse(&msg.payload)?;
+                if msg.fds.len() != 1 {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidInput,
+                        format!("SET_INFLIGHT_FD with {} fds", msg.fds.len()),
+                    ));
+                }
+                let file = std::fs::File::from(msg.fds.remove(0));
+                let region = inflight::open(&given, file, backend.queues())?;
+                backend.install_inflight(&region)?;
+                tracing::debug!(?given, "vhost-user-blk: inflight region set");
+                let ack = msg
+                    .need_reply()
+                    .then(|| msg.reply(0u64.to_le_bytes().to_vec()));
+                Ok(Handling::Answered(ack))
+            }
+            _ => Ok(Handling::Forward),
+        }
+    }
+
+    fn check_acked(&self, what: &str) -> io::Result<()> {
+        if self.inflight_acked.load(Ordering::Acquire) {
+            Ok(())
+        } else {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("{what} without INFLIGHT_SHMFD negotiated"),
+            ))
+        }
+    }
+
+    /// A handler's reply on its way to the front end: GET_PROTOCOL_FEATURES's gains
+    /// INFLIGHT_SHMFD, which the relay implements.
+    fn patch_reply(&self, msg: &mut Message) {
+        if self.backend.is_some()
+            && msg.request() == GET_PROTOCOL_FEATURES
+            && msg.payload.len() == 8
+        {
+            let features = u64::from_le_bytes(msg.payload[..8].try_into().expect("8"));
+            let offered = features | inflight::PROTOCOL_FEATURE;
+            msg.payload.copy_from_slice(&offered.to_le_bytes());
+        }
+    }
+}
+
+/// Ends both sockets, so the other direction ends too.
+fn shut(a: &UnixStream, b: &UnixStream) {
+    let _ = a.shutdown(Shutdown::Both);
+    let _ = b.shutdown(Shutdown::Both);
+}
+
+/// The front end's messages to the handler, padded mem tables fixed, the inflight ones
+/// answered here.
+fn pump_requests(front: &UnixStream, handler: &UnixStream, shared: &Shared) -> io::Result<()> {
+    let result = (|| {
+        while let Some(mut msg) = recv_message(front)? {
+            if trim_padded_mem_table(&mut msg) {
+                tracing::debug!("vhost-user SET_MEM_TABLE: zero padding past its regions trimmed");
+            }
+            shared.channel.observe(msg.request(), &msg.payload, &msg.fds);
+            match shared.handle(&mut msg)? {
+                Handling::Forward => send_message(handler, &msg)?,
+                Handling::Answered(Some(reply)) => shared.send_front(front, &reply)?,
+                Handling::Answered(None) => {}
+            }
         }
         Ok(())
     })();
-    let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
+    shut(front, handler);
+    result
+}
+
+/// The handler's replies to the front end.
+fn pump_replies(handler: &UnixStream, front: &UnixStream, shared: &Shared) -> io::Result<()> {
+    let result = (|| {
+        while let Some(mut msg) = recv_message(handler)? {
+            shared.patch_reply(&mut msg);
+            shared.send_front(front, &msg)?;
+        }
+        Ok(())
+    })();
+    shut(handler, front);
     result
 }
 
@@ -197,22 +359,29 @@ pub(crate) struct Relay {
 impl Relay {
     /// Relays between `front` (the front end's connection) and `handler` (the vhost-user
     /// handler's end) until either closes or is shut down, showing the front end's messages
-    /// to `channel`.
+    /// to `channel`; with `backend`, it implements INFLIGHT_SHMFD for it.
     pub(crate) fn start(
         front: UnixStream,
         handler: UnixStream,
+        backend: Option<BlkBackend>,
         channel: Arc<BackendChannel>,
     ) -> io::Result<Self> {
         let (front2, handler2) = (front.try_clone()?, handler.try_clone()?);
-        let spawn = |name: &str, from: UnixStream, to: UnixStream, requests: Option<Arc<_>>| {
-            std::thread::Builder::new()
-                .name(name.into())
-                .spawn(move || pump(&from, &to, Option::as_deref(&requests)))
-        };
-        let requests = spawn("vhost-relay-req", front, handler, Some(channel))?;
+        let shared = Arc::new(Shared {
+            front_writes: Mutex::new(()),
+            backend,
+            inflight_acked: AtomicBool::new(false),
+            channel,
+        });
+        let shared2 = Arc::clone(&shared);
+        let requests = std::thread::Builder::new()
+            .name("vhost-relay-req".into())
+            .spawn(move || pump_requests(&front, &handler, &shared))?;
         // Should this spawn fail, the dropped clones leave the request thread running until
         // the caller's shutdown of the handler's connection ends it.
-        let replies = spawn("vhost-relay-rep", handler2, front2, None)?;
+        let replies = std::thread::Builder::new()
+            .name("vhost-relay-rep".into())
+            .spawn(move || pump_replies(&handler2, &front2, &shared2))?;
         Ok(Relay {
             threads: vec![requests, replies],
         })
@@ -284,7 +453,7 @@ mod tests {
     fn messages_and_fds_cross_the_relay() {
         let (front_peer, front) = UnixStream::pair().expect("pair");
         let (handler, handler_peer) = UnixStream::pair().expect("pair");
-        let relay = Relay::start(front, handler, Arc::default()).expect("relay");
+        let relay = Relay::start(front, handler, None, Arc::default()).expect("relay");
         let file = std::fs::File::open("/dev/null").expect("open");
         let mut msg = mem_table(1, 2, 0);
         msg.fds.push(file.into());
@@ -310,7 +479,7 @@ mod tests {
         let (front_peer, front) = UnixStream::pair().expect("pair");
         let (handler, handler_peer) = UnixStream::pair().expect("pair");
         let channel = Arc::<BackendChannel>::default();
-        let relay = Relay::start(front, handler, Arc::clone(&channel)).expect("relay");
+        let relay = Relay::start(front, handler, None, Arc::clone(&channel)).expect("relay");
         let message = |request: u32, payload: Vec<u8>, fds: Vec<OwnedFd>| {
             let mut header = [0u8; HEADER_BYTES];
             header[0..4].copy_from_slice(&request.to_le_bytes());

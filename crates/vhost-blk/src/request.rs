@@ -190,6 +190,9 @@ pub struct Worker {
     /// The driver negotiated FLUSH: the device is a write-back cache, writes need no FUA;
     /// without it every write is durable before it completes.
     pub write_back: bool,
+    /// The queue's part of the inflight region, once the front end set one
+    /// ([`crate::inflight`]): kept with the worker because only the queue's thread uses it.
+    pub(crate) log: Option<crate::inflight::QueueLog>,
 }
 
 impl Worker {
@@ -200,6 +203,7 @@ impl Worker {
             readable: Segments::default(),
             writable: Segments::default(),
             write_back,
+            log: None,
         }
     }
 

@@ -280,8 +280,8 @@ fn serve_one(
     shared
         .capacity
         .attach(Arc::clone(&channel), target.geometry().size_bytes);
-    let relay =
-        connect_handler(&mut daemon, socket).and_then(|ours| Relay::start(front, ours, channel));
+    let relay = connect_handler(&mut daemon, socket)
+        .and_then(|ours| Relay::start(front, ours, Some(backend.clone()), channel));
     let relay = match relay {
         Ok(relay) => relay,
         Err(error) => {
