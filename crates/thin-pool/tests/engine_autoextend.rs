@@ -247,7 +247,10 @@ fn autoextend_grows_the_metadata_when_its_use_crosses_the_threshold() {
         if crossed(status.metadata_used_blocks) {
             break;
         }
-        assert!(volumes < METADATA_BLOCKS, "volumes take no metadata: {status:?}");
+        assert!(
+            volumes < METADATA_BLOCKS,
+            "volumes take no metadata: {status:?}"
+        );
         pool.create_volume(&format!("w{volumes}"), BLOCK).unwrap();
         volumes += 1;
     }

@@ -410,17 +410,26 @@ mod tests {
             metadata_total_blocks: 100,
         };
         watch.after_commit(&usage(49));
-        assert!(!watch.requested.load(Ordering::Acquire), "below the threshold");
+        assert!(
+            !watch.requested.load(Ordering::Acquire),
+            "below the threshold"
+        );
         watch.after_commit(&usage(50));
         assert!(watch.requested.load(Ordering::Acquire), "at the threshold");
         // After a failed metadata growth the worker retries at each look by itself.
         assert!(watch.wait_for_request(std::time::Duration::ZERO));
         watch.metadata_blocked("the host file system is full".to_string());
         watch.after_commit(&usage(60));
-        assert!(!watch.requested.load(Ordering::Acquire), "blocked: not at each commit");
+        assert!(
+            !watch.requested.load(Ordering::Acquire),
+            "blocked: not at each commit"
+        );
         watch.metadata_grew();
         watch.after_commit(&usage(60));
-        assert!(watch.requested.load(Ordering::Acquire), "unblocked by a growth");
+        assert!(
+            watch.requested.load(Ordering::Acquire),
+            "unblocked by a growth"
+        );
     }
 
     #[test]
