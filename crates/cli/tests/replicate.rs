@@ -3,8 +3,10 @@
 //! replica on the destination holds exactly what the source volume held when it was
 //! taken; two replicas are kept on each side; a round killed between the send and the
 //! acknowledgement is resumed by the next from the acknowledged base; a destination that
-//! lost the base is refused with a pointer to `--full`; `status --json` and the metrics
-//! report the lag; the fail-over and fail-back of docs/replication.md work as written;
+//! lost the base is refused with a pointer to `--full`; a receiver that stops reading or
+//! never answers is killed (with its process group) at the idle `--timeout`, the state
+//! left at the acknowledged base; `status --json` and the metrics report the lag; the
+//! fail-over and fail-back of docs/replication.md work as written;
 //! a round while a client writes holds one point of its writes; without `--once` rounds
 //! follow each other, and a kill of the loop is resumed from.
 //! Method: two pools in scratch directories; writes of seeded patterns recorded in a model
@@ -436,4 +438,89 @@ fn without_once_rounds_follow_each_other_every_interval() {
     assert!(content(&dst, &acked) == model, "{acked}");
     assert_eq!(replicas(&src).len(), 2);
     assert_eq!(replicas(&dst).len(), 2);
+}
+
+/// The processes of process group `group` that are alive (not zombies), from /proc.
+fn live_in_group(group: u32) -> Vec<u32> {
+    let mut live = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'.
+        let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 1..]
+            .split_whitespace()
+            .collect();
+        if fields[0] != "Z" && fields[2].parse() == Ok(group) {
+            live.push(pid);
+        }
+    }
+    live
+}
+
+/// A round to `receiver` (which writes its PID to `pid_file`) with `--timeout 2s`: it
+/// fails saying it timed out, every process of the receiver's group is gone, and the
+/// state still has `acked` as the last acknowledged replica, nothing pending.
+fn round_times_out(src: &str, receiver: &str, pid_file: &Path, acked: &str) {
+    let output = replicate(src, receiver, &["--timeout", "2s"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{stderr}");
+    assert!(stderr.contains("timed out"), "{stderr}");
+    let pid: u32 = std::fs::read_to_string(pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(stderr.contains(&format!("pid {pid}")), "{stderr}");
+    // SIGKILL was sent to the group; its processes die as soon as they run.
+    wait_for(
+        "the receiver's process group to be gone",
+        Duration::from_secs(60),
+        || live_in_group(pid).is_empty(),
+    );
+    let lag = status_json(src)["replication"][0].clone();
+    assert_eq!(lag["last_acked"], acked, "{lag}");
+    assert!(lag["pending"].is_null(), "{lag}");
+    assert_eq!(replicas(src), names(&[acked]));
+}
+
+#[test]
+fn a_receiver_that_hangs_is_killed_at_the_timeout_and_the_next_round_sends_again() {
+    let (temp, src, dst) = two_pools("replicate-timeout");
+    let report = seed_report();
+    let mut rng = report.rng();
+    let mut model = vec![0u8; SIZE as usize];
+    write_offline(&src, "vm", &mut rng, &mut model, 16);
+    replicate_ok(&src, &dst, &[]);
+    // About 1 MiB of increment: more than a pipe holds.
+    write_offline(&src, "vm", &mut rng, &mut model, 16);
+
+    // A receiver that takes 1000 bytes, then neither reads nor answers (its `sleep` keeps
+    // the pipe open): the write of the stream waits, and times out.
+    let pid_file = temp.path().join("receiver.pid");
+    let stalled = format!(
+        "echo $$ > '{}'; head -c 1000 >/dev/null; sleep 600; : \"$@\"",
+        pid_file.display()
+    );
+    round_times_out(&src, &stalled, &pid_file, "vm.repl-1");
+    // One that takes the whole stream and never answers: the wait for its exit times out.
+    let silent = format!(
+        "echo $$ > '{}'; cat >/dev/null; sleep 600; : \"$@\"",
+        pid_file.display()
+    );
+    round_times_out(&src, &silent, &pid_file, "vm.repl-1");
+    assert_eq!(replicas(&dst), names(&["vm.repl-1"]));
+
+    // A receiver that works: the round sends again from vm.repl-1.
+    let out = replicate_ok(&src, &dst, &[]);
+    assert!(
+        out.contains("vm.repl-4") && out.contains("incremental"),
+        "{out}"
+    );
+    assert!(content(&dst, "vm.repl-4") == model);
+    assert_eq!(replicas(&src), names(&["vm.repl-1", "vm.repl-4"]));
+    assert_eq!(replicas(&dst), names(&["vm.repl-1", "vm.repl-4"]));
 }

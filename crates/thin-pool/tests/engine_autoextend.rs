@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use thin_pool::testing::MemoryParts;
 use thin_pool::HostFreeProbe;
-use thin_pool::{Autoextend, Error, ExtendBy, Pool, PoolMode, PoolOptions};
+use thin_pool::{Autoextend, Error, ExtendBy, Pool, PoolMode, PoolOptions, PoolStatus};
 
 const BLOCK: u64 = 65536;
 
@@ -43,6 +43,20 @@ fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(60);
     while !done() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// [`wait_for`] on the pool's status; a timeout prints the status and the events.
+fn wait_for_status(pool: &Pool, what: &str, mut done: impl FnMut(&PoolStatus) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !done(&pool.status()) {
+        assert!(
+            Instant::now() < deadline,
+            "timed out waiting for {what}: {:?}, events {:#?}",
+            pool.status(),
+            pool.events()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -182,32 +196,80 @@ fn autoextend_by_a_size_and_concurrent_writers() {
     }
 }
 
+/// Regression (flaky under load): the test formatted a pool whose metadata use was over
+/// the threshold already, so the worker grew it at the first commit, and read the size
+/// to compare with only after that: when the worker won that race the size it waited to
+/// exceed was the grown one, which never grew again. Now the pool starts below the
+/// threshold (asserted), the test alone takes it over (a volume takes one metadata block,
+/// its mapping tree's root), and the size compared with is the formatted one.
 #[test]
 fn autoextend_grows_the_metadata_when_its_use_crosses_the_threshold() {
+    const METADATA_BLOCKS: u64 = 256;
+    const THRESHOLD_PERCENT: u64 = 10;
     let pool = pool(
         64,
-        256,
+        METADATA_BLOCKS,
         PoolOptions {
-            low_water_percent: 1,
+            low_water_percent: 5,
             autoextend: Some(Autoextend {
-                threshold_percent: 2,
+                threshold_percent: THRESHOLD_PERCENT as u32,
                 by: ExtendBy::Percent(50),
                 max_bytes: 64 * BLOCK,
             }),
             ..PoolOptions::default()
         },
     );
-    let before = pool.status().metadata_total_blocks;
+    let crossed = |used: u64| used * 100 >= METADATA_BLOCKS * THRESHOLD_PERCENT;
+    let status = pool.status();
+    assert_eq!(status.metadata_total_blocks, METADATA_BLOCKS);
+    assert!(
+        !crossed(status.metadata_used_blocks),
+        "the test starts below the threshold: {status:?}"
+    );
     let v = pool.volume("v").unwrap();
     for b in 0..8 {
         v.write(b * BLOCK, &pattern(b), false).unwrap();
     }
     pool.commit().unwrap();
+    // Volumes until the use reaches the threshold of the formatted size (the worker may
+    // grow it as soon as a commit does: the size is never read as the one to compare with).
+    let mut volumes = 0;
+    loop {
+        let status = pool.status();
+        if status.metadata_total_blocks > METADATA_BLOCKS {
+            assert!(
+                crossed(status.metadata_used_blocks),
+                "grown below the threshold: {status:?}, events {:#?}",
+                pool.events()
+            );
+            break;
+        }
+        if crossed(status.metadata_used_blocks) {
+            break;
+        }
+        assert!(
+            volumes < METADATA_BLOCKS,
+            "volumes take no metadata: {status:?}"
+        );
+        pool.create_volume(&format!("w{volumes}"), BLOCK).unwrap();
+        volumes += 1;
+    }
     assert!(pool.status().metadata_low_water_reached);
-    wait_for("the metadata to grow", || {
-        pool.status().metadata_total_blocks > before
+    // The commit that crossed the threshold asked the worker for a growth.
+    wait_for_status(&pool, "the metadata to grow", |status| {
+        status.metadata_total_blocks > METADATA_BLOCKS
     });
     assert!(count_events(&pool, "autoextend: metadata grew") >= 1);
+    let status = pool.status();
+    assert!(
+        status.metadata_used_blocks * 100 < status.metadata_total_blocks * THRESHOLD_PERCENT,
+        "grown past the threshold: {status:?}"
+    );
+    for b in 0..8 {
+        let mut buf = vec![0u8; BLOCK as usize];
+        v.read(b * BLOCK, &mut buf).unwrap();
+        assert!(buf == pattern(b), "block {b}");
+    }
     pool.verify_index().unwrap();
 }
 

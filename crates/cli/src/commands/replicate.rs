@@ -1,15 +1,17 @@
-//! `thinpool replicate VOLUME --to DEST [--interval 60s] [--once] [--full]`: continuous
-//! replication (docs/replication.md). Each round takes a read-only snapshot of VOLUME
-//! (replica `VOLUME.repl-SEQ`), sends the increment from the last replica the destination
-//! acknowledged (a full stream the first time, or with `--full`), and keeps the last two
-//! replicas on both sides; the state is the source pool directory's `replication.json`
-//! (`thinpool_daemon::replication`), which `status` and the metrics read for the lag.
-//! One round is `round.rs`.
+//! `thinpool replicate VOLUME --to DEST [--interval 60s] [--timeout 10m] [--once]
+//! [--full]`: continuous replication (docs/replication.md). Each round takes a read-only
+//! snapshot of VOLUME (replica `VOLUME.repl-SEQ`), sends the increment from the last
+//! replica the destination acknowledged (a full stream the first time, or with `--full`),
+//! and keeps the last two replicas on both sides; the state is the source pool directory's
+//! `replication.json` (`thinpool_daemon::replication`), which `status` and the metrics
+//! read for the lag.
+//! One round is `round.rs`; its receiver, watched by the idle `--timeout`, `receiver.rs`.
 //!
 //! DEST is a pool directory (an existing directory: this binary's `receive` is run on it,
 //! which goes through its control socket when it is served), or else a shell command that
 //! receives the stream on stdin, such as `ssh backup thinpool receive --pool /srv/copy`.
 
+mod receiver;
 mod round;
 
 use anyhow::{bail, Context};
@@ -33,7 +35,10 @@ Examples:
 Replicas are read-only snapshots named VOLUME.repl-SEQ on both sides. A command DEST runs
 under `sh -c` with the replica's name and `--json --prune-replicas` appended (or put where
 it says \"$@\"); its last line of output, the received volume as JSON, is the
-acknowledgement. Fail-over and fail-back: docs/replication.md.")]
+acknowledgement. A receiver that takes no byte of the stream and prints nothing for
+--timeout is killed (a command with its process group: it runs in one of its own, so it
+cannot prompt on the terminal; use an ssh key) and the round fails; the next one sends
+again from the last acknowledged replica. Fail-over and fail-back: docs/replication.md.")]
 pub struct Args {
     /// The volume to replicate.
     volume: String,
@@ -44,6 +49,11 @@ pub struct Args {
     #[arg(long = "interval", value_name = "DURATION", default_value = "60s",
           value_parser = humantime::parse_duration)]
     interval: Duration,
+    /// Kill the receiver and fail the round after this long without progress: no byte of
+    /// the stream taken, no output (an idle timeout, not a total one: 30s, 10m).
+    #[arg(long = "timeout", value_name = "DURATION", default_value = "10m",
+          value_parser = humantime::parse_duration)]
+    timeout: Duration,
     /// One round, then exit (its failure is the exit status).
     #[arg(long = "once")]
     once: bool,
@@ -85,6 +95,12 @@ impl Destination {
             );
         }
         Ok(Destination::Command(text.to_string()))
+    }
+
+    /// Whether the receiver is a shell command (run in a process group of its own, so a
+    /// timeout kills what it started too), not this binary.
+    fn runs_a_command(&self) -> bool {
+        matches!(self, Destination::Command(_))
     }
 
     /// As the state file records it.
@@ -138,6 +154,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if args.interval.is_zero() {
         bail!("--interval must be longer than 0 s");
     }
+    if args.timeout.is_zero() {
+        bail!("--timeout must be longer than 0 s");
+    }
     let mut start = match (&args.base, args.full) {
         (Some(base), _) => round::Start::From(base.clone()),
         (None, true) => round::Start::Full,
@@ -145,7 +164,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     };
     loop {
         let started = Instant::now();
-        match round::run(&dir, &args.volume, &destination, &start) {
+        match round::run(&dir, &args.volume, &destination, &start, args.timeout) {
             Ok(replica) => {
                 println!(
                     "replicated {} as {} to {}: {} stream ({})",

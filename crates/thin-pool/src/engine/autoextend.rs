@@ -231,6 +231,10 @@ impl Look<'_> {
         .max(METADATA_GROWTH_MIN_BYTES);
         let target = current.saturating_add(step).min(max) / 4096 * 4096;
         if target <= current {
+            // Said once; commits no longer wake the worker for it.
+            self.grower.watch.metadata_blocked(format!(
+                "the metadata is at the format's maximum ({current} bytes)"
+            ));
             return;
         }
         if let Some(free) = self.host_free() {

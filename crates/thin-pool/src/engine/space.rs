@@ -6,6 +6,7 @@
 //!                                      used ≥ threshold?  → request a growth (one atomic swap)
 //!   commit (metadata lock held)        data and metadata low water set or cleared;
 //!                                      metadata ≥ threshold → request a growth
+//!                                      (even while the data cannot grow)
 //!   alloc out of space                 growth possible → wait for it (any policy);
 //!                                      not possible (`exhausted`) → the no-space policy
 //! ```
@@ -187,7 +188,23 @@ impl SpaceWatch {
     /// Ask the worker for a growth (cheap when already asked; nothing when the pool cannot
     /// grow now: the worker retries on its own).
     pub(crate) fn request(&self) {
-        if self.may_grow() && !self.requested.swap(true, Ordering::AcqRel) {
+        if self.may_grow() {
+            self.wake_worker();
+        }
+    }
+
+    /// Ask the worker for a metadata growth: whether the data can grow or not (a pool
+    /// whose data reached `max_bytes` still grows its metadata), but not after the last
+    /// metadata growth failed (the worker retries that at each look on its own).
+    fn request_metadata(&self) {
+        if self.autoextend.is_some() && !self.metadata_blocked.load(Ordering::Acquire) {
+            self.wake_worker();
+        }
+    }
+
+    /// Set the request and wake the worker (cheap when already asked).
+    fn wake_worker(&self) {
+        if !self.requested.swap(true, Ordering::AcqRel) {
             let _guard = self.lock_state();
             self.wake.notify_all();
         }
@@ -271,7 +288,7 @@ impl SpaceWatch {
         }
         if let Some(autoextend) = &self.autoextend {
             if at_least(used, total, autoextend.threshold_percent) {
-                self.request();
+                self.request_metadata();
             }
         }
     }
@@ -359,7 +376,61 @@ impl SpaceWatch {
 
 #[cfg(test)]
 mod tests {
-    use super::at_least;
+    use super::{at_least, SpaceWatch};
+    use crate::engine::health::Health;
+    use crate::engine::options::{Autoextend, ExtendBy, PoolMode, PoolOptions};
+    use crate::format::metadata::Usage;
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    fn watch() -> SpaceWatch {
+        let options = PoolOptions {
+            autoextend: Some(Autoextend {
+                threshold_percent: 50,
+                by: ExtendBy::Percent(50),
+                max_bytes: 1 << 30,
+            }),
+            ..PoolOptions::default()
+        };
+        SpaceWatch::new(&options, Arc::new(Health::new(PoolMode::Write, false)))
+    }
+
+    /// Regression: a commit that took the metadata over the threshold asked the worker
+    /// through the data's gate, so while the data could not grow (at `max_bytes`) the
+    /// request was dropped and the metadata waited for the worker's next tick.
+    #[test]
+    fn a_metadata_crossing_asks_for_growth_while_the_data_cannot_grow() {
+        let watch = watch();
+        watch.exhausted("the data is at the autoextend maximum".to_string());
+        assert!(!watch.may_grow());
+        let usage = |metadata_used_blocks| Usage {
+            data_used_blocks: 10,
+            data_total_blocks: 10,
+            metadata_used_blocks,
+            metadata_total_blocks: 100,
+        };
+        watch.after_commit(&usage(49));
+        assert!(
+            !watch.requested.load(Ordering::Acquire),
+            "below the threshold"
+        );
+        watch.after_commit(&usage(50));
+        assert!(watch.requested.load(Ordering::Acquire), "at the threshold");
+        // After a failed metadata growth the worker retries at each look by itself.
+        assert!(watch.wait_for_request(std::time::Duration::ZERO));
+        watch.metadata_blocked("the host file system is full".to_string());
+        watch.after_commit(&usage(60));
+        assert!(
+            !watch.requested.load(Ordering::Acquire),
+            "blocked: not at each commit"
+        );
+        watch.metadata_grew();
+        watch.after_commit(&usage(60));
+        assert!(
+            watch.requested.load(Ordering::Acquire),
+            "unblocked by a growth"
+        );
+    }
 
     #[test]
     fn log_sizes_have_a_human_form() {

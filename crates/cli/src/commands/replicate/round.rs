@@ -5,7 +5,9 @@
 //! 2. `pending` = the next sequence number, stored; then the read-only snapshot is taken;
 //! 3. the stream (the increment from the last acknowledged replica, else full) goes to the
 //!    receiver's stdin; its exit status 0 and last line (the received volume as JSON, with
-//!    the content id the source gave the snapshot) are the acknowledgement;
+//!    the content id the source gave the snapshot) are the acknowledgement. A receiver
+//!    that makes no progress for `--timeout` is killed (`receiver.rs`) and the round fails
+//!    as any failed send does: the unacknowledged replica deleted, no step 4;
 //! 4. stored: acknowledged = it, previous = the one before; pending cleared;
 //! 5. the source's other replicas of the volume are deleted (only now: the destination
 //!    holds the new one).
@@ -15,9 +17,9 @@
 //! base of what it receives).
 
 use anyhow::{bail, Context};
-use std::io::Read;
-use std::process::{Child, Stdio};
+use std::time::Duration;
 
+use super::receiver::Receiver;
 use super::Destination;
 use crate::control::{self, stream, Outcome, Request, VolumeRecord};
 use crate::pool_dir::PoolDir;
@@ -40,6 +42,7 @@ pub fn run(
     volume: &str,
     destination: &Destination,
     start: &Start,
+    timeout: Duration,
 ) -> anyhow::Result<Replica> {
     let _lock = replication::lock(&dir.path)?;
     let mut state = replication::load(&dir.path)?;
@@ -56,7 +59,7 @@ pub fn run(
     )
     .with_context(|| format!("cannot take the snapshot {name}"))?;
     let base_name = base.as_ref().map(|base| base.name.as_str());
-    let sent = send(dir, &name, base_name, destination).and_then(|(ack, stream_bytes)| {
+    let sent = send(dir, &name, base_name, destination, timeout).and_then(|(ack, stream_bytes)| {
         let content_id = content_id(dir, &name)?;
         if ack.name != name || ack.content_id.as_deref() != Some(content_id.as_str()) {
             bail!(
@@ -224,49 +227,46 @@ fn prune(dir: &PoolDir, volume: &str, kept: &VolumeState) -> anyhow::Result<()> 
     Ok(())
 }
 
-/// Sends replica `name` (from `base`) to the destination's receiver; returns its
-/// acknowledgement and the stream's bytes.
+/// Sends replica `name` (from `base`) to the destination's receiver, which `timeout`
+/// without progress kills (`receiver.rs`); returns its acknowledgement and the stream's
+/// bytes.
 fn send(
     dir: &PoolDir,
     name: &str,
     base: Option<&str>,
     destination: &Destination,
+    timeout: Duration,
 ) -> anyhow::Result<(VolumeRecord, u64)> {
-    let mut command = destination.receiver(name)?;
-    command
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = command
-        .spawn()
-        .with_context(|| format!("cannot start the receiver {command:?}"))?;
-    let stdout = collect(child.stdout.take().expect("piped"));
-    let stderr = collect(child.stderr.take().expect("piped"));
-    let mut stdin = child.stdin.take().expect("piped");
-    let sent = stream::send(dir, name, base, &mut stdin, &mut |_| {});
-    drop(stdin);
-    let status = wait(&mut child)?;
-    let stdout = stdout.join().expect("the reader does not panic");
-    let stderr = stderr.join().expect("the reader does not panic");
-    let stderr = String::from_utf8_lossy(&stderr);
-    if !status.success() {
+    let command = destination.receiver(name)?;
+    let mut receiver = Receiver::spawn(command, destination.runs_a_command(), timeout)?;
+    let sent = stream::send(dir, name, base, receiver.input(), &mut |_| {});
+    let finished = receiver
+        .finish()
+        .with_context(|| format!("the receiver ({})", destination.describe()))?;
+    let stderr = String::from_utf8_lossy(&finished.stderr);
+    if !finished.status.success() {
         // A send failing midway cuts the stream, which the receiver then refuses: say both.
         let send_error = match &sent {
             Err(error) => format!(" (the send failed first: {error:#})"),
             Ok(_) => String::new(),
         };
         bail!(
-            "the receiver ({}) failed, {status}: {}{send_error}",
+            "the receiver ({}) failed, {}: {}{send_error}",
             destination.describe(),
+            finished.status,
             stderr.trim()
         );
     }
     // Its warnings (a replica it could not prune) are the operator's.
     eprint!("{stderr}");
     let bytes = sent.context("cannot send the stream")?;
-    let stdout = String::from_utf8_lossy(&stdout);
-    // The acknowledgement is the last JSON object the receiver printed (`receive --json`:
-    // one object, compact or pretty): from the last line that opens one to the end.
+    let stdout = String::from_utf8_lossy(&finished.stdout);
+    acknowledgement(&stdout).map(|ack| (ack, bytes))
+}
+
+/// The acknowledgement: the last JSON object the receiver printed (`receive --json`: one
+/// object, compact or pretty), from the last line that opens one to the end.
+fn acknowledgement(stdout: &str) -> anyhow::Result<VolumeRecord> {
     let start = stdout
         .rmatch_indices('\n')
         .map(|(at, _)| at + 1)
@@ -274,20 +274,6 @@ fn send(
         .find(|&at| stdout[at..].starts_with('{'))
         .context("the receiver printed no acknowledgement")?;
     let line = stdout[start..].trim();
-    let ack: VolumeRecord = serde_json::from_str(line)
-        .with_context(|| format!("the receiver's acknowledgement is not a volume: {line:?}"))?;
-    Ok((ack, bytes))
-}
-
-/// Everything `pipe` gives, read on a thread of its own.
-fn collect(mut pipe: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
-    std::thread::spawn(move || {
-        let mut bytes = Vec::new();
-        let _ = pipe.read_to_end(&mut bytes);
-        bytes
-    })
-}
-
-fn wait(child: &mut Child) -> anyhow::Result<std::process::ExitStatus> {
-    child.wait().context("cannot wait for the receiver")
+    serde_json::from_str(line)
+        .with_context(|| format!("the receiver's acknowledgement is not a volume: {line:?}"))
 }
