@@ -185,7 +185,10 @@ pub(super) fn partial(pool: &Pool, request: &Request) -> Result<Outcome, OpError
         Request::AbortReceive { name } => vec![pool.abort_receive(name)?],
         _ => pool.partial_receives(),
     };
-    let records = partial.iter().map(partial_record).collect::<Result<_, _>>()?;
+    let records = partial
+        .iter()
+        .map(partial_record)
+        .collect::<Result<_, _>>()?;
     Ok(Outcome::Partial(records))
 }
 
