@@ -4,8 +4,9 @@
 //!
 //! Bash completion is tested by driving the completion function as bash does on TAB: the
 //! script is sourced, `COMP_WORDS`/`COMP_CWORD` are set to a partial command line, the
-//! function runs, and `COMPREPLY` is read back. Volume names are not completed (static
-//! completion only; see `commands::completions`).
+//! function bash registered for `thinpool` (`complete -p thinpool`) runs, and `COMPREPLY`
+//! is read back. Volume names are completed from a pool no server holds, named by `--pool`
+//! on the line or by `THINPOOL_POOL`, with the built binary first on `PATH`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -26,6 +27,12 @@ fn bash_script(dir: &ScratchDir) -> PathBuf {
 /// What bash completion offers for `line` (words separated by spaces; a trailing space
 /// means completing a new, empty word), with the completion script at `script`.
 fn complete(script: &Path, line: &str) -> Vec<String> {
+    complete_with(script, line, &[])
+}
+
+/// [`complete`] with `env` set, and the built `thinpool` first on `PATH` (the completion of
+/// volume names runs it).
+fn complete_with(script: &Path, line: &str, env: &[(&str, &str)]) -> Vec<String> {
     require_tool("bash", "bash");
     let mut words: Vec<&str> = line.split(' ').collect();
     if words.last() != Some(&"") && line.ends_with(' ') {
@@ -39,13 +46,25 @@ COMP_WORDS=({words})
 COMP_CWORD={cword}
 COMP_LINE='{line}'
 COMP_POINT=${{#COMP_LINE}}
-_thinpool thinpool \"${{COMP_WORDS[COMP_CWORD]}}\" \"${{COMP_WORDS[COMP_CWORD-1]}}\"
+function=$(complete -p thinpool | sed -E 's/.* -F ([^ ]+) .*/\\1/')
+\"$function\" thinpool \"${{COMP_WORDS[COMP_CWORD]}}\" \"${{COMP_WORDS[COMP_CWORD-1]}}\"
 printf '%s\\n' \"${{COMPREPLY[@]}}\"",
         script = script.display(),
         words = quoted.join(" "),
     );
-    let output = run_ok("bash", &["--norc", "--noprofile", "-c", &program], TIMEOUT);
-    output
+    let binary_dir = Path::new(THINPOOL).parent().unwrap().display().to_string();
+    let path = format!("{binary_dir}:{}", std::env::var("PATH").unwrap_or_default());
+    let mut env = env.to_vec();
+    env.push(("PATH", &path));
+    let output = run_tool_in(
+        "bash",
+        &["--norc", "--noprofile", "-c", &program],
+        TIMEOUT,
+        None,
+        &env,
+    );
+    assert!(output.status.success(), "{output:?}");
+    String::from_utf8_lossy(&output.stdout)
         .lines()
         .filter(|word| !word.is_empty())
         .map(str::to_owned)
@@ -104,6 +123,63 @@ fn bash_completes_subcommands_options_and_values() {
     let check = complete(&script, "thinpool check --");
     assert_offers(&check, &["--super-block-only", "--quiet"]);
     assert!(!check.iter().any(|w| w == "--pool"), "{check:?}");
+}
+
+/// `thinpool volume delete <TAB>` offers the pool's volumes (offline: no server holds it),
+/// from `--pool` on the line or `THINPOOL_POOL`; arguments that name a new volume or take
+/// a size do not.
+#[test]
+fn bash_completes_volume_names_of_an_offline_pool() {
+    let dir = ScratchDir::new("completions-volumes");
+    let script = bash_script(&dir);
+    let pool = dir.join("pool");
+    let pool = pool.to_str().unwrap();
+    run_ok(
+        THINPOOL,
+        &["create", "--pool", pool, "--data-size", "64M"],
+        TIMEOUT,
+    );
+    for name in ["vm0", "vm1", "web"] {
+        let args = ["volume", "create", name, "--size", "1M", "--pool", pool];
+        run_ok(THINPOOL, &args, TIMEOUT);
+    }
+    let by_variable = [("THINPOOL_POOL", pool)];
+    let sorted = |mut words: Vec<String>| {
+        words.sort();
+        words
+    };
+    let offered = complete_with(&script, "thinpool volume delete ", &by_variable);
+    assert_eq!(sorted(offered), ["vm0", "vm1", "web"]);
+    let offered = complete_with(&script, "thinpool volume delete v", &by_variable);
+    assert_eq!(sorted(offered), ["vm0", "vm1"]);
+    let line = format!("thinpool volume delete --pool {pool} w");
+    assert_eq!(complete(&script, &line), ["web"]);
+    let line = format!("thinpool --pool {pool} volume delete w");
+    assert_eq!(complete(&script, &line), ["web"]);
+    // The second volume of a diff, a snapshot's origin, send's --base.
+    let offered = complete_with(&script, "thinpool diff vm0 w", &by_variable);
+    assert_eq!(offered, ["web"]);
+    let offered = complete_with(&script, "thinpool volume snapshot w", &by_variable);
+    assert_eq!(offered, ["web"]);
+    let offered = complete_with(&script, "thinpool send vm0 --base w", &by_variable);
+    assert_eq!(offered, ["web"]);
+    // Not a volume: a new name, a size, options.
+    for line in [
+        "thinpool volume create w",
+        "thinpool volume snapshot vm0 w",
+        "thinpool volume resize vm0 --size w",
+    ] {
+        let offered = complete_with(&script, line, &by_variable);
+        assert!(!offered.iter().any(|w| w == "web"), "{line}: {offered:?}");
+    }
+    assert_offers(
+        &complete_with(&script, "thinpool volume delete --", &by_variable),
+        &["--pool", "--json"],
+    );
+    // No pool there: nothing offered, and no error.
+    let none = [("THINPOOL_POOL", "/nonexistent/pool")];
+    let offered = complete_with(&script, "thinpool volume delete w", &none);
+    assert!(!offered.iter().any(|w| w == "web"), "{offered:?}");
 }
 
 #[test]

@@ -23,6 +23,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 use testkit::loop_device::LoopDevice;
+use thin_pool::{Pool, PoolOptions};
 
 const SCHEMA: &str = include_str!("../../../docs/json-schema.json");
 
@@ -366,6 +367,7 @@ fn catalog_and_streams(
         (received["name"].as_str(), received["read_only"].as_bool()),
         (Some("a-ro"), Some(true))
     );
+    partial_receives(contract, scratch, round, c, p);
 
     let deleted = contract.ok("volume delete", &["volume", "delete", "b", "--pool", p]);
     assert_eq!(deleted["name"], "b");
@@ -374,6 +376,60 @@ fn catalog_and_streams(
         "refused",
         Some(ERRNO_ENOENT),
     );
+}
+
+/// `receive --list-partial` and `receive --abort` on `p`, after a resumable receive of a
+/// stream cut in half (of a volume with data, made in the pool `c` no server holds).
+fn partial_receives(contract: &mut Contract, scratch: &ScratchDir, round: &str, c: &str, p: &str) {
+    let pool = Pool::open(Path::new(c), PoolOptions::default()).unwrap();
+    // 4 MiB mapped: 4 records of 1 MiB, so half the stream holds whole verified records.
+    pool.create_volume("full", 4 << 20).unwrap();
+    let volume = pool.volume("full").unwrap();
+    volume.write(0, &vec![0x5a; 4 << 20], false).unwrap();
+    drop(volume);
+    pool.snapshot("full", "full-ro", true).unwrap();
+    pool.close().unwrap();
+    drop(pool);
+    let stream = scratch.join(format!("full-{round}.stream"));
+    let s = stream.to_str().unwrap();
+    thinpool_ok(&["send", "full-ro", "-o", s, "--pool", c]);
+    let bytes = std::fs::read(&stream).unwrap();
+    std::fs::write(&stream, &bytes[..bytes.len() / 2]).unwrap();
+    let args = [
+        "receive",
+        "cut",
+        "--resumable",
+        "--checkpoint",
+        "64K",
+        "-i",
+        s,
+        "--pool",
+        p,
+    ];
+    let output = thinpool(&with_json(&args));
+    assert!(!output.status.success(), "a cut stream was received");
+    let refusal = one_object(&String::from_utf8_lossy(&output.stdout), &args);
+    contract.validate("error_answer", &refusal, "receive of a cut stream");
+
+    let listed = contract.ok(
+        "receive --list-partial",
+        &["receive", "--list-partial", "--pool", p],
+    );
+    let kept = listed["partial_receives"].clone();
+    assert_eq!(kept.as_array().map(Vec::len), Some(1), "{listed:#}");
+    assert_eq!(kept[0]["name"], "cut", "{listed:#}");
+    assert!(kept[0]["held_blocks"].as_u64() > Some(0), "{listed:#}");
+    let dropped = contract.ok(
+        "receive --abort",
+        &["receive", "--abort", "cut", "--pool", p],
+    );
+    assert_eq!(dropped["partial_receives"], kept, "not the one listed");
+    contract.refused(&["receive", "--abort", "cut", "--pool", p], "refused", None);
+    let listed = contract.ok(
+        "receive --list-partial",
+        &["receive", "--list-partial", "--pool", p],
+    );
+    assert_eq!(listed["partial_receives"], serde_json::json!([]));
 }
 
 /// Linux errnos the refusals carry.
@@ -390,6 +446,7 @@ fn socket_answers(contract: &Contract, socket: &Path) {
         r#"{"op":"status"}"#,
         r#"{"op":"list"}"#,
         r#"{"op":"diff","base":"a-ro","target":"a"}"#,
+        r#"{"op":"partial_receives"}"#,
         r#"{"op":"delete_volume","name":"nosuch"}"#,
         r#"{"op":"no_such_op"}"#,
     ] {
@@ -399,6 +456,30 @@ fn socket_answers(contract: &Contract, socket: &Path) {
         let value: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
         contract.validate("socket_answer", &value, request);
     }
+    // A trim asked with progress: progress lines, the last with all blocks done, then the
+    // answer.
+    writer
+        .write_all(b"{\"op\":\"trim\",\"progress\":true}\n")
+        .unwrap();
+    let mut frames = Vec::new();
+    let answer = loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).unwrap();
+        let value: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        if value.get("ok").is_some() {
+            break value;
+        }
+        contract.validate("socket_progress", &value, "trim with progress");
+        frames.push(value["progress"].clone());
+    };
+    contract.validate("socket_answer", &answer, "trim with progress");
+    assert!(answer["trimmed_bytes"].is_u64(), "{answer}");
+    let last = frames.last().expect("no progress line before the answer");
+    assert_eq!(last["done_blocks"], last["total_blocks"], "{frames:?}");
+    assert!(
+        frames.windows(2).all(|w| w[0] != w[1]),
+        "a frame repeated: {frames:?}"
+    );
 }
 
 /// `check` (clean, and on damaged metadata), `metadata-size` and `import`, on the offline

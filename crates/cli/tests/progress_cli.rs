@@ -182,8 +182,10 @@ fn offline_commands_draw_progress_only_when_asked_and_stdout_is_unchanged() {
     assert_no_progress(&received);
 }
 
+/// A served trim draws the blocks its server counts (progress lines on the control
+/// connection); a served diff a spinner (the diff walk counts nothing).
 #[test]
-fn a_served_pool_shows_a_spinner_while_its_server_works() {
+fn a_served_pool_shows_the_servers_counts_or_a_spinner() {
     let scratch = ScratchDir::new("progress-served");
     let dir = scratch.join("pool");
     pool_with_data(&dir);
@@ -193,6 +195,11 @@ fn a_served_pool_shows_a_spinner_while_its_server_works() {
         let trim: serde_json::Value = serde_json::from_slice(&json).expect("trim --json");
         assert!(trim["trimmed_bytes"].is_u64(), "{trim}");
     }
+    // The bar of blocks (done/total, 4096 data blocks of 64 KiB), not the spinner.
+    assert_progress(
+        &thinpool(&["--progress", "trim", "--pool", pool]),
+        "/4096 blocks",
+    );
     let json = with_and_without(&["diff", "snap", "vm", "--json", "--pool", pool], "diff");
     let diff: serde_json::Value = serde_json::from_slice(&json).expect("diff --json");
     assert_eq!(diff["ranges"].as_array().map(Vec::len), Some(1), "{diff}");

@@ -28,6 +28,7 @@
 //!   -> {"op":"release_metadata_snap"}                    (answers with the status)
 //!   -> {"op":"diff","base":"vm1","target":"snap"}        (answers {"ok":true,"diff":{...}})
 //!   -> {"op":"trim"}                                     (answers {"ok":true,"trimmed_bytes":N})
+//!   -> {"op":"trim","progress":true}                     (progress lines first: progress.rs)
 //!   -> {"op":"send_stream","snapshot":"s2","base":"s1"}  (answers {"ok":true}, then the stream)
 //!   -> {"op":"receive_stream","name":"s2"} + the stream  (answers with the volume; stream.rs)
 //! ```
@@ -79,6 +80,7 @@ pub const STOP_WAIT: Duration = Duration::from_secs(5);
 pub mod diff;
 mod listing;
 mod log;
+pub mod progress;
 mod protocol;
 mod server;
 mod status_record;
@@ -100,15 +102,18 @@ use protocol::{read_line, Line, Response};
 /// its control socket if a server does. The outer error is a failure to reach the pool; the
 /// inner one is the pool's answer.
 pub fn perform(dir: &PoolDir, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
-    perform_as(dir, request, &|target| target.execute(request))
+    perform_reporting(dir, request, &|target| target.execute(request), &|_| {})
 }
 
 /// [`perform`], carrying `request` out with `offline` when no server holds the pool (e.g.
-/// [`Target::trim`], which counts its progress); a served pool gets `request` itself.
-pub fn perform_as(
+/// [`Target::trim`], which counts its progress); a served pool gets `request` itself, and
+/// the progress lines its server sends before the answer (a request that asks for them:
+/// `control/progress.rs`) go to `on_progress`.
+pub fn perform_reporting(
     dir: &PoolDir,
     request: &Request,
     offline: &dyn Fn(&Target) -> Result<Outcome, OpError>,
+    on_progress: &dyn Fn(progress::ProgressRecord),
 ) -> anyhow::Result<Result<Outcome, OpError>> {
     dir.require_pool()?;
     crate::restored::name_restored_volumes(&dir.path)?;
@@ -130,7 +135,7 @@ pub fn perform_as(
         }
         Err(thin_pool::Error::Locked { .. }) => {
             let socket = dir.control_socket();
-            call(&socket, request).with_context(|| {
+            call_reporting(&socket, request, on_progress).with_context(|| {
                 format!(
                     "the pool in {} is held by another process, and its control socket {} does not answer",
                     dir.path.display(),
@@ -151,6 +156,15 @@ pub fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
 
 /// Sends one request to a control socket and returns the answer.
 pub fn call(socket: &Path, request: &Request) -> anyhow::Result<Result<Outcome, OpError>> {
+    call_reporting(socket, request, &|_| {})
+}
+
+/// [`call`], handing the progress lines before the answer to `on_progress`.
+pub fn call_reporting(
+    socket: &Path,
+    request: &Request,
+    on_progress: &dyn Fn(progress::ProgressRecord),
+) -> anyhow::Result<Result<Outcome, OpError>> {
     let mut stream = UnixStream::connect(socket)
         .with_context(|| format!("cannot connect to {}", socket.display()))?;
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
@@ -159,12 +173,18 @@ pub fn call(socket: &Path, request: &Request) -> anyhow::Result<Result<Outcome, 
     line.push(b'\n');
     stream.write_all(&line).context("cannot send the request")?;
     let mut reader = BufReader::new(stream);
-    let answer =
-        match read_line(&mut reader, RESPONSE_BYTES_MAX).context("cannot read the answer")? {
-            Line::Complete(answer) => answer,
-            Line::End => bail!("the server closed the control connection without answering"),
-            Line::TooLong => bail!("the answer is longer than {RESPONSE_BYTES_MAX} bytes"),
-        };
+    let answer = loop {
+        let line =
+            match read_line(&mut reader, RESPONSE_BYTES_MAX).context("cannot read the answer")? {
+                Line::Complete(line) => line,
+                Line::End => bail!("the server closed the control connection without answering"),
+                Line::TooLong => bail!("the answer is longer than {RESPONSE_BYTES_MAX} bytes"),
+            };
+        match progress::ProgressLine::parse(&line) {
+            Some(frame) => on_progress(frame),
+            None => break line,
+        }
+    };
     let response: Response =
         serde_json::from_slice(&answer).context("the answer is not valid JSON")?;
     response.into_result()

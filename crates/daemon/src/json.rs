@@ -4,7 +4,7 @@
 //! [`StatusRecord`](crate::control::StatusRecord), [`DiffRecord`], ...); this module adds what the command line prints
 //! around them: the version field ([`VERSION_FIELD`]) on every printed object
 //! ([`Versioned`]), the objects only commands print ([`ListRecord`], [`TrimRecord`],
-//! [`ForgottenRecord`]), and errors ([`ErrorRecord`]) with the control socket's kinds.
+//! [`ForgottenRecord`], [`PartialReceivesRecord`]), and errors ([`ErrorRecord`]) with the control socket's kinds.
 //!
 //! Rules every object follows: units in every name (`_bytes`, `_blocks`, `_seconds`,
 //! `_percent`, `_sectors`), `null` for "not set" (never an omitted field), fields added in a
@@ -14,6 +14,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::control::stream::PartialRecord;
 use crate::control::{OpError, OrphanedRecord, UnadoptedRecord, VolumeRecord};
 
 /// The contract's version, in [`VERSION_FIELD`] of every object printed or answered.
@@ -152,6 +153,14 @@ pub struct ListRecord {
 pub struct TrimRecord {
     /// Bytes of free data blocks given back to the host.
     pub trimmed_bytes: u64,
+}
+
+/// What `receive --list-partial --json` prints (the control socket's `partial_receives`),
+/// and `receive --abort NAME --json` (the one dropped, as it was).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartialReceivesRecord {
+    /// The partial receives, with their resume tokens.
+    pub partial_receives: Vec<PartialRecord>,
 }
 
 /// What `volume forget --json` prints (the control socket's `forgotten`): the catalog entry

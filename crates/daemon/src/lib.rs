@@ -21,8 +21,10 @@
 //! `control/status_record.rs`), `control/target.rs`
 //! (the operations on an open pool), `control/log.rs` (each management operation logged once,
 //! with its result), `control/listing.rs` (the `list` answer with each volume's space),
-//! `control/diff.rs` (the `diff` request and its record) and `control/server.rs` (accept
-//! loop, connections). `tests/serve_in_process.rs` serves a pool in-process.
+//! `control/diff.rs` (the `diff` request and its record), `control/stream.rs` (send and
+//! receive streams, partial receives), `control/progress.rs` (the progress lines a served
+//! trim sends before its answer when asked) and `control/server.rs` (accept loop,
+//! connections). `tests/serve_in_process.rs` serves a pool in-process.
 #![forbid(unsafe_code)]
 
 pub mod control;

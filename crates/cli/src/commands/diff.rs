@@ -84,7 +84,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         list_same: format == Format::Xml,
     };
     let bar = Bar::spinner("diff", "comparing the volumes");
-    let answer = ask(&dir, &request);
+    let answer = ask_read_only(&dir, &request);
     bar.finish();
     let record = match answer.with_context(|| {
         format!(
@@ -118,8 +118,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Carries out `request` on a read-only open of the pool, or through its server.
-fn ask(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
+/// Carries out `request` (one that changes nothing) on a read-only open of the pool, or
+/// through its server (also `list --names`, which shell completion runs on each TAB).
+pub(super) fn ask_read_only(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
     dir.require_pool()?;
     thinpool_daemon::restored::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;

@@ -2,7 +2,8 @@
 //! the control socket's records): one object on stdout, with the version field, for a
 //! result and for an error alike. `tests::WITHOUT_JSON` lists the commands that print no
 //! result of their own, and why (in the tests); every other command takes `--json` and has an entry in
-//! docs/json-schema.json (the tests below walk the command line's definition).
+//! docs/json-schema.json (the tests below walk the command line's definition), and so has
+//! each flag that makes a command print another object (`receive --list-partial`).
 
 use serde::Serialize;
 use thinpool_daemon::json::{versioned, ErrorAnswer, ErrorRecord};
@@ -130,9 +131,19 @@ mod tests {
                 }
             }
         }
-        for path in commands.keys() {
-            if !found.iter().any(|(leaf, _)| leaf == path) {
-                problems.push(format!("x-commands names {path:?}, which is no command"));
+        for key in commands.keys() {
+            // "PATH --FLAG": the command with a flag that makes it print another object.
+            let (path, flag) = match key.split_once(" --") {
+                Some((path, flag)) => (path, Some(flag)),
+                None => (key.as_str(), None),
+            };
+            let Some((_, leaf)) = found.iter().find(|(leaf, _)| leaf == path) else {
+                problems.push(format!("x-commands names {key:?}, which is no command"));
+                continue;
+            };
+            let has_flag = |flag: &str| leaf.get_arguments().any(|a| a.get_long() == Some(flag));
+            if flag.is_some_and(|flag| !has_flag(flag)) {
+                problems.push(format!("x-commands names {key:?}, a flag {path} lacks"));
             }
         }
         assert!(problems.is_empty(), "{problems:#?}");

@@ -27,6 +27,7 @@ Examples:
   thinpool list                 # NAME ID SIZE MAPPED% MAPPED EXCLUSIVE SHARED ORIGIN READ-ONLY OPEN
 Figures are those of the last commit (at most a commit interval behind the writes).
   thinpool list --ids           # thin id of each name, for thin_ls -m / thin_delta -m
+  thinpool list --names         # one name a line (what shell completion offers)
   thinpool list --json | jq '.volumes[] | {name, exclusive_bytes}'")]
 pub struct Args {
     #[command(flatten)]
@@ -39,11 +40,24 @@ pub struct Args {
     /// and its origin's, in thin id order (with --json: the volumes in thin id order).
     #[arg(long = "ids")]
     ids: bool,
+    /// Print the volumes' names only, one a line (for scripts and shell completion; the
+    /// pool is opened read-only).
+    #[arg(long = "names", conflicts_with_all = ["json", "ids"])]
+    names: bool,
 }
 
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
+    if args.names {
+        let volumes = super::diff::ask_read_only(&dir, &Request::List)
+            .context("cannot list volumes")?
+            .into_volumes()?;
+        for volume in volumes {
+            println!("{}", volume.name);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let volumes = control::ask(&dir, &Request::List)
         .context("cannot list volumes")?
         .into_volumes()?;

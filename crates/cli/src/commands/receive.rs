@@ -10,11 +10,12 @@ use anyhow::Context;
 use std::io::Read;
 use std::process::ExitCode;
 
-use crate::control::stream;
+use crate::control::stream::{self, PartialRecord};
 use crate::control::{self, ask, Outcome, Request, VolumeRecord};
 use crate::pool_dir::{format_size, PoolArg, PoolDir};
 use crate::progress::{Bar, Unit};
 use thin_pool::stream::ReceiveOptions;
+use thinpool_daemon::json::PartialReceivesRecord;
 use thinpool_daemon::replication;
 
 /// Arguments.
@@ -32,7 +33,8 @@ Examples:
   thinpool send vm0.repl-8 --base vm0.repl-7 | thinpool receive vm0.repl-8 --prune-replicas --json
 
 It prints `received NAME (SIZE, N blocks mapped), content id UUID`, or with --json the
-volume as JSON (`content_id` included): the acknowledgement `thinpool replicate` reads.")]
+volume as JSON (`content_id` included): the acknowledgement `thinpool replicate` reads.
+`--list-partial --json` and `--abort NAME --json` print `{\"partial_receives\": [...]}`.")]
 pub struct Args {
     /// The new volume's name.
     #[arg(required_unless_present = "list_partial")]
@@ -57,7 +59,8 @@ pub struct Args {
     abort: bool,
     #[command(flatten)]
     pool: PoolArg,
-    /// Print the new volume as JSON (docs/json.md).
+    /// Print the new volume as JSON (docs/json.md); with --list-partial the partial
+    /// receives, with --abort the one dropped (`{"partial_receives":[...]}`).
     #[arg(long = "json")]
     json: bool,
     /// NAME is a replica (VOLUME.repl-SEQ, `thinpool replicate`): once it is received,
@@ -87,9 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         false => None,
     };
     if args.abort {
-        ask(&dir, &Request::AbortReceive { name: name.clone() })?;
-        println!("dropped the partial receive {name}");
-        return Ok(ExitCode::SUCCESS);
+        return abort(&dir, &name, args.json);
     }
     let (input, total): (Box<dyn Read>, _) = match &args.input {
         Some(path) => {
@@ -134,12 +135,36 @@ fn parse_size(text: &str) -> Result<u64, String> {
     thinpool_daemon::text::parse_size_nonzero(text).map_err(|e| e.to_string())
 }
 
-fn list_partial(dir: &crate::pool_dir::PoolDir, json: bool) -> anyhow::Result<ExitCode> {
-    let Outcome::Partial(partial) = ask(dir, &Request::PartialReceives)? else {
-        anyhow::bail!("unexpected answer to partial_receives");
+/// The partial receives `request` answers with (the list, or the one dropped).
+fn partial_receives(dir: &PoolDir, request: &Request) -> anyhow::Result<Vec<PartialRecord>> {
+    match ask(dir, request)? {
+        Outcome::Partial(partial) => Ok(partial),
+        other => anyhow::bail!("unexpected answer: {other:?}"),
+    }
+}
+
+/// `--abort NAME`: drops the partial receive; with `--json` prints it as it was.
+fn abort(dir: &PoolDir, name: &str, json: bool) -> anyhow::Result<ExitCode> {
+    let request = Request::AbortReceive {
+        name: name.to_string(),
     };
+    let dropped = partial_receives(dir, &request)?;
     if json {
-        println!("{}", serde_json::to_string(&partial)?);
+        super::json::print(&PartialReceivesRecord {
+            partial_receives: dropped,
+        })?;
+    } else {
+        println!("dropped the partial receive {name}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn list_partial(dir: &PoolDir, json: bool) -> anyhow::Result<ExitCode> {
+    let partial = partial_receives(dir, &Request::PartialReceives)?;
+    if json {
+        super::json::print(&PartialReceivesRecord {
+            partial_receives: partial,
+        })?;
         return Ok(ExitCode::SUCCESS);
     }
     if partial.is_empty() {
@@ -151,7 +176,7 @@ fn list_partial(dir: &crate::pool_dir::PoolDir, json: bool) -> anyhow::Result<Ex
             p.name,
             format_size(p.received_bytes),
             format_size(p.size_bytes),
-            p.blocks,
+            p.held_blocks,
             p.token
         );
     }

@@ -1,11 +1,13 @@
 //! `thinpool trim`: give every free data block back to the host (punch holes in the data
 //! file), as `thin_trim` does; through the control socket when the pool is served, so it runs
-//! while clients write. Progress (`crate::progress`): data blocks looked at, offline; a
-//! spinner while a server trims (it answers at the end).
+//! while clients write. Progress (`crate::progress`): data blocks looked at, counted by the
+//! pool offline, or by the server in progress lines it sends before its answer when the
+//! bar is drawn (`{"op":"trim","progress":true}`, the daemon's `control/progress.rs`).
 
 use anyhow::bail;
 use std::process::ExitCode;
 
+use crate::control::progress::ProgressRecord;
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, PoolArg};
 use crate::progress::{Bar, Unit};
@@ -30,11 +32,23 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
     let progress = Progress::new();
     let bar = Bar::spinner("trim", "");
+    let counting = std::sync::Once::new();
+    let request = Request::Trim {
+        progress: bar.is_shown(),
+    };
     let answer = bar.follow(&progress, || {
-        control::perform_as(&dir, &Request::Trim, &|target| {
-            bar.count(Unit::Blocks, true);
+        let offline = |target: &control::Target| {
+            counting.call_once(|| bar.count(Unit::Blocks, true));
             target.trim(&progress)
-        })
+        };
+        // A server's frames (asked for only when the bar is drawn) go into the same counters.
+        let served = |frame: ProgressRecord| {
+            if frame.done_blocks <= frame.total_blocks {
+                counting.call_once(|| bar.count(Unit::Blocks, true));
+                progress.set(frame.done_blocks, frame.total_blocks);
+            }
+        };
+        control::perform_reporting(&dir, &request, &offline, &served)
     });
     bar.finish();
     let bytes = match answer?? {

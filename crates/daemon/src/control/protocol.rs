@@ -118,7 +118,11 @@ pub enum Request {
         list_same: bool,
     },
     /// Give every free data block back to the host (answers with the bytes trimmed).
-    Trim,
+    Trim {
+        /// Send progress lines before the answer (`control/progress.rs`).
+        #[serde(default)]
+        progress: bool,
+    },
     /// Send a read-only snapshot as a stream (`control/stream.rs`): the answer line, then
     /// the stream's bytes until the server closes the connection.
     SendStream {

@@ -16,8 +16,8 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use super::protocol::{parse_request, Response};
 use super::{
-    OpError, Target, ACCEPT_POLL_INTERVAL, CONNECTIONS_MAX, REQUEST_BYTES_MAX, REQUEST_TIMEOUT,
-    STOP_WAIT, WRITE_TIMEOUT,
+    OpError, Request, Target, ACCEPT_POLL_INTERVAL, CONNECTIONS_MAX, REQUEST_BYTES_MAX,
+    REQUEST_TIMEOUT, STOP_WAIT, WRITE_TIMEOUT,
 };
 
 /// State shared by the accept loop and the connection threads.
@@ -374,6 +374,9 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
             Ok(request) if super::stream::is_stream(&request) => {
                 super::stream::serve(&request, reader, writer, &shared.target);
                 return;
+            }
+            Ok(Request::Trim { progress: true }) => {
+                super::progress::trim_reporting(&shared.target, &writer)
             }
             Ok(request) => shared.target.execute(&request),
             Err(message) => Err(OpError::new(libc::EINVAL, message)),

@@ -158,7 +158,8 @@ fn receive_from<R: Read>(
     })
 }
 
-/// A partial receive, as `partial_receives` answers it.
+/// A partial receive, as `partial_receives` answers it (and `abort_receive`, the one it
+/// dropped, as it was).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PartialRecord {
     /// The volume it will become.
@@ -168,7 +169,7 @@ pub struct PartialRecord {
     /// Bytes of the volume received and kept (from its start).
     pub received_bytes: u64,
     /// Data blocks it holds (freed by `abort_receive`).
-    pub blocks: u64,
+    pub held_blocks: u64,
     /// The stream's id.
     pub stream_id: String,
     /// For an incremental: the base's content id.
@@ -177,33 +178,31 @@ pub struct PartialRecord {
     pub token: String,
 }
 
-/// `partial_receives` (the list) or `abort_receive` on `pool`.
+/// `partial_receives` (the list) or `abort_receive` on `pool` (answered with the list of
+/// the one it dropped, as it was, as `delete_volume` answers with the volume).
 pub(super) fn partial(pool: &Pool, request: &Request) -> Result<Outcome, OpError> {
-    match request {
-        Request::AbortReceive { name } => {
-            pool.abort_receive(name)?;
-            Ok(Outcome::Done)
-        }
-        _ => Ok(Outcome::Partial(partial_records(pool)?)),
-    }
+    let partial = match request {
+        Request::AbortReceive { name } => vec![pool.abort_receive(name)?],
+        _ => pool.partial_receives(),
+    };
+    let records = partial
+        .iter()
+        .map(partial_record)
+        .collect::<Result<_, _>>()?;
+    Ok(Outcome::Partial(records))
 }
 
-/// The partial receives of `pool`.
-fn partial_records(pool: &Pool) -> Result<Vec<PartialRecord>, OpError> {
-    pool.partial_receives()
-        .iter()
-        .map(|p| {
-            Ok(PartialRecord {
-                name: p.name.clone(),
-                size_bytes: p.size_bytes,
-                received_bytes: p.offset,
-                blocks: p.blocks,
-                stream_id: p.content_id.clone(),
-                base_id: p.base_content_id.clone(),
-                token: ResumeToken::of(p)?.to_string(),
-            })
-        })
-        .collect()
+/// A partial receive as the control socket reports it.
+fn partial_record(p: &thin_pool::catalog::PartialReceive) -> Result<PartialRecord, OpError> {
+    Ok(PartialRecord {
+        name: p.name.clone(),
+        size_bytes: p.size_bytes,
+        received_bytes: p.offset,
+        held_blocks: p.blocks,
+        stream_id: p.content_id.clone(),
+        base_id: p.base_content_id.clone(),
+        token: ResumeToken::of(p)?.to_string(),
+    })
 }
 
 fn answer(writer: &mut UnixStream, result: Result<Outcome, OpError>) -> std::io::Result<()> {

@@ -59,7 +59,7 @@ impl Target {
         let result = self
             .refuse_if_read_only()
             .and_then(|()| Ok(Outcome::Trimmed(self.pool.trim_with_progress(progress)?)));
-        super::log::management(&Request::Trim, &result);
+        super::log::management(&Request::Trim { progress: true }, &result);
         result
     }
 
@@ -126,7 +126,7 @@ impl Target {
                 pool.release_metadata_snap()?;
                 Ok(self.status_outcome())
             }
-            Request::Trim => Ok(Outcome::Trimmed(pool.trim()?)),
+            Request::Trim { .. } => Ok(Outcome::Trimmed(pool.trim()?)),
             Request::SendStream { .. } | Request::ReceiveStream { .. } => Err(OpError::new(
                 libc::EINVAL,
                 "a stream request is carried out on its own connection (control/stream.rs)",
