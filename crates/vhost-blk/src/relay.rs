@@ -325,7 +325,9 @@ fn pump_requests(front: &UnixStream, handler: &UnixStream, shared: &Shared) -> i
             if trim_padded_mem_table(&mut msg) {
                 tracing::debug!("vhost-user SET_MEM_TABLE: zero padding past its regions trimmed");
             }
-            shared.channel.observe(msg.request(), &msg.payload, &msg.fds);
+            shared
+                .channel
+                .observe(msg.request(), &msg.payload, &msg.fds);
             match shared.handle(&mut msg)? {
                 Handling::Forward => send_message(handler, &msg)?,
                 Handling::Answered(Some(reply)) => shared.send_front(front, &reply)?,
