@@ -92,8 +92,8 @@ impl Input {
 
     /// Gives the buffer up if it holds nothing (a connection about to be parked): into
     /// `spare` (the worker's, for the next connection it visits) if that is empty, else it is
-    /// freed. Allocating and zeroing 64 KiB per visit was a fifth of the event loop's CPU
-    /// per read at queue depth 32.
+    /// freed. Allocating and zeroing 64 KiB per visit was 3% of the event loop's CPU at
+    /// queue depth 32 (docs/performance.md).
     pub(super) fn release_buffer(&mut self, spare: &mut Vec<u8>) {
         if self.buffered() == 0 {
             let buffer = std::mem::take(&mut self.buffer);
