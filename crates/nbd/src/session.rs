@@ -61,7 +61,9 @@
 //!
 //! On the event loop (`Limits::reactor`, see `reactor`) the same loop runs on the loop's
 //! workers instead of the connection's own threads: a reader that would block for the next
-//! header parks the connection, a hand-off parks it for another worker to read on, the
+//! header parks the connection (and one that has just sent its batch with nothing more
+//! expected parks it without trying), a worker lends its input buffer to the connection it
+//! visits, a hand-off parks it for another worker to read on, the
 //! watchdog parks a connection whose reader is stuck in an export call (no standby threads
 //! are started), and the idle timeout is the reactor's sweep of parked connections.
 //!
@@ -69,7 +71,8 @@
 //! and each thread's loop; `budget` the counters of requests and bytes in flight, with the
 //! server-wide fair share; `input` the buffered read side and the reading of requests;
 //! `check` their checks; `standby` waiting for the input; `payload` a thread's payload
-//! buffer; `activity` what the server's table sees of the session; `dispatch` serving a checked request on the export and making its reply;
+//! buffer and where a WRITE payload is received; `activity` what the server's table sees of
+//! the session; `dispatch` serving a checked request on the export and making its reply;
 //! `batch` a thread's replies not yet sent; `more` when to look for more requests before a
 //! send; `reactor` and `visit` the event loop; `splice` sending large READ replies from the
 //! export's file without a copy (plaintext connections, exports that give
@@ -227,6 +230,9 @@ pub(crate) struct Scratch {
     pipe: splice::Pipe,
     /// Replies not yet sent.
     batch: Batch,
+    /// On the event loop: the input buffer the last connection parked gave up, lent to the
+    /// next one visited (see `Input::release_buffer`), so a visit allocates none.
+    input_buffer: Vec<u8>,
 }
 
 /// State shared by the threads of one connection.
@@ -500,7 +506,7 @@ impl Connection {
                 }
                 Next::Leave => {
                     self.flush(&mut scratch.batch);
-                    self.stop_reading(input);
+                    self.stop_reading(input, &mut scratch.input_buffer);
                     return Led::Left;
                 }
             };

@@ -21,8 +21,9 @@ use rustix::net::RecvFlags;
 
 use super::check::Verdict;
 use super::more::MoreProbe;
+use super::payload::PayloadTarget;
 use super::reactor::VISIT_REQUESTS_MAX;
-use super::spin::{self, Spin};
+use super::spin::{self, Bursts, Spin};
 use super::{Connection, Job, Next, Scratch};
 use crate::error::{Error, Result};
 use crate::handshake::ReplyStyle;
@@ -53,8 +54,14 @@ pub(super) struct Input {
     pub(super) requests: u64,
     /// The spin before sleeping between requests.
     spin: Spin,
+    /// Requests per wait: the spin is only for a client that waits for each reply.
+    bursts: Bursts,
     /// Whether to look for more requests before sending a batch.
     more: MoreProbe,
+    /// [`Input::receive_more`] found nothing, or did not look because such tries seldom
+    /// find anything: a receive right after the batch goes out would find nothing either
+    /// (see [`Connection::fill_header`]).
+    pub(super) nothing_expected: bool,
     /// Requests read in this visit of an event-loop worker (see `reactor`).
     pub(super) visit_requests: u32,
     /// When the last receive found nothing and the connection was parked.
@@ -75,18 +82,35 @@ impl Input {
             idle_ticks_max,
             requests: 0,
             spin: Spin::new(spin_max),
+            bursts: Bursts::default(),
             more: MoreProbe::default(),
+            nothing_expected: false,
             visit_requests: 0,
             parked_since: None,
         }
     }
 
-    /// Frees the buffer if it holds nothing (a connection about to be parked).
-    pub(super) fn release_buffer(&mut self) {
+    /// Gives the buffer up if it holds nothing (a connection about to be parked): into
+    /// `spare` (the worker's, for the next connection it visits) if that is empty, else it is
+    /// freed. Allocating and zeroing 64 KiB per visit was 3% of the event loop's CPU at
+    /// queue depth 32 (docs/performance.md).
+    pub(super) fn release_buffer(&mut self, spare: &mut Vec<u8>) {
         if self.buffered() == 0 {
-            self.buffer = Vec::new();
+            let buffer = std::mem::take(&mut self.buffer);
+            if spare.is_empty() {
+                *spare = buffer;
+            }
             self.start = 0;
             self.end = 0;
+        }
+    }
+
+    /// Takes `spare` (a worker's buffer from [`Input::release_buffer`]) as the buffer if
+    /// this input has none; its old bytes lie outside the unconsumed range and are never
+    /// read.
+    pub(super) fn lend_buffer(&mut self, spare: &mut Vec<u8>) {
+        if self.buffer.is_empty() && spare.len() == INPUT_BUFFER_BYTES {
+            self.buffer = std::mem::take(spare);
         }
     }
 
@@ -239,10 +263,12 @@ impl Input {
     /// depth 1, where the client waits for the reply, few are tried.
     pub(super) fn receive_more(&mut self) -> bool {
         if !self.more.should_try() {
+            self.nothing_expected = true;
             return false;
         }
         let came = self.try_receive();
         self.more.record(came);
+        self.nothing_expected = !came;
         came
     }
 
@@ -368,9 +394,24 @@ impl Connection {
     fn fill_header(&self, input: &mut Input, size: usize) -> Result<Option<bool>> {
         let on_loop = self.reactor.is_some();
         loop {
-            // Spinning only while nothing is in flight, here or on another connection: the
-            // other threads' requests need the CPU more than this one's next.
-            let may_spin = self.in_flight.load(Ordering::SeqCst) == 0 && !spin::others_busy();
+            // Spinning only while nothing is in flight, here or on another connection (the
+            // other threads' requests need the CPU more than this one's next), and only for
+            // a client that sends one request per reply (see `spin`).
+            if input.buffered() == 0 {
+                input.bursts.waiting();
+            }
+            let may_spin = self.in_flight.load(Ordering::SeqCst) == 0
+                && !spin::others_busy()
+                && input.bursts.lone();
+            // On the loop, right after a batch went out with nothing more expected (see
+            // `Input::receive_more`), the connection is parked without a receive: its socket
+            // is armed level-triggered, so what came meanwhile wakes a worker at once. That
+            // saves the `recv` that would find nothing; a reader that may spin (queue depth
+            // 1) looks on as before.
+            let nothing_expected = std::mem::take(&mut input.nothing_expected);
+            if on_loop && nothing_expected && !may_spin && input.buffered() == 0 {
+                return Ok(None);
+            }
             if on_loop && input.buffered() < size && input.visit_requests >= VISIT_REQUESTS_MAX {
                 return Ok(None);
             }
@@ -423,6 +464,7 @@ impl Connection {
         }
         input.requests += 1;
         input.visit_requests += 1;
+        input.bursts.request();
         let payload_length = self.payload_length(&request);
         if payload_length > u64::from(PAYLOAD_LENGTH_MAX) {
             // The payload cannot be skipped safely: answer, then hang up.
@@ -494,54 +536,12 @@ impl Connection {
     }
 }
 
-/// Where a WRITE payload is received: a buffer of its length whose old contents are
-/// overwritten, or an empty vector whose spare capacity is exactly the payload's length,
-/// filled without being zeroed first (`rustix`'s receive into spare capacity grows the
-/// vector by what it received).
-pub(super) enum PayloadTarget<'a> {
-    Slice { buffer: &'a mut [u8], filled: usize },
-    Spare(&'a mut Vec<u8>),
-}
-
-impl PayloadTarget<'_> {
-    /// Bytes still to be received.
-    fn remaining(&self) -> usize {
-        match self {
-            PayloadTarget::Slice { buffer, filled } => buffer.len() - filled,
-            PayloadTarget::Spare(vector) => vector.capacity() - vector.len(),
-        }
-    }
-
-    /// Appends `bytes` (at most [`PayloadTarget::remaining`]).
-    fn push(&mut self, bytes: &[u8]) {
-        assert!(bytes.len() <= self.remaining(), "payload overflow");
-        match self {
-            PayloadTarget::Slice { buffer, filled } => {
-                buffer[*filled..*filled + bytes.len()].copy_from_slice(bytes);
-                *filled += bytes.len();
-            }
-            PayloadTarget::Spare(vector) => vector.extend_from_slice(bytes),
-        }
-    }
-
-    /// One receive of at most [`PayloadTarget::remaining`] bytes.
-    fn receive(&mut self, stream: &Stream, flags: RecvFlags) -> rustix::io::Result<usize> {
-        match self {
-            PayloadTarget::Slice { buffer, filled } => {
-                let count = receive(stream, &mut buffer[*filled..], flags)?;
-                *filled += count;
-                Ok(count)
-            }
-            PayloadTarget::Spare(vector) => {
-                rustix::net::recv(stream, rustix::buffer::spare_capacity(vector), flags)
-                    .map(|(count, _)| count)
-            }
-        }
-    }
-}
-
 /// One receive into `target`.
-fn receive(stream: &Stream, target: &mut [u8], flags: RecvFlags) -> rustix::io::Result<usize> {
+pub(super) fn receive(
+    stream: &Stream,
+    target: &mut [u8],
+    flags: RecvFlags,
+) -> rustix::io::Result<usize> {
     rustix::net::recv(stream, target, flags).map(|(count, _)| count)
 }
 
@@ -577,3 +577,6 @@ fn is_timeout(error: &io::Error) -> bool {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
     )
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,8 +1,12 @@
 //! A thread's payload buffer: READ data and WRITE payloads, reused between requests up to
-//! [`RETAINED_BUFFER_BYTES`], larger ones allocated per request.
+//! [`RETAINED_BUFFER_BYTES`], larger ones allocated per request; and where a WRITE payload
+//! is received ([`PayloadTarget`]).
 
-use super::input::PayloadTarget;
+use rustix::net::RecvFlags;
+
+use super::input::receive;
 use super::RETAINED_BUFFER_BYTES;
+use crate::stream::Stream;
 
 /// A thread's payload buffer for READ data and WRITE payloads, reused between requests.
 #[derive(Default)]
@@ -62,5 +66,55 @@ impl Payload {
     /// Frees a large buffer once its request is answered.
     pub(super) fn shrink(&mut self) {
         self.large = Vec::new();
+    }
+}
+
+/// Where a WRITE payload is received: a buffer of its length whose old contents are
+/// overwritten, or an empty vector whose spare capacity is exactly the payload's length,
+/// filled without being zeroed first (`rustix`'s receive into spare capacity grows the
+/// vector by what it received).
+pub(super) enum PayloadTarget<'a> {
+    Slice { buffer: &'a mut [u8], filled: usize },
+    Spare(&'a mut Vec<u8>),
+}
+
+impl PayloadTarget<'_> {
+    /// Bytes still to be received.
+    pub(super) fn remaining(&self) -> usize {
+        match self {
+            PayloadTarget::Slice { buffer, filled } => buffer.len() - filled,
+            PayloadTarget::Spare(vector) => vector.capacity() - vector.len(),
+        }
+    }
+
+    /// Appends `bytes` (at most [`PayloadTarget::remaining`]).
+    pub(super) fn push(&mut self, bytes: &[u8]) {
+        assert!(bytes.len() <= self.remaining(), "payload overflow");
+        match self {
+            PayloadTarget::Slice { buffer, filled } => {
+                buffer[*filled..*filled + bytes.len()].copy_from_slice(bytes);
+                *filled += bytes.len();
+            }
+            PayloadTarget::Spare(vector) => vector.extend_from_slice(bytes),
+        }
+    }
+
+    /// One receive of at most [`PayloadTarget::remaining`] bytes.
+    pub(super) fn receive(
+        &mut self,
+        stream: &Stream,
+        flags: RecvFlags,
+    ) -> rustix::io::Result<usize> {
+        match self {
+            PayloadTarget::Slice { buffer, filled } => {
+                let count = receive(stream, &mut buffer[*filled..], flags)?;
+                *filled += count;
+                Ok(count)
+            }
+            PayloadTarget::Spare(vector) => {
+                rustix::net::recv(stream, rustix::buffer::spare_capacity(vector), flags)
+                    .map(|(count, _)| count)
+            }
+        }
     }
 }

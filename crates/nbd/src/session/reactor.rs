@@ -4,15 +4,18 @@
 //! A connection with nothing to read is *parked*: its socket is armed in one `epoll`
 //! (one-shot, level-triggered, so bytes that came before the arming still wake it) and the
 //! connection is kept in the reactor's table by its key; no thread waits for it and its
-//! input buffer is freed. A worker (`loop_threads` of them, by default one per CPU) waits in
-//! `epoll_wait` for one ready connection at a time, takes it out of the table and *visits*
-//! it: it runs the session's reading loop (`Connection::lead`: the same reading, checks,
-//! budgets, batching and replies as a connection thread) until no whole request is buffered
-//! and a non-blocking receive finds nothing, or it has read [`VISIT_REQUESTS_MAX`] requests
-//! (then the connection goes to the back of the kernel's ready list), and parks it again. A
-//! slow request (FLUSH, FUA, TRIM, large payloads) parks the connection before the worker
-//! serves it, so another worker reads on; a READ stuck in the export is reported by the
-//! session's watchdog, which parks its connection the same way.
+//! empty input buffer goes to the worker that parked it, which lends it to the next
+//! connection it visits (a parked connection holds none, a worker at most one). A worker
+//! (`loop_threads` of them, by default one per CPU) waits in `epoll_wait` for one ready
+//! connection at a time, takes it out of the table and *visits* it: it runs the session's
+//! reading loop (`Connection::lead`: the same reading, checks, budgets, batching and replies
+//! as a connection thread) until no whole request is buffered and a non-blocking receive
+//! finds nothing (or, right after the batch went out, none is expected to: the arming
+//! finds what came), or it has read [`VISIT_REQUESTS_MAX`] requests (then the connection
+//! goes to the back of the kernel's ready list), and parks it again. A slow request (FLUSH,
+//! FUA, TRIM, large payloads) parks the connection before the worker serves it, so another
+//! worker reads on; a READ stuck in the export is reported by the session's watchdog, which
+//! parks its connection the same way.
 //!
 //! What may block a worker is what blocks a connection thread today: an export call, a
 //! reply write to a client that does not read (up to `write_timeout`), the rest of a WRITE

@@ -43,10 +43,15 @@ impl Connection {
     }
 
     /// A thread with nothing to read leaves the input: on the loop the worker parks the
-    /// connection (its empty buffer freed); otherwise a standby may take over.
-    pub(super) fn stop_reading(self: &Arc<Self>, mut input: MutexGuard<'_, Input>) {
+    /// connection (its empty buffer given to the worker's `spare`); otherwise a standby may
+    /// take over.
+    pub(super) fn stop_reading(
+        self: &Arc<Self>,
+        mut input: MutexGuard<'_, Input>,
+        spare: &mut Vec<u8>,
+    ) {
         if self.reactor.is_some() {
-            input.release_buffer();
+            input.release_buffer(spare);
             drop(input);
             self.threads.fetch_sub(1, Ordering::SeqCst);
             self.park(false);
@@ -74,7 +79,10 @@ impl Connection {
     fn visit_in_span(self: Arc<Self>, scratch: &mut Scratch, expired: bool) {
         self.threads.fetch_add(1, Ordering::SeqCst);
         let mut input = self.lock_input();
+        input.lend_buffer(&mut scratch.input_buffer);
         input.visit_requests = 0;
+        // The socket was found readable (or the visit is for requests buffered already).
+        input.nothing_expected = false;
         if expired
             && input.buffered() == 0
             && self.in_flight.load(Ordering::SeqCst) == 0
