@@ -7,120 +7,30 @@
 //! that reads.
 
 mod common;
+mod wire;
 
-use std::io::{IoSlice, Read};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{Client, Op};
 use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
-use rustix::net::{
-    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
-};
 use thin_pool::testing::memory_pool;
 use thinpool_frontend::VolumeTarget;
 use thinpool_vhost::VhostBlkServer;
-
-const GET_FEATURES: u32 = 1;
-const SET_OWNER: u32 = 3;
-const GET_PROTOCOL_FEATURES: u32 = 15;
-const SET_PROTOCOL_FEATURES: u32 = 16;
-const GET_INFLIGHT_FD: u32 = 31;
-const SET_INFLIGHT_FD: u32 = 32;
-const VERSION: u32 = 1;
-const REPLY: u32 = 1 << 2;
-const NEED_REPLY: u32 = 1 << 3;
-const PF_REPLY_ACK: u64 = 1 << 3;
-const PF_INFLIGHT_SHMFD: u64 = 1 << 12;
+use wire::*;
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
 
-struct Front {
-    sock: UnixStream,
-}
-
-impl Front {
-    fn connect(path: &Path) -> Front {
-        let front = Front {
-            sock: UnixStream::connect(path).expect("connect"),
-        };
-        front.send(SET_OWNER, 0, &[], None);
-        front
-    }
-
-    /// Connects and negotiates REPLY_ACK and INFLIGHT_SHMFD.
-    fn negotiated(path: &Path) -> Front {
-        let mut front = Front::connect(path);
-        front.send(GET_PROTOCOL_FEATURES, 0, &[], None);
-        let offered = u64::from_le_bytes(front.reply(GET_PROTOCOL_FEATURES).0.try_into().unwrap());
-        assert_ne!(offered & PF_INFLIGHT_SHMFD, 0, "INFLIGHT_SHMFD offered");
-        let acked = PF_REPLY_ACK | PF_INFLIGHT_SHMFD;
-        front.send(SET_PROTOCOL_FEATURES, 0, &acked.to_le_bytes(), None);
-        front
-    }
-
-    fn send(&self, request: u32, flags: u32, payload: &[u8], fd: Option<&std::fs::File>) {
-        let mut bytes = Vec::new();
-        for word in [request, VERSION | flags, payload.len() as u32] {
-            bytes.extend_from_slice(&word.to_le_bytes());
-        }
-        bytes.extend_from_slice(payload);
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        let fds = fd.map(|f| [f.as_fd()]);
-        if let Some(fds) = &fds {
-            assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
-        }
-        let sent = sendmsg(
-            &self.sock,
-            &[IoSlice::new(&bytes)],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        )
-        .expect("sendmsg");
-        assert_eq!(sent, bytes.len());
-    }
-
-    /// The reply to `request`: its payload and the fds that came with it.
-    fn reply(&mut self, request: u32) -> (Vec<u8>, Vec<OwnedFd>) {
-        let mut header = [0u8; 12];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let got = recvmsg(
-            &self.sock,
-            &mut [std::io::IoSliceMut::new(&mut header)],
-            &mut control,
-            RecvFlags::WAITALL,
-        )
-        .expect("reply header");
-        assert_eq!(got.bytes, 12, "a whole header");
-        let mut fds = Vec::new();
-        for message in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(received) = message {
-                fds.extend(received);
-            }
-        }
-        let word = |i: usize| u32::from_le_bytes(header[i..i + 4].try_into().unwrap());
-        assert_eq!(word(0), request, "reply to the request sent");
-        assert_eq!(word(4) & REPLY, REPLY, "a reply");
-        let mut payload = vec![0; word(8) as usize];
-        self.sock.read_exact(&mut payload).expect("reply payload");
-        (payload, fds)
-    }
-
-    /// The backend ended the connection: nothing but the end of the stream comes.
-    fn refused(mut self, what: &str) {
-        let mut byte = [0u8; 1];
-        match self.sock.read(&mut byte) {
-            Ok(0) | Err(_) => {}
-            Ok(_) => panic!("{what}: the backend answered instead of ending the connection"),
-        }
-    }
+/// Connects and negotiates REPLY_ACK and INFLIGHT_SHMFD.
+fn negotiated(path: &Path) -> Front {
+    let mut front = Front::connect(path);
+    front.send(GET_PROTOCOL_FEATURES, 0, &[], None);
+    let offered = front.reply_u64(GET_PROTOCOL_FEATURES);
+    assert_ne!(offered & PF_INFLIGHT_SHMFD, 0, "INFLIGHT_SHMFD offered");
+    let acked = PF_REPLY_ACK | PF_INFLIGHT_SHMFD;
+    front.send(SET_PROTOCOL_FEATURES, 0, &acked.to_le_bytes(), None);
+    front
 }
 
 fn description(mmap_size: u64, mmap_offset: u64, num_queues: u16, queue_size: u16) -> Vec<u8> {
@@ -154,19 +64,19 @@ fn malformed_inflight_messages_end_the_connection_and_the_next_front_end_is_serv
     front.send(GET_INFLIGHT_FD, 0, &description(0, 0, 1, 128), None);
     front.refused("GET_INFLIGHT_FD without INFLIGHT_SHMFD negotiated");
 
-    let front = Front::negotiated(&path);
+    let front = negotiated(&path);
     front.send(GET_INFLIGHT_FD, 0, &description(0, 0, 1, 128)[..16], None);
     front.refused("a 16-byte inflight description");
 
-    let front = Front::negotiated(&path);
+    let front = negotiated(&path);
     front.send(GET_INFLIGHT_FD, 0, &description(0, 0, 2, 128), None);
     front.refused("two queues of a one-queue device");
 
-    let front = Front::negotiated(&path);
+    let front = negotiated(&path);
     front.send(GET_INFLIGHT_FD, 0, &description(0, 0, 1, 2048), None);
     front.refused("queues of 2048, past the ring's 1024");
 
-    let front = Front::negotiated(&path);
+    let front = negotiated(&path);
     front.send(
         SET_INFLIGHT_FD,
         NEED_REPLY,
@@ -177,13 +87,13 @@ fn malformed_inflight_messages_end_the_connection_and_the_next_front_end_is_serv
 
     let unsealed = std::fs::File::from(memfd_create("unsealed", MemfdFlags::CLOEXEC).unwrap());
     ftruncate(&unsealed, 1 << 16).unwrap();
-    let front = Front::negotiated(&path);
+    let front = negotiated(&path);
     let bad = description(4112, 0, 1, 256);
     front.send(SET_INFLIGHT_FD, NEED_REPLY, &bad, Some(&unsealed));
     front.refused("a region that could shrink under the mapping");
 
     // A region made by the backend, handed back claiming more queue than it has.
-    let mut front = Front::negotiated(&path);
+    let mut front = negotiated(&path);
     front.send(GET_INFLIGHT_FD, 0, &description(0, 0, 1, 128), None);
     let (answer, mut fds) = front.reply(GET_INFLIGHT_FD);
     assert_eq!(
@@ -202,7 +112,7 @@ fn malformed_inflight_messages_end_the_connection_and_the_next_front_end_is_serv
     front.refused("a region too small for its queue size");
 
     // Well-formed: acked, and the connection goes on.
-    let mut front = Front::negotiated(&path);
+    let mut front = negotiated(&path);
     front.send(SET_INFLIGHT_FD, NEED_REPLY, &answer, Some(&region));
     let (ack, _) = front.reply(SET_INFLIGHT_FD);
     assert_eq!(ack, 0u64.to_le_bytes(), "SET_INFLIGHT_FD acked");

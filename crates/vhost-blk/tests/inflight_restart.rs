@@ -25,6 +25,8 @@
 //!
 //! `harness = false` (Cargo.toml): `main` runs both scenarios, or the child.
 
+mod guest;
+
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
@@ -35,13 +37,14 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
 use thinpool_frontend::{Extent, FileTarget, Geometry, Target, TargetError, ZeroMode};
 use thinpool_vhost::{ServerOptions, VhostBlkServer};
 use vhost::vhost_user::message::{VhostUserHeaderFlag, VhostUserInflight};
 use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserProtocolFeatures};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::VhostBackend;
 use vmm_sys_util::eventfd::EventFd;
+
+use guest::*;
 
 const CHILD_SOCKET: &str = "INFLIGHT_TEST_SOCKET";
 const CHILD_DISK: &str = "INFLIGHT_TEST_DISK";
@@ -52,9 +55,6 @@ const DISK_BYTES: u64 = 4 * MIB;
 const QUEUE: u16 = 256;
 /// Guest-physical layout, in one 8 MiB memfd.
 const GUEST_BYTES: u64 = 8 * MIB;
-const DESC: u64 = 0;
-const AVAIL: u64 = 0x1000;
-const USED: u64 = 0x2000;
 const HEADERS: u64 = 0x1_0000;
 const STATUS: u64 = 0x2_0000;
 const DATA: u64 = MIB;
@@ -62,13 +62,8 @@ const DATA: u64 = MIB;
 const WRITE_BYTES: u64 = 16 << 10;
 /// Requests the ring holds at once (3 descriptors each).
 const SLOTS: u16 = QUEUE / 3;
-const UVA: u64 = 0x7f00_0000_0000;
 const FILL: u8 = 0xee;
-const VIRTIO_F_VERSION_1: u64 = 1 << 32;
-const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 const T_OUT: u32 = 1;
-const NEXT: u16 = 1;
-const WRITE: u16 = 2;
 /// A bound for waits that should end at once, so a broken backend fails instead of hanging.
 const PATIENCE: Duration = Duration::from_secs(60);
 
@@ -203,26 +198,6 @@ impl Drop for Backend {
     }
 }
 
-fn memfd(name: &str, bytes: u64) -> File {
-    let fd = memfd_create(name, MemfdFlags::CLOEXEC).unwrap();
-    ftruncate(&fd, bytes).unwrap();
-    File::from(fd)
-}
-
-fn put(file: &File, at: u64, bytes: &[u8]) {
-    file.write_all_at(bytes, at).unwrap();
-}
-
-fn get(file: &File, at: u64, len: usize) -> Vec<u8> {
-    let mut bytes = vec![0u8; len];
-    file.read_exact_at(&mut bytes, at).unwrap();
-    bytes
-}
-
-fn u16_at(file: &File, at: u64) -> u16 {
-    u16::from_le_bytes(get(file, at, 2).try_into().unwrap())
-}
-
 /// The bytes write `n` puts on the disk.
 fn payload(n: u16) -> Vec<u8> {
     (0..WRITE_BYTES)
@@ -253,29 +228,7 @@ fn post_write(guest: &File, n: u16) {
         (data_at, WRITE_BYTES as u32, NEXT),
         (STATUS + u64::from(slot), 1, WRITE),
     ];
-    for (i, (addr, len, flags)) in descs.into_iter().enumerate() {
-        let index = head + i as u16;
-        let mut d = [0u8; 16];
-        d[..8].copy_from_slice(&addr.to_le_bytes());
-        d[8..12].copy_from_slice(&len.to_le_bytes());
-        d[12..14].copy_from_slice(&flags.to_le_bytes());
-        d[14..16].copy_from_slice(&(index + 1).to_le_bytes());
-        put(guest, DESC + u64::from(index) * 16, &d);
-    }
-    put(
-        guest,
-        AVAIL + 4 + u64::from(n % QUEUE) * 2,
-        &head.to_le_bytes(),
-    );
-}
-
-fn publish(guest: &File, kick: &EventFd, avail_idx: u16) {
-    put(guest, AVAIL + 2, &avail_idx.to_le_bytes());
-    kick.write(1).unwrap();
-}
-
-fn used_idx(guest: &File) -> u16 {
-    u16_at(guest, USED + 2)
+    post_chain(guest, QUEUE, n, head, &descs);
 }
 
 fn wait_used(guest: &File, at_least: u16) -> u16 {
@@ -293,10 +246,7 @@ fn wait_used(guest: &File, at_least: u16) -> u16 {
 
 /// The head of used ring entry `n`, after checking its length (the status byte only).
 fn used_head(guest: &File, n: u16) -> u16 {
-    let at = USED + 4 + u64::from(n % QUEUE) * 8;
-    let bytes = get(guest, at, 8);
-    let id = u32::from_le_bytes(bytes[..4].try_into().unwrap());
-    let len = u32::from_le_bytes(bytes[4..].try_into().unwrap());
+    let (id, len) = used_entry(guest, QUEUE, n);
     assert_eq!(
         len, 1,
         "used entry {n} (head {id}): a write writes its status only"
@@ -328,12 +278,7 @@ impl Guest {
     /// (every time) sets it before the ring, with base `base`, and kicks.
     fn connect(&mut self, socket: &Path, base: u16) -> Frontend {
         let mut frontend = Frontend::connect(socket, 1).expect("connect");
-        frontend.set_owner().unwrap();
-        let features = frontend.get_features().unwrap();
-        assert!(features & F_PROTOCOL_FEATURES != 0);
-        frontend
-            .set_features(VIRTIO_F_VERSION_1 | F_PROTOCOL_FEATURES)
-            .unwrap();
+        negotiate_features(&mut frontend);
         let offered = frontend.get_protocol_features().unwrap();
         assert!(
             offered.contains(VhostUserProtocolFeatures::INFLIGHT_SHMFD),
@@ -353,29 +298,10 @@ impl Guest {
         frontend
             .set_inflight_fd(description, file.as_raw_fd())
             .expect("SET_INFLIGHT_FD");
-        let region = VhostUserMemoryRegionInfo {
-            guest_phys_addr: 0,
-            memory_size: GUEST_BYTES,
-            userspace_addr: UVA,
-            mmap_offset: 0,
-            mmap_handle: self.memory.as_raw_fd(),
-        };
-        frontend.set_mem_table(&[region]).unwrap();
-        frontend.set_vring_num(0, QUEUE).unwrap();
-        let config = VringConfigData {
-            queue_max_size: QUEUE,
-            queue_size: QUEUE,
-            flags: 0,
-            desc_table_addr: UVA + DESC,
-            used_ring_addr: UVA + USED,
-            avail_ring_addr: UVA + AVAIL,
-            log_addr: None,
-        };
-        frontend.set_vring_addr(0, &config).unwrap();
-        frontend.set_vring_base(0, base).unwrap();
-        frontend.set_vring_call(0, &self.call).unwrap();
-        frontend.set_vring_kick(0, &self.kick).unwrap();
-        frontend.set_vring_enable(0, true).unwrap();
+        frontend
+            .set_mem_table(&[region(&self.memory, 0, GUEST_BYTES)])
+            .unwrap();
+        start_queue(&mut frontend, QUEUE, base, &self.call, &self.kick);
         // qemu kicks every queue once it started them, for what is already in the ring.
         self.kick.write(1).unwrap();
         frontend

@@ -12,76 +12,42 @@
 //! kicks still has its requests served (the backend looks at its rings after each change).
 
 mod common;
+mod guest;
 
 use std::fs::File;
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{Client, Op};
-use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
+use guest::*;
 use thin_pool::testing::memory_pool;
 use thinpool_frontend::VolumeTarget;
 use thinpool_vhost::VhostBlkServer;
 use vhost::vhost_user::message::VhostUserHeaderFlag;
 use vhost::vhost_user::{Frontend, VhostUserFrontend, VhostUserProtocolFeatures};
-use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
+use vhost::VhostBackend;
 use vmm_sys_util::eventfd::EventFd;
 
 const MIB: u64 = 1 << 20;
 const QUEUE: u16 = 16;
-/// Guest-physical layout of the first table: [0, 4 MiB) of memfd A.
-const DESC: u64 = 0;
-const AVAIL: u64 = 0x1000;
-const USED: u64 = 0x2000;
+/// Guest-physical layout of the first table: [0, 4 MiB) of memfd A (the rings where `guest`
+/// puts them).
 const HEADERS: u64 = 0x1_0000;
 const STATUS: u64 = 0x2_0000;
 const LOW_DATA: u64 = 0x4_0000;
 const HIGH_DATA: u64 = 2 * MIB;
-/// The front end's (made-up) virtual address of guest-physical 0.
-const UVA: u64 = 0x7f00_0000_0000;
 const FILL: u8 = 0xee;
-const VIRTIO_F_VERSION_1: u64 = 1 << 32;
-const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 const T_IN: u32 = 0;
-const NEXT: u16 = 1;
-const WRITE: u16 = 2;
 
 static PANICS: AtomicUsize = AtomicUsize::new(0);
 
-fn memfd(name: &str, bytes: u64) -> File {
-    let fd = memfd_create(name, MemfdFlags::CLOEXEC).unwrap();
-    ftruncate(&fd, bytes).unwrap();
-    let file = File::from(fd);
-    file.write_all_at(&vec![FILL; bytes as usize], 0).unwrap();
+/// Guest memory filled with `FILL`, so that a byte the backend wrote shows.
+fn filled_memfd(name: &str, bytes: u64) -> File {
+    let file = memfd(name, bytes);
+    put(&file, 0, &vec![FILL; bytes as usize]);
     file
-}
-
-fn region(file: &File, guest: u64, size: u64) -> VhostUserMemoryRegionInfo {
-    VhostUserMemoryRegionInfo {
-        guest_phys_addr: guest,
-        memory_size: size,
-        userspace_addr: UVA + guest,
-        mmap_offset: 0,
-        mmap_handle: file.as_raw_fd(),
-    }
-}
-
-fn put(file: &File, at: u64, bytes: &[u8]) {
-    file.write_all_at(bytes, at).unwrap();
-}
-
-fn get(file: &File, at: u64, len: usize) -> Vec<u8> {
-    let mut bytes = vec![0u8; len];
-    file.read_exact_at(&mut bytes, at).unwrap();
-    bytes
-}
-
-fn u16_at(file: &File, at: u64) -> u16 {
-    u16::from_le_bytes(get(file, at, 2).try_into().unwrap())
 }
 
 /// Writes read request `n` (head descriptor 3 × (n mod 5), five fit in the table: header, 4 KiB of data at `data`, status) of
@@ -98,43 +64,16 @@ fn post_read(file: &File, n: u16, sector: u64, data: u64) {
         (data, 4096, WRITE | NEXT),
         (STATUS + u64::from(n), 1, WRITE),
     ];
-    for (i, (addr, len, flags)) in descs.into_iter().enumerate() {
-        let index = head + i as u16;
-        let mut d = [0u8; 16];
-        d[..8].copy_from_slice(&addr.to_le_bytes());
-        d[8..12].copy_from_slice(&len.to_le_bytes());
-        d[12..14].copy_from_slice(&flags.to_le_bytes());
-        d[14..16].copy_from_slice(&(index + 1).to_le_bytes());
-        put(file, DESC + u64::from(index) * 16, &d);
-    }
-    put(
-        file,
-        AVAIL + 4 + u64::from(n % QUEUE) * 2,
-        &head.to_le_bytes(),
-    );
+    post_chain(file, QUEUE, n, head, &descs);
 }
 
-fn publish(file: &File, kick: &EventFd, avail_idx: u16) {
-    put(file, AVAIL + 2, &avail_idx.to_le_bytes());
-    kick.write(1).unwrap();
-}
-
-/// Waits until the used ring's index reaches `idx`; then (id, len) of entry `n`.
+/// Waits until the used ring's index reaches `idx`.
 fn wait_used(file: &File, idx: u16) {
     let deadline = Instant::now() + Duration::from_secs(30);
-    while u16_at(file, USED + 2) != idx {
+    while used_idx(file) != idx {
         assert!(Instant::now() < deadline, "used index never reached {idx}");
         std::thread::sleep(Duration::from_millis(1));
     }
-}
-
-fn used_entry(file: &File, n: u16) -> (u32, u32) {
-    let at = USED + 4 + u64::from(n % QUEUE) * 8;
-    let bytes = get(file, at, 8);
-    (
-        u32::from_le_bytes(bytes[..4].try_into().unwrap()),
-        u32::from_le_bytes(bytes[4..].try_into().unwrap()),
-    )
 }
 
 /// The stamp the volume holds in the 4 KiB at `sector`.
@@ -145,7 +84,7 @@ fn stamp(sector: u64) -> Vec<u8> {
 /// Checks request `n` (read of `sector` into `data`): served whole, or dropped untouched.
 /// Returns whether it was served.
 fn served_or_dropped(file: &File, n: u16, sector: u64, data: u64) -> bool {
-    let (id, len) = used_entry(file, n);
+    let (id, len) = used_entry(file, QUEUE, n);
     assert_eq!(id, u32::from((n % 5) * 3), "entry {n}");
     let status = get(file, STATUS + u64::from(n), 1)[0];
     let bytes = get(file, data, 4096);
@@ -194,33 +133,14 @@ fn connect(path: &PathBuf, a: &File) -> Rig {
 /// `NEED_REPLY`) until the test asks.
 fn connect_with(path: &PathBuf, a: &File, size: u64) -> Rig {
     let mut frontend = Frontend::connect(path, 1).unwrap();
-    frontend.set_owner().unwrap();
-    let features = frontend.get_features().unwrap();
-    assert!(features & F_PROTOCOL_FEATURES != 0);
-    frontend
-        .set_features(VIRTIO_F_VERSION_1 | F_PROTOCOL_FEATURES)
-        .unwrap();
+    negotiate_features(&mut frontend);
     let offered = frontend.get_protocol_features().unwrap();
     let wanted = VhostUserProtocolFeatures::REPLY_ACK | VhostUserProtocolFeatures::CONFIG;
     assert!(offered.contains(wanted));
     frontend.set_protocol_features(wanted).unwrap();
     frontend.set_mem_table(&[region(a, 0, size)]).unwrap();
     let (kick, call) = (EventFd::new(0).unwrap(), EventFd::new(0).unwrap());
-    frontend.set_vring_num(0, QUEUE).unwrap();
-    let config = VringConfigData {
-        queue_max_size: QUEUE,
-        queue_size: QUEUE,
-        flags: 0,
-        desc_table_addr: UVA + DESC,
-        used_ring_addr: UVA + USED,
-        avail_ring_addr: UVA + AVAIL,
-        log_addr: None,
-    };
-    frontend.set_vring_addr(0, &config).unwrap();
-    frontend.set_vring_base(0, 0).unwrap();
-    frontend.set_vring_call(0, &call).unwrap();
-    frontend.set_vring_kick(0, &kick).unwrap();
-    frontend.set_vring_enable(0, true).unwrap();
+    start_queue(&mut frontend, QUEUE, 0, &call, &kick);
     Rig {
         frontend,
         kick,
@@ -251,7 +171,7 @@ fn a_memory_table_that_changes_under_io_gets_drops_never_stray_accesses() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sock");
     let server = VhostBlkServer::start(Arc::new(VolumeTarget::new(volume)), &path, 1).unwrap();
-    let a = memfd("guest-a", 4 * MIB);
+    let a = filled_memfd("guest-a", 4 * MIB);
     put(&a, AVAIL, &[0; 4]);
     put(&a, USED, &[0; 4]);
     let rig = connect(&path, &a);
@@ -283,7 +203,7 @@ fn a_memory_table_that_changes_under_io_gets_drops_never_stray_accesses() {
 
     // Guest memory moves to memfd B (a copy of A's first MiB, as a migration would make):
     // the next request is served in B, and A is never touched again.
-    let b = memfd("guest-b", MIB);
+    let b = filled_memfd("guest-b", MIB);
     put(&b, 0, &get(&a, 0, MIB as usize));
     let a_before = get(&a, 0, 4 * MIB as usize);
     rig.frontend.set_mem_table(&[region(&b, 0, MIB)]).unwrap();
@@ -366,12 +286,12 @@ fn a_read_posted_in_new_memory_before_the_table_change_is_done_is_served() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("sock");
     let server = VhostBlkServer::start(Arc::new(VolumeTarget::new(volume)), &path, 1).unwrap();
-    let mut memory = memfd("guest-0", MIB);
+    let mut memory = filled_memfd("guest-0", MIB);
     put(&memory, AVAIL, &[0; 4]);
     put(&memory, USED, &[0; 4]);
     let rig = connect_with(&path, &memory, MIB);
     for n in 0..64u16 {
-        let next = memfd("guest-next", MIB);
+        let next = filled_memfd("guest-next", MIB);
         put(&next, 0, &get(&memory, 0, MIB as usize));
         rig.frontend
             .set_mem_table(&[region(&next, 0, MIB)])
