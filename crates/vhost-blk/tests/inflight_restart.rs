@@ -30,7 +30,6 @@ mod guest;
 use std::fs::File;
 use std::io::{BufRead, BufReader};
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc::{channel, Receiver};

@@ -10,7 +10,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 
 use rustix::fs::{ftruncate, memfd_create, MemfdFlags};
-use vhost::vhost_user::Frontend;
+use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::EventFd;
 
