@@ -456,11 +456,30 @@ fn socket_answers(contract: &Contract, socket: &Path) {
         let value: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"));
         contract.validate("socket_answer", &value, request);
     }
-    // A trim asked with progress: progress lines, the last with all blocks done, then the
-    // answer.
-    writer
-        .write_all(b"{\"op\":\"trim\",\"progress\":true}\n")
-        .unwrap();
+    // A trim and a diff asked with progress: progress lines, the last with all blocks done,
+    // then the answer.
+    let answer = with_progress(
+        contract,
+        (&mut writer, &mut reader),
+        r#"{"op":"trim","progress":true}"#,
+    );
+    assert!(answer["trimmed_bytes"].is_u64(), "{answer}");
+    let answer = with_progress(
+        contract,
+        (&mut writer, &mut reader),
+        r#"{"op":"diff","base":"a-ro","target":"a","progress":true}"#,
+    );
+    assert!(answer["diff"]["ranges"].is_array(), "{answer}");
+}
+
+/// Sends `request` (one that asks for progress lines) and reads its progress lines and its
+/// answer, each checked against the schema; the answer.
+fn with_progress(
+    contract: &Contract,
+    (writer, reader): (&mut UnixStream, &mut BufReader<UnixStream>),
+    request: &str,
+) -> Value {
+    writer.write_all(format!("{request}\n").as_bytes()).unwrap();
     let mut frames = Vec::new();
     let answer = loop {
         let mut line = String::new();
@@ -469,17 +488,18 @@ fn socket_answers(contract: &Contract, socket: &Path) {
         if value.get("ok").is_some() {
             break value;
         }
-        contract.validate("socket_progress", &value, "trim with progress");
+        contract.validate("socket_progress", &value, request);
         frames.push(value["progress"].clone());
     };
-    contract.validate("socket_answer", &answer, "trim with progress");
-    assert!(answer["trimmed_bytes"].is_u64(), "{answer}");
+    contract.validate("socket_answer", &answer, request);
+    assert_eq!(answer["ok"], true, "{request}: {answer}");
     let last = frames.last().expect("no progress line before the answer");
     assert_eq!(last["done_blocks"], last["total_blocks"], "{frames:?}");
     assert!(
         frames.windows(2).all(|w| w[0] != w[1]),
         "a frame repeated: {frames:?}"
     );
+    answer
 }
 
 /// `check` (clean, and on damaged metadata), `metadata-size` and `import`, on the offline

@@ -122,10 +122,14 @@ fn offline_commands_draw_progress_only_when_asked_and_stdout_is_unchanged() {
     let again = thinpool(&["dump", restored_arg]);
     assert_eq!(again.stdout, xml, "the restored metadata dumps otherwise");
 
-    // diff --json: parseable with the bar beside it.
+    // diff --json: parseable with the bar beside it, which counts the virtual blocks.
     let json = with_and_without(&["diff", "snap", "vm", "--json", "--pool", pool], "diff");
     let diff: serde_json::Value = serde_json::from_slice(&json).expect("diff --json");
     assert_eq!(diff["ranges"].as_array().map(Vec::len), Some(1), "{diff}");
+    assert_progress(
+        &thinpool(&["--progress", "diff", "snap", "vm", "--pool", pool]),
+        "/1024 blocks",
+    );
 
     // trim --json.
     for json in runs(&["trim", "--json", "--pool", pool], "trim") {
@@ -182,10 +186,10 @@ fn offline_commands_draw_progress_only_when_asked_and_stdout_is_unchanged() {
     assert_no_progress(&received);
 }
 
-/// A served trim draws the blocks its server counts (progress lines on the control
-/// connection); a served diff a spinner (the diff walk counts nothing).
+/// A served trim and a served diff draw the blocks their server counts (progress lines on
+/// the control connection).
 #[test]
-fn a_served_pool_shows_the_servers_counts_or_a_spinner() {
+fn a_served_pool_shows_the_servers_counts() {
     let scratch = ScratchDir::new("progress-served");
     let dir = scratch.join("pool");
     pool_with_data(&dir);
@@ -203,6 +207,11 @@ fn a_served_pool_shows_the_servers_counts_or_a_spinner() {
     let json = with_and_without(&["diff", "snap", "vm", "--json", "--pool", pool], "diff");
     let diff: serde_json::Value = serde_json::from_slice(&json).expect("diff --json");
     assert_eq!(diff["ranges"].as_array().map(Vec::len), Some(1), "{diff}");
+    // The virtual blocks compared (1024 of 64 KiB), not the spinner.
+    assert_progress(
+        &thinpool(&["--progress", "diff", "snap", "vm", "--pool", pool]),
+        "/1024 blocks",
+    );
     let sent = Command::new(THINPOOL)
         .args(["--progress", "send", "snap", "--pool", pool])
         .stdout(Stdio::null())

@@ -15,17 +15,21 @@
 //! whole metadata first (its cost would dwarf the diff's), no commit at the end. Damaged
 //! metadata still gives an error, never a wrong answer or a hang (the walk checks every node
 //! it reads). A served pool answers through its control socket. Progress
-//! (`crate::progress`): a spinner with the time taken (the walk's cost follows the
-//! difference, which is not known before it ends).
+//! (`crate::progress`): the virtual blocks compared, counted by the pool offline, or by the
+//! server in progress lines it sends before its answer when the bar is drawn
+//! (`{"op":"diff",...,"progress":true}`, the daemon's `control/progress.rs`); `--format xml`
+//! (the full report) has a spinner with the time taken.
 
 use anyhow::Context;
 use std::io::Write;
 use std::process::ExitCode;
 
 use crate::control::diff::DiffRecord;
+use crate::control::progress::ProgressRecord;
 use crate::control::{self, OpError, Outcome, Request, Target};
 use crate::pool_dir::{format_size, table, PoolArg, PoolDir, StoredOptions};
-use crate::progress::Bar;
+use crate::progress::{Bar, Unit};
+use thin_pool::progress::Progress;
 use thin_pool::Pool;
 
 /// Output forms.
@@ -78,13 +82,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         anyhow::bail!("--verbose goes with --format xml");
     }
     let dir = args.pool.resolve();
+    let list_same = format == Format::Xml;
+    let bar = Bar::spinner("diff", "comparing the volumes");
     let request = Request::Diff {
         base: args.base.clone(),
         target: args.target.clone(),
-        list_same: format == Format::Xml,
+        list_same,
+        progress: bar.is_shown() && !list_same,
     };
-    let bar = Bar::spinner("diff", "comparing the volumes");
-    let answer = ask_read_only(&dir, &request);
+    let answer = counted(&dir, &request, &bar, list_same);
     bar.finish();
     let record = match answer.with_context(|| {
         format!(
@@ -118,9 +124,49 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// [`ask_read_only`] of a diff, its virtual blocks compared counted on `bar` (offline by the
+/// pool, served from the server's progress lines), but for `list_same`'s full report,
+/// which keeps the spinner.
+fn counted(
+    dir: &PoolDir,
+    request: &Request,
+    bar: &Bar,
+    list_same: bool,
+) -> anyhow::Result<Outcome> {
+    if list_same {
+        return ask_read_only(dir, request);
+    }
+    let progress = Progress::new();
+    let counting = std::sync::Once::new();
+    bar.follow(&progress, || {
+        let offline = |target: &Target| {
+            counting.call_once(|| bar.count(Unit::Blocks, true));
+            target.diff(request, &progress)
+        };
+        let served = |frame: ProgressRecord| {
+            if frame.done_blocks <= frame.total_blocks {
+                counting.call_once(|| bar.count(Unit::Blocks, true));
+                progress.set(frame.done_blocks, frame.total_blocks);
+            }
+        };
+        ask_read_only_reporting(dir, request, &offline, &served)
+    })
+}
+
 /// Carries out `request` (one that changes nothing) on a read-only open of the pool, or
 /// through its server (also `list --names`, which shell completion runs on each TAB).
 pub(super) fn ask_read_only(dir: &PoolDir, request: &Request) -> anyhow::Result<Outcome> {
+    ask_read_only_reporting(dir, request, &|target| target.execute(request), &|_| {})
+}
+
+/// [`ask_read_only`], carried out offline by `offline`; a server's progress lines (for a
+/// request that asks for them) go to `on_progress`.
+fn ask_read_only_reporting(
+    dir: &PoolDir,
+    request: &Request,
+    offline: &dyn Fn(&Target) -> Result<Outcome, OpError>,
+    on_progress: &dyn Fn(ProgressRecord),
+) -> anyhow::Result<Outcome> {
     dir.require_pool()?;
     thinpool_daemon::restored::name_restored_volumes(&dir.path)?;
     let options = StoredOptions::load(dir)?;
@@ -136,11 +182,11 @@ pub(super) fn ask_read_only(dir: &PoolDir, request: &Request) -> anyhow::Result<
                 reserved_names: Vec::new(),
                 served: None,
             };
-            target.execute(request)
+            offline(&target)
         }
         Err(thin_pool::Error::Locked { .. }) => {
             let socket = dir.control_socket();
-            control::call(&socket, request).with_context(|| {
+            control::call_reporting(&socket, request, on_progress).with_context(|| {
                 format!(
                     "the pool in {} is held by another process, and its control socket {} does not answer",
                     dir.path.display(),

@@ -219,6 +219,7 @@ fn replication_lags(dir: &crate::pool_dir::PoolDir) -> anyhow::Result<Vec<replic
             base: base.to_string(),
             target: volume.to_string(),
             list_same: false,
+            progress: false,
         };
         match control::perform(dir, &request) {
             Ok(Ok(control::Outcome::Diff(diff))) => Some(

@@ -12,6 +12,7 @@
 
 use serde::{Deserialize, Serialize};
 use thin_pool::format::diff::{DeltaHeader, DeltaKind, DeltaRange};
+use thin_pool::progress::Progress;
 use thin_pool::{DiffKind, Pool};
 
 use super::{OpError, Outcome, VolumeRecord};
@@ -105,7 +106,14 @@ impl DiffRecord {
 }
 
 /// Carries out a `diff` request on `pool`.
-pub fn execute(pool: &Pool, base: &str, target: &str, list_same: bool) -> Result<Outcome, OpError> {
+/// `progress` (without `list_same`) counts the virtual blocks compared.
+pub fn execute(
+    pool: &Pool,
+    base: &str,
+    target: &str,
+    list_same: bool,
+    progress: Option<&Progress>,
+) -> Result<Outcome, OpError> {
     let (base_info, target_info) = (pool.info(base)?, pool.info(target)?);
     let block = pool.block_size_bytes();
     let end = base_info.size_bytes.max(target_info.size_bytes);
@@ -150,7 +158,10 @@ pub fn execute(pool: &Pool, base: &str, target: &str, list_same: bool) -> Result
         };
         (Some(superblock), ranges)
     } else {
-        let diff = pool.diff(base, target, None)?;
+        let diff = match progress {
+            Some(progress) => pool.diff_with_progress(base, target, None, progress)?,
+            None => pool.diff(base, target, None)?,
+        };
         let ranges = diff
             .ranges
             .iter()

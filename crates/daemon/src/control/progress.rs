@@ -1,4 +1,5 @@
-//! Progress frames: a long request that asks for them (`{"op":"trim","progress":true}`) is
+//! Progress frames: a long request that asks for them (`{"op":"trim","progress":true}`, or a
+//! `diff` without `list_same`, in virtual blocks compared) is
 //! answered, on its own connection as every request of the command line is, with progress
 //! lines before its one answer line, so a client can draw done/total while a server works:
 //!
@@ -30,13 +31,14 @@ use crate::json::VERSION;
 /// Shortest time between two frames.
 pub const PROGRESS_INTERVAL: Duration = Duration::from_millis(200);
 
-/// How far the operation has come, in data blocks looked at.
+/// How far the operation has come, in blocks: data blocks looked at (trim), virtual blocks
+/// compared (diff).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ProgressRecord {
-    /// Data blocks done.
+    /// Blocks done.
     pub done_blocks: u64,
-    /// Data blocks to do.
+    /// Blocks to do.
     pub total_blocks: u64,
 }
 
@@ -56,14 +58,19 @@ impl ProgressLine {
     }
 }
 
-/// A trim on `target`, with progress frames written to `writer` while it runs.
-pub(super) fn trim_reporting(target: &Target, writer: &UnixStream) -> Result<Outcome, OpError> {
+/// A request that counts its progress (a trim, a diff) carried out on `target` by `op`, with
+/// progress frames written to `writer` while it runs.
+pub(super) fn reporting(
+    target: &Target,
+    writer: &UnixStream,
+    op: impl FnOnce(&Target, &Progress) -> Result<Outcome, OpError>,
+) -> Result<Outcome, OpError> {
     let progress = Progress::new();
     let (stop, stopped) = mpsc::channel::<()>();
     std::thread::scope(|scope| {
         let counts = &progress;
         let reporter = scope.spawn(move || report(counts, writer, &stopped));
-        let result = target.trim(&progress);
+        let result = op(target, &progress);
         drop(stop);
         // A reporter that panicked only loses frames.
         let _ = reporter.join();

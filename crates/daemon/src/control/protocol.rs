@@ -116,6 +116,10 @@ pub enum Request {
         /// List `same` ranges too, with the superblock fields (`thin_delta`'s report).
         #[serde(default)]
         list_same: bool,
+        /// Send progress lines before the answer (`control/progress.rs`; virtual blocks
+        /// compared; not with `list_same`, whose report walks whole trees in one go).
+        #[serde(default)]
+        progress: bool,
     },
     /// Give every free data block back to the host (answers with the bytes trimmed).
     Trim {

@@ -376,7 +376,14 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
                 return;
             }
             Ok(Request::Trim { progress: true }) => {
-                super::progress::trim_reporting(&shared.target, &writer)
+                super::progress::reporting(&shared.target, &writer, |target, progress| {
+                    target.trim(progress)
+                })
+            }
+            Ok(request @ Request::Diff { progress: true, .. }) => {
+                super::progress::reporting(&shared.target, &writer, |target, progress| {
+                    target.diff(&request, progress)
+                })
             }
             Ok(request) => shared.target.execute(&request),
             Err(message) => Err(OpError::new(libc::EINVAL, message)),

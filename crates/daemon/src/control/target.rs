@@ -1,5 +1,6 @@
 //! [`Target`]: the pool a management request is carried out on, and the operations.
 
+use thin_pool::progress::Progress;
 use thin_pool::{Pool, Shrink};
 
 use super::{OpError, OrphanedRecord, Outcome, Request, ServedRecord, StatusRecord, VolumeRecord};
@@ -61,6 +62,20 @@ impl Target {
             .and_then(|()| Ok(Outcome::Trimmed(self.pool.trim_with_progress(progress)?)));
         super::log::management(&Request::Trim { progress: true }, &result);
         result
+    }
+
+    /// A [`Request::Diff`], counting the virtual blocks compared in `progress` (a `list_same`
+    /// one is answered without counting).
+    pub fn diff(&self, request: &Request, progress: &Progress) -> Result<Outcome, OpError> {
+        match request {
+            Request::Diff {
+                base,
+                target,
+                list_same: false,
+                ..
+            } => super::diff::execute(&self.pool, base, target, false, Some(progress)),
+            other => self.execute(other),
+        }
     }
 
     /// A pool opened read-only (`serve --read-only`) takes no management operation: say so
@@ -139,7 +154,8 @@ impl Target {
                 base,
                 target,
                 list_same,
-            } => super::diff::execute(pool, base, target, *list_same),
+                ..
+            } => super::diff::execute(pool, base, target, *list_same, None),
         }
     }
 

@@ -33,6 +33,7 @@ use crate::engine::volumes::{VolumeGeneration, VolumeState, Volumes};
 use crate::error::{Error, Result};
 use crate::format::diff::{self, DeltaHeader, DeltaKind, DeltaRange, DiffRequest};
 use crate::ids::{VirtualBlock, VolumeId};
+use crate::progress::Progress;
 use persistent_data::block_manager::BlockManager;
 use persistent_data::MetadataBlock;
 use std::ops::Range;
@@ -40,6 +41,9 @@ use std::sync::Arc;
 
 /// Walks tried without any lock before one holds the commit lock.
 const OPTIMISTIC_TRIES: usize = 3;
+/// Btree nodes a counted diff reads between two updates of its progress (a few in unit
+/// tests, so that small trees take many parts).
+const PROGRESS_CHUNK_NODES: u64 = if cfg!(test) { 2 } else { 1024 };
 
 /// How a range of virtual blocks differs between the base and the target volume.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -141,12 +145,71 @@ pub(crate) fn diff(
     base: &str,
     target: &str,
     blocks: Option<Range<VirtualBlock>>,
+    progress: Option<&Progress>,
 ) -> Result<VolumeDiff> {
     let named = [Named::any(base), Named::any(target)];
     commit_queued(meta, volumes, &named)?;
-    walk_committed(meta, volumes, &named, |view| {
-        diff_walk(view, blocks.clone(), None, meta.block_size_bytes())
+    walk_committed(meta, volumes, &named, |view| match progress {
+        None => diff_walk(view, blocks.clone(), None, meta.block_size_bytes()),
+        Some(progress) => {
+            diff_walk_counted(view, blocks.clone(), meta.block_size_bytes(), progress)
+        }
     })
+}
+
+/// [`diff_walk`] of the whole of `blocks` in bounded parts of [`PROGRESS_CHUNK_NODES`]
+/// nodes each, counting the virtual blocks compared in `progress` after each part (out of
+/// those asked for): the same answer, from the same committed roots, for a progress bar.
+/// Each part walks down from the roots again: a few nodes per part, against the thousands
+/// it reads.
+fn diff_walk_counted(
+    view: &Committed,
+    blocks: Option<Range<VirtualBlock>>,
+    block_size_bytes: u64,
+    progress: &Progress,
+) -> Result<VolumeDiff> {
+    let end = view.size_blocks[0].max(view.size_blocks[1]);
+    let wanted = blocks.map_or(0..end, |r| r.start.get()..r.end.get().min(end));
+    let total = wanted.end.saturating_sub(wanted.start);
+    progress.set(0, total);
+    let mut start = wanted.start;
+    let mut whole: Option<VolumeDiff> = None;
+    loop {
+        let part = diff_walk(
+            view,
+            Some(VirtualBlock::new(start)..VirtualBlock::new(wanted.end)),
+            Some(PROGRESS_CHUNK_NODES),
+            block_size_bytes,
+        )?;
+        let reached = part.compared_end.get();
+        match &mut whole {
+            None => whole = Some(part),
+            Some(whole) => {
+                merge(&mut whole.ranges, part.ranges);
+                whole.compared_end = part.compared_end;
+            }
+        }
+        progress.set(reached.min(wanted.end).saturating_sub(wanted.start), total);
+        if reached >= wanted.end {
+            break;
+        }
+        assert!(reached > start, "a bounded diff answers at least one block");
+        start = reached;
+    }
+    Ok(whole.expect("at least one part"))
+}
+
+/// Appends `next` (ranges after those of `ranges`) to `ranges`, joining a range cut at the
+/// boundary of two parts.
+fn merge(ranges: &mut Vec<DiffRange>, next: Vec<DiffRange>) {
+    let mut next = next.into_iter();
+    if let (Some(last), Some(first)) = (ranges.last_mut(), next.as_slice().first()) {
+        if last.kind == first.kind && last.begin.get() + last.length == first.begin.get() {
+            last.length += first.length;
+            next.next();
+        }
+    }
+    ranges.extend(next);
 }
 
 /// [`diff`] of two volumes bound by their generations, over `blocks`, reading at most
@@ -385,3 +448,6 @@ fn append(ranges: &mut Vec<DiffRange>, walked: Vec<DeltaRange>) {
         });
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -466,6 +466,27 @@ impl Pool {
             base,
             target,
             blocks,
+            None,
+        )
+    }
+
+    /// [`Pool::diff`], counting the virtual blocks compared in `progress` (out of those
+    /// asked for), for a progress bar another thread draws: the same answer, walked in
+    /// bounded parts of the same committed trees.
+    pub fn diff_with_progress(
+        &self,
+        base: &str,
+        target: &str,
+        blocks: Option<Range<VirtualBlock>>,
+        progress: &crate::progress::Progress,
+    ) -> Result<VolumeDiff> {
+        diff::diff(
+            &self.owners.meta,
+            &self.owners.volumes,
+            base,
+            target,
+            blocks,
+            Some(progress),
         )
     }
 
