@@ -15,9 +15,11 @@
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
 use std::sync::mpsc;
-use std::sync::OnceLock;
+use std::sync::{Once, OnceLock};
 use std::time::Duration;
 use thin_pool::progress::Progress;
+
+use crate::control::progress::ProgressRecord;
 
 /// When progress is drawn (`--progress`).
 #[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -198,6 +200,46 @@ impl Bar {
     /// Ends the bar, clearing its line (what the command prints next takes its place).
     pub fn finish(self) {
         self.bar.finish_and_clear();
+    }
+}
+
+/// Block counts for a spinner that becomes a bar of blocks at the first count: the pool's
+/// own (offline, [`BlockCounts::offline`]) or a server's progress lines
+/// ([`BlockCounts::served`]), for a command that runs either way (trim, diff).
+pub struct BlockCounts<'a> {
+    bar: &'a Bar,
+    progress: Progress,
+    counting: Once,
+}
+
+impl<'a> BlockCounts<'a> {
+    pub fn new(bar: &'a Bar) -> BlockCounts<'a> {
+        BlockCounts {
+            bar,
+            progress: Progress::new(),
+            counting: Once::new(),
+        }
+    }
+
+    /// The counters, for the pool to count into.
+    pub fn offline(&self) -> &Progress {
+        self.counting
+            .call_once(|| self.bar.count(Unit::Blocks, true));
+        &self.progress
+    }
+
+    /// A server's progress line, into the same counters.
+    pub fn served(&self, frame: ProgressRecord) {
+        if frame.done_blocks <= frame.total_blocks {
+            self.counting
+                .call_once(|| self.bar.count(Unit::Blocks, true));
+            self.progress.set(frame.done_blocks, frame.total_blocks);
+        }
+    }
+
+    /// Runs `work`, the bar following the counts ([`Bar::follow`]).
+    pub fn follow<T>(&self, work: impl FnOnce() -> T) -> T {
+        self.bar.follow(&self.progress, work)
     }
 }
 

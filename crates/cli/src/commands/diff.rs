@@ -28,8 +28,7 @@ use crate::control::diff::DiffRecord;
 use crate::control::progress::ProgressRecord;
 use crate::control::{self, OpError, Outcome, Request, Target};
 use crate::pool_dir::{format_size, table, PoolArg, PoolDir, StoredOptions};
-use crate::progress::{Bar, Unit};
-use thin_pool::progress::Progress;
+use crate::progress::{Bar, BlockCounts};
 use thin_pool::Pool;
 
 /// Output forms.
@@ -136,20 +135,14 @@ fn counted(
     if list_same {
         return ask_read_only(dir, request);
     }
-    let progress = Progress::new();
-    let counting = std::sync::Once::new();
-    bar.follow(&progress, || {
-        let offline = |target: &Target| {
-            counting.call_once(|| bar.count(Unit::Blocks, true));
-            target.diff(request, &progress)
-        };
-        let served = |frame: ProgressRecord| {
-            if frame.done_blocks <= frame.total_blocks {
-                counting.call_once(|| bar.count(Unit::Blocks, true));
-                progress.set(frame.done_blocks, frame.total_blocks);
-            }
-        };
-        ask_read_only_reporting(dir, request, &offline, &served)
+    let counts = BlockCounts::new(bar);
+    counts.follow(|| {
+        ask_read_only_reporting(
+            dir,
+            request,
+            &|target| target.diff(request, counts.offline()),
+            &|frame| counts.served(frame),
+        )
     })
 }
 

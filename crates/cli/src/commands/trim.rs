@@ -7,11 +7,9 @@
 use anyhow::bail;
 use std::process::ExitCode;
 
-use crate::control::progress::ProgressRecord;
 use crate::control::{self, Outcome, Request};
 use crate::pool_dir::{format_size, PoolArg};
-use crate::progress::{Bar, Unit};
-use thin_pool::progress::Progress;
+use crate::progress::{Bar, BlockCounts};
 
 /// Arguments.
 #[derive(clap::Args, Debug)]
@@ -30,25 +28,18 @@ pub struct Args {
 /// Run the command.
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let dir = args.pool.resolve();
-    let progress = Progress::new();
     let bar = Bar::spinner("trim", "");
-    let counting = std::sync::Once::new();
     let request = Request::Trim {
         progress: bar.is_shown(),
     };
-    let answer = bar.follow(&progress, || {
-        let offline = |target: &control::Target| {
-            counting.call_once(|| bar.count(Unit::Blocks, true));
-            target.trim(&progress)
-        };
-        // A server's frames (asked for only when the bar is drawn) go into the same counters.
-        let served = |frame: ProgressRecord| {
-            if frame.done_blocks <= frame.total_blocks {
-                counting.call_once(|| bar.count(Unit::Blocks, true));
-                progress.set(frame.done_blocks, frame.total_blocks);
-            }
-        };
-        control::perform_reporting(&dir, &request, &offline, &served)
+    let counts = BlockCounts::new(&bar);
+    let answer = counts.follow(|| {
+        control::perform_reporting(
+            &dir,
+            &request,
+            &|target| target.trim(counts.offline()),
+            &|frame| counts.served(frame),
+        )
     });
     bar.finish();
     let bytes = match answer?? {

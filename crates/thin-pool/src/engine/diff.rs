@@ -202,14 +202,9 @@ fn diff_walk_counted(
 /// Appends `next` (ranges after those of `ranges`) to `ranges`, joining a range cut at the
 /// boundary of two parts.
 fn merge(ranges: &mut Vec<DiffRange>, next: Vec<DiffRange>) {
-    let mut next = next.into_iter();
-    if let (Some(last), Some(first)) = (ranges.last_mut(), next.as_slice().first()) {
-        if last.kind == first.kind && last.begin.get() + last.length == first.begin.get() {
-            last.length += first.length;
-            next.next();
-        }
+    for range in next {
+        push_joined(ranges, range);
     }
-    ranges.extend(next);
 }
 
 /// [`diff`] of two volumes bound by their generations, over `blocks`, reading at most
@@ -435,18 +430,27 @@ fn append(ranges: &mut Vec<DiffRange>, walked: Vec<DeltaRange>) {
             DeltaKind::RightOnly => DiffKind::TargetOnly,
             DeltaKind::Different => DiffKind::Changed,
         };
-        if let Some(last) = ranges.last_mut() {
-            if last.kind == kind && last.begin.get() + last.length == range.begin {
-                last.length += range.length;
-                continue;
-            }
-        }
-        ranges.push(DiffRange {
-            begin: VirtualBlock::new(range.begin),
-            length: range.length,
-            kind,
-        });
+        push_joined(
+            ranges,
+            DiffRange {
+                begin: VirtualBlock::new(range.begin),
+                length: range.length,
+                kind,
+            },
+        );
     }
+}
+
+/// Appends `range` (after every range of `ranges`), joined to the last one if it is of the
+/// same kind and follows it.
+fn push_joined(ranges: &mut Vec<DiffRange>, range: DiffRange) {
+    if let Some(last) = ranges.last_mut() {
+        if last.kind == range.kind && last.begin.get() + last.length == range.begin.get() {
+            last.length += range.length;
+            return;
+        }
+    }
+    ranges.push(range);
 }
 
 #[cfg(test)]
