@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use thin_pool::progress::Progress;
 
-use super::{OpError, Outcome, Target};
+use super::{OpError, Outcome, Request, Target};
 use crate::json::VERSION;
 
 /// Shortest time between two frames.
@@ -56,6 +56,26 @@ impl ProgressLine {
         let frame: ProgressLine = serde_json::from_slice(line).ok()?;
         Some(frame.progress)
     }
+}
+
+/// Whether `request` asks for progress lines.
+pub(super) fn is_counted(request: &Request) -> bool {
+    matches!(
+        request,
+        Request::Trim { progress: true } | Request::Diff { progress: true, .. }
+    )
+}
+
+/// A request [`is_counted`] carried out on `target`, with progress frames written to `writer`.
+pub(super) fn counted(
+    request: &Request,
+    target: &Target,
+    writer: &UnixStream,
+) -> Result<Outcome, OpError> {
+    reporting(target, writer, |target, progress| match request {
+        Request::Trim { .. } => target.trim(progress),
+        other => target.diff(other, progress),
+    })
 }
 
 /// A request that counts its progress (a trim, a diff) carried out on `target` by `op`, with

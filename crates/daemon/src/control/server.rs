@@ -16,8 +16,8 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use super::protocol::{parse_request, Response};
 use super::{
-    OpError, Request, Target, ACCEPT_POLL_INTERVAL, CONNECTIONS_MAX, REQUEST_BYTES_MAX,
-    REQUEST_TIMEOUT, STOP_WAIT, WRITE_TIMEOUT,
+    OpError, Target, ACCEPT_POLL_INTERVAL, CONNECTIONS_MAX, REQUEST_BYTES_MAX, REQUEST_TIMEOUT,
+    STOP_WAIT, WRITE_TIMEOUT,
 };
 
 /// State shared by the accept loop and the connection threads.
@@ -375,15 +375,8 @@ fn serve_connection(stream: UnixStream, id: u64, shared: &Shared) {
                 super::stream::serve(&request, reader, writer, &shared.target);
                 return;
             }
-            Ok(Request::Trim { progress: true }) => {
-                super::progress::reporting(&shared.target, &writer, |target, progress| {
-                    target.trim(progress)
-                })
-            }
-            Ok(request @ Request::Diff { progress: true, .. }) => {
-                super::progress::reporting(&shared.target, &writer, |target, progress| {
-                    target.diff(&request, progress)
-                })
+            Ok(request) if super::progress::is_counted(&request) => {
+                super::progress::counted(&request, &shared.target, &writer)
             }
             Ok(request) => shared.target.execute(&request),
             Err(message) => Err(OpError::new(libc::EINVAL, message)),
